@@ -1,0 +1,417 @@
+"""The one config: model / data / train / sample / system sections.
+
+Defaults live only in the dataclasses below. `configs/NAME.toml` overrides them, and the command
+line overrides both:
+
+    python train.py --config gpt2_124m --train.batch_size=8 --learning_rate=3e-4 --compile true
+
+`--section.key=value` always works; `--key=value` works when the key names one field only.
+Values are coerced from the field's type, unknown keys name their source and close matches, and
+validation collects every problem before raising once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent
+CONFIGS_DIR = REPO_ROOT / "configs"
+DEFAULT_CONFIG = "shakespeare_char"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message lists every problem found."""
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field: its default, one line of help, and optionally the allowed values."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """The GPT's shape and which implementation each part uses. The model sees only this."""
+
+    block_size: int = opt(256, "context length in tokens")
+    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the dataset's meta.json")
+    n_layer: int = opt(6, "transformer blocks")
+    n_head: int = opt(6, "attention heads per block")
+    n_embd: int = opt(384, "embedding width")
+    dropout: float = opt(0.0, "dropout probability (0 for pretraining, ~0.1 for finetuning)")
+    bias: bool = opt(True, "biases in Linear and LayerNorm layers, as GPT-2")
+    layer_norm_eps: float = opt(1e-5, "LayerNorm epsilon")
+    attention: str = opt("scratch", "attention: softmax(QK^T/sqrt(d))V by hand, or "
+                         "F.scaled_dot_product_attention (Flash/memory-efficient kernels)",
+                         ("scratch", "sdpa"))
+    causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
+                           ("buffer", "on_the_fly"))
+    norm: str = opt("scratch", "LayerNorm: written out by hand, or F.layer_norm",
+                    ("scratch", "native"))
+    gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu", ("scratch", "native"))
+    vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
+                                  "(64: 50257 -> 50304); padded logits never win")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt("shakespeare_char", "folder under data/ holding train.bin, val.bin, "
+                       "meta.json (or a path to such a folder)")
+    pin_memory: bool = opt(False, "pinned host batches copied with non_blocking=True (CUDA)")
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = opt("out/shakespeare_char", "run directory: checkpoints and metrics")
+    init_from: str = opt("scratch", "scratch | resume (latest checkpoint in out_dir) | "
+                         "path to one of our checkpoints")
+    batch_size: int = opt(32, "micro-batch size (sequences per forward pass)")
+    grad_accum_steps: int = opt(1, "micro-batches per optimizer step")
+    max_iters: int = opt(2000, "optimizer steps")
+    learning_rate: float = opt(1e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
+    warmup_iters: int = opt(100, "linear warmup steps")
+    lr_schedule: str = opt("cosine", "decay after warmup", ("cosine", "constant"))
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
+    fused_adamw: bool = opt(False, "AdamW(fused=True) where the device supports it")
+    eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps")
+    eval_iters: int = opt(20, "batches per split in each evaluation (the same batches each time)")
+    log_interval: int = opt(10, "print a log line every this many steps")
+    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir")
+    save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = opt("\n", "text to continue")
+    checkpoint: str = opt("", "checkpoint directory (or run directory); '' = latest in out_dir")
+    max_new_tokens: int = opt(500, "tokens to generate per sample")
+    num_samples: int = opt(1, "independent samples")
+    temperature: float = opt(0.8, "softmax temperature; 0 = greedy")
+    top_k: int = opt(200, "keep only the k most likely tokens; 0 = off")
+    top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off")
+    kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
+
+
+@dataclass
+class SystemConfig:
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
+    dtype: str = opt("float32", "autocast precision", ("float32", "bfloat16", "float16"))
+    tf32: bool = opt(False, "TF32 tensor-core matmuls for float32 (CUDA, Ampere and newer)")
+    compile: bool = opt(False, "torch.compile the model")
+    compile_mode: str = opt("default", "torch.compile mode",
+                            ("default", "reduce-overhead", "max-autotune",
+                             "max-autotune-no-cudagraphs"))
+    seed: int = opt(1337, "seed for weights, data order and sampling")
+    threads: int = opt(0, "CPU threads for torch; 0 = torch's default")
+    peak_flops: float = opt(0.0, "device peak FLOP/s for MFU; 0 = look the device up")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "sample": SampleConfig,
+    "system": SystemConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _field_types(section_cls: type) -> dict[str, type]:
+    return typing.get_type_hints(section_cls)
+
+
+def _all_keys() -> dict[str, list[str]]:
+    """bare key -> the sections that have it"""
+    owners: dict[str, list[str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, []).append(section)
+    return owners
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    """Turn a TOML or command-line value into the field's type, or raise ValueError."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            try:
+                as_float = float(str(value))
+            except ValueError:
+                as_float = math.nan
+            if as_float.is_integer():
+                return int(as_float)
+            raise ValueError(f"{where}: expected an integer, got {value!r}") from None
+    if typ is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ValueError(f"{where}: unsupported field type {typ}")
+
+
+def _unknown_key_message(key: str, source: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown key '{key}' in {source}{hint}"
+
+
+def resolve_config_path(name: str) -> Path:
+    """`--config NAME` finds configs/NAME.toml; a path to a .toml file works too."""
+    as_path = Path(name)
+    if as_path.suffix == ".toml" or as_path.parent != Path("."):
+        if as_path.is_file():
+            return as_path
+        raise ConfigError(f"config file {name} not found")
+    candidate = CONFIGS_DIR / f"{name}.toml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(f"no config named '{name}' (looked for {candidate}){hint} "
+                      f"known configs: {', '.join(known)}")
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, source: str,
+           problems: list[str]) -> None:
+    section_obj = getattr(cfg, section)
+    typ = _field_types(type(section_obj))[key]
+    try:
+        setattr(section_obj, key, _coerce(value, typ, f"{section}.{key} ({source})"))
+    except ValueError as e:
+        problems.append(str(e))
+
+
+def apply_toml(cfg: Config, path: Path, problems: list[str]) -> None:
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        problems.append(f"{path}: invalid TOML: {e}")
+        return
+    source = str(path)
+    for section, body in data.items():
+        if section not in SECTIONS:
+            problems.append(_unknown_key_message(section, source, list(SECTIONS)) +
+                            " (top-level tables must be sections)")
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"{source}: [{section}] must be a table, got {body!r}")
+            continue
+        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        for key, value in body.items():
+            if key not in names:
+                problems.append(_unknown_key_message(f"{section}.{key}", source,
+                                                     [f"{section}.{n}" for n in names]))
+                continue
+            _apply(cfg, section, key, value, source, problems)
+
+
+def split_override(arg: str, next_arg: str | None) -> tuple[str, str, bool]:
+    """'--a.b=c' -> ('a.b', 'c', False); '--a.b c' -> ('a.b', 'c', True: consumed next_arg)."""
+    body = arg[2:]
+    if "=" in body:
+        key, value = body.split("=", 1)
+        return key.replace("-", "_"), value, False
+    if next_arg is None or (next_arg.startswith("--") and len(next_arg) > 2):
+        raise ConfigError(f"{arg} needs a value: use {arg}=VALUE")
+    return body.replace("-", "_"), next_arg, True
+
+
+def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> None:
+    source = "command line"
+    owners = _all_keys()
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section in SECTIONS and name in owners and section in owners[name]:
+            _apply(cfg, section, name, value, source, problems)
+            return
+        dotted = [f"{s}.{n}" for n, ss in owners.items() for s in ss]
+        problems.append(_unknown_key_message(key, source, dotted))
+        return
+    if key not in owners:
+        problems.append(_unknown_key_message(key, source, list(owners)))
+        return
+    if len(owners[key]) > 1:
+        choices = " or ".join(f"--{s}.{key}" for s in owners[key])
+        problems.append(f"'{key}' is ambiguous ({source}); use {choices}")
+        return
+    _apply(cfg, owners[key][0], key, value, source, problems)
+
+
+def validate(cfg: Config) -> list[str]:
+    """Every problem with the values, as a list of messages (empty when the config is usable)."""
+    problems: list[str] = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            choices = f.metadata.get("choices")
+            value = getattr(obj, f.name)
+            if choices and value not in choices:
+                problems.append(f"{section}.{f.name}={value!r} is not one of {', '.join(choices)}")
+    m, t, s = cfg.model, cfg.train, cfg.sample
+    positive = {
+        "model.block_size": m.block_size, "model.n_layer": m.n_layer,
+        "model.n_head": m.n_head, "model.n_embd": m.n_embd,
+        "model.vocab_pad_multiple": m.vocab_pad_multiple,
+        "train.batch_size": t.batch_size, "train.grad_accum_steps": t.grad_accum_steps,
+        "train.learning_rate": t.learning_rate, "train.eval_iters": t.eval_iters,
+        "train.eval_interval": t.eval_interval, "train.log_interval": t.log_interval,
+        "train.keep_checkpoints": t.keep_checkpoints, "model.layer_norm_eps": m.layer_norm_eps,
+    }
+    for name, value in positive.items():
+        if not value > 0:
+            problems.append(f"{name} must be > 0, got {value}")
+    non_negative = {
+        "model.vocab_size": m.vocab_size, "train.max_iters": t.max_iters,
+        "train.warmup_iters": t.warmup_iters, "train.weight_decay": t.weight_decay,
+        "train.grad_clip": t.grad_clip, "sample.max_new_tokens": s.max_new_tokens,
+        "sample.temperature": s.temperature, "sample.top_k": s.top_k,
+        "system.threads": cfg.system.threads, "system.peak_flops": cfg.system.peak_flops,
+    }
+    for name, value in non_negative.items():
+        if value < 0:
+            problems.append(f"{name} must be >= 0, got {value}")
+    if m.n_head > 0 and m.n_embd % m.n_head:
+        problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    if not 0.0 <= m.dropout < 1.0:
+        problems.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        problems.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    for name, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= beta < 1.0:
+            problems.append(f"{name} must be in [0, 1), got {beta}")
+    if not 0.0 < s.top_p <= 1.0:
+        problems.append(f"sample.top_p must be in (0, 1], got {s.top_p}")
+    if s.num_samples < 1:
+        problems.append(f"sample.num_samples must be >= 1, got {s.num_samples}")
+    return problems
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (as stored in checkpoints)."""
+    cfg = Config()
+    problems: list[str] = []
+    for section, body in data.items():
+        if section not in SECTIONS:
+            continue
+        names = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        for key, value in body.items():
+            if key in names:  # keys dropped in later versions are ignored
+                _apply(cfg, section, key, value, "stored config", problems)
+    if problems:
+        raise ConfigError("stored config is invalid:\n  " + "\n  ".join(problems))
+    return cfg
+
+
+def help_text(prog: str, extra: dict[str, str] | None = None) -> str:
+    owners = _all_keys()
+    lines = [f"usage: python {prog} [--config NAME] [--section.key=value | --key=value ...]", "",
+             f"--config NAME   configs/NAME.toml or a path (default: {DEFAULT_CONFIG})"]
+    for flag, text in (extra or {}).items():
+        lines.append(f"{flag:<15} {text}")
+    lines.append("")
+    defaults = Config()
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(defaults, section), f.name)
+            bare = "" if len(owners[f.name]) == 1 else " (use the section prefix)"
+            text = f.metadata.get("help", "")
+            choices = f.metadata.get("choices")
+            if choices:
+                text += f" [{' | '.join(choices)}]"
+            lines.append(f"  --{section}.{f.name}={value!r}  {text}{bare}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str], prog: str = "train.py",
+                extra_flags: dict[str, str] | None = None) -> tuple[Config, dict[str, str]]:
+    """Parse argv into a validated Config.
+
+    `extra_flags` are script-specific switches (e.g. {"--estimate-memory": "..."}) that take no
+    value; they are returned as a dict of the ones present. Raises ConfigError listing every
+    problem; SystemExit(0) after printing help for -h/--help.
+    """
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(prog, extra_flags))
+        raise SystemExit(0)
+    extra_flags = extra_flags or {}
+    config_name = DEFAULT_CONFIG
+    overrides: list[tuple[str, str]] = []
+    flags_seen: dict[str, str] = {}
+    problems: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in extra_flags:
+            flags_seen[arg] = "1"
+            i += 1
+            continue
+        if not arg.startswith("--") or len(arg) <= 2:
+            problems.append(f"unexpected argument {arg!r}; overrides look like --key=value")
+            i += 1
+            continue
+        key, value, consumed = split_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
+        i += 2 if consumed else 1
+        if key == "config":
+            config_name = value
+        else:
+            overrides.append((key, value))
+    cfg = Config()
+    apply_toml(cfg, resolve_config_path(config_name), problems)
+    for key, value in overrides:
+        apply_override(cfg, key, value, problems)
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return cfg, flags_seen

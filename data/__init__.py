@@ -1,0 +1,1 @@
+"""Datasets (one folder each, with prepare.py) and the token loader (loader.py)."""

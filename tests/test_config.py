@@ -1,0 +1,131 @@
+"""Config loading, overrides, coercion and the errors a user sees."""
+from __future__ import annotations
+
+import pytest
+
+from config import (CONFIGS_DIR, Config, ConfigError, from_dict, help_text, load_config,
+                    validate)
+
+SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+
+
+def test_expected_configs_ship():
+    for name in ("shakespeare_char", "tiny", "gpt2_124m", "gpt2_medium", "gpt2_large", "gpt2_xl"):
+        assert name in SHIPPED
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_validates(name):
+    cfg, _ = load_config(["--config", name])
+    assert validate(cfg) == []
+
+
+def test_default_is_shakespeare_char():
+    cfg, _ = load_config([])
+    assert cfg.data.dataset == "shakespeare_char"
+    assert cfg.train.out_dir == "out/shakespeare_char"
+
+
+def test_gpt2_architectures():
+    shapes = {"gpt2_124m": (12, 12, 768), "gpt2_medium": (24, 16, 1024),
+              "gpt2_large": (36, 20, 1280), "gpt2_xl": (48, 25, 1600)}
+    for name, (layers, heads, width) in shapes.items():
+        m = load_config(["--config", name])[0].model
+        assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (layers, heads, width, 1024)
+
+
+def test_gpt2_124m_recipe():
+    t = load_config(["--config", "gpt2_124m"])[0]
+    tokens = t.train.batch_size * t.train.grad_accum_steps * t.model.block_size
+    assert tokens == 524288  # ~0.5M tokens per step
+    assert (t.train.learning_rate, t.train.min_lr_ratio) == (6e-4, 0.1)
+    assert (t.train.beta1, t.train.beta2, t.train.weight_decay, t.train.grad_clip) == \
+        (0.9, 0.95, 0.1, 1.0)
+    assert t.train.lr_schedule == "cosine" and t.train.warmup_iters > 0
+
+
+def test_overrides_sectioned_bare_and_spaced():
+    cfg, _ = load_config(["--config", "tiny", "--model.n_layer=3", "--learning_rate=2e-3",
+                          "--batch_size", "5", "--compile=true", "--init-from", "resume",
+                          "--top_p=0.5"])
+    assert cfg.model.n_layer == 3
+    assert cfg.train.learning_rate == 2e-3
+    assert cfg.train.batch_size == 5
+    assert cfg.system.compile is True
+    assert cfg.train.init_from == "resume"
+    assert cfg.sample.top_p == 0.5
+
+
+def test_config_by_path(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text("[model]\nn_layer = 7\n[train]\nmax_iters = 3\n")
+    cfg, _ = load_config(["--config", str(path)])
+    assert cfg.model.n_layer == 7 and cfg.train.max_iters == 3
+    # fields not in the file keep the dataclass defaults
+    assert cfg.model.n_head == Config().model.n_head
+
+
+def test_unknown_key_names_source_and_close_match():
+    with pytest.raises(ConfigError, match=r"unknown key 'learning_rat' in command line; "
+                                          r"did you mean learning_rate"):
+        load_config(["--learning_rat=1e-3"])
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nbatch_sise = 4\n[modle]\nn_layer = 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(["--config", str(path)])
+    msg = str(err.value)
+    assert f"unknown key 'train.batch_sise' in {path}; did you mean train.batch_size" in msg
+    assert "unknown key 'modle'" in msg and "model" in msg
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(["--learning_rate=-1", "--batch_size=0", "--n_layer=abc",
+                     "--attention=fast", "--dropout=1.5"])
+    msg = str(err.value)
+    assert "train.learning_rate must be > 0, got -1.0" in msg
+    assert "train.batch_size must be > 0, got 0" in msg
+    assert "model.n_layer (command line): expected an integer, got 'abc'" in msg
+    assert "model.attention='fast' is not one of scratch, sdpa" in msg
+    assert "model.dropout must be in [0, 1), got 1.5" in msg
+
+
+def test_wrong_type_bool():
+    with pytest.raises(ConfigError, match="system.compile .*expected true/false, got 'maybe'"):
+        load_config(["--compile=maybe"])
+
+
+def test_heads_must_divide_width():
+    with pytest.raises(ConfigError, match="n_embd=100 must be divisible by model.n_head=3"):
+        load_config(["--n_embd=100", "--n_head=3"])
+
+
+def test_unknown_config_name_suggests():
+    with pytest.raises(ConfigError, match="no config named 'shakespear_char'.*shakespeare_char"):
+        load_config(["--config", "shakespear_char"])
+
+
+def test_missing_value_and_stray_argument():
+    with pytest.raises(ConfigError, match="--max_iters needs a value"):
+        load_config(["--max_iters"])
+    with pytest.raises(ConfigError, match="unexpected argument 'oops'"):
+        load_config(["oops"])
+
+
+def test_round_trip_through_dict():
+    cfg, _ = load_config(["--config", "gpt2_124m", "--dropout=0.1", "--top_k=5"])
+    assert from_dict(cfg.to_dict()) == cfg
+
+
+def test_help_lists_keys_with_defaults(capsys):
+    text = help_text("train.py")
+    for key in ("--train.learning_rate=0.001", "--model.attention='scratch'", "--sample.top_p=1.0",
+                "--system.device='auto'"):
+        assert key in text
+    with pytest.raises(SystemExit) as exit_info:
+        load_config(["--help"])
+    assert exit_info.value.code == 0
+    assert "--train.max_iters" in capsys.readouterr().out

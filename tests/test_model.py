@@ -1,0 +1,169 @@
+"""The model: shapes, init, loss, and every implementation switch against the reference path."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_model_config
+from model import GPT, IGNORE_INDEX, gelu_tanh, padded_vocab_size
+
+
+def same_weights(reference: GPT, cfg) -> GPT:
+    other = GPT(cfg)
+    other.load_state_dict(reference.state_dict())
+    return other
+
+
+def batch(cfg, B=3, T=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    T = T or cfg.block_size
+    x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    return x, y
+
+
+def test_shapes_and_loss_at_init_near_uniform():
+    cfg = tiny_model_config(vocab_size=65, block_size=32, n_embd=32)
+    model = GPT(cfg)
+    x, y = batch(cfg, B=4)
+    logits, loss = model(x, y)
+    assert logits.shape == (4, 32, 65)
+    assert loss.dtype == torch.float32
+    # small init -> near-uniform predictions -> loss close to ln(vocab)
+    assert abs(loss.item() - math.log(65)) < 0.1
+    logits_only, no_loss = model(x[:, :5])
+    assert logits_only.shape == (4, 5, 65) and no_loss is None
+
+
+def test_gpt2_init_and_tied_head():
+    cfg = tiny_model_config(n_layer=8, n_embd=64)
+    model = GPT(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h])
+    fc = torch.cat([b.mlp.c_fc.weight.flatten() for b in model.transformer.h])
+    assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.1)
+    assert fc.std().item() == pytest.approx(0.02, rel=0.1)
+    assert all(b.attn.c_attn.bias.abs().sum() == 0 for b in model.transformer.h)
+
+
+def test_param_counts():
+    cfg = tiny_model_config()
+    model = GPT(cfg)
+    C, V, L, T = cfg.n_embd, cfg.vocab_size, cfg.n_layer, cfg.block_size
+    per_block = (2 * 2 * C) + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    non_embedding = L * per_block + 2 * C
+    assert model.num_params() == non_embedding
+    assert model.num_params(non_embedding=False) == non_embedding + V * C + T * C
+
+
+def test_no_bias_option():
+    model = GPT(tiny_model_config(bias=False))
+    assert not any(name.endswith(".bias") for name, _ in model.named_parameters())
+    x, y = batch(model.config)
+    assert torch.isfinite(model(x, y)[1])
+
+
+def test_ignore_index_skips_targets():
+    cfg = tiny_model_config()
+    model = GPT(cfg)
+    x, y = batch(cfg)
+    masked = y.clone()
+    masked[:, : cfg.block_size // 2] = IGNORE_INDEX
+    logits, loss = model(x, masked)
+    keep = slice(cfg.block_size // 2, None)
+    expected = torch.nn.functional.cross_entropy(
+        logits[:, keep].reshape(-1, cfg.vocab_size), y[:, keep].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize("change", [
+    {"attention": "sdpa"},
+    {"causal_mask": "on_the_fly"},
+    {"attention": "sdpa", "causal_mask": "on_the_fly"},
+    {"norm": "native"},
+    {"gelu": "native"},
+    {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native", "gelu": "native"},
+])
+def test_fast_paths_match_reference(change):
+    """Same weights, same inputs: logits, loss and gradients equal to the reference path."""
+    cfg = tiny_model_config()
+    reference = GPT(cfg)
+    fast = same_weights(reference, tiny_model_config(**change))
+    x, y = batch(cfg)
+    ref_logits, ref_loss = reference(x, y)
+    fast_logits, fast_loss = fast(x, y)
+    torch.testing.assert_close(fast_logits, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_loss, ref_loss, atol=1e-6, rtol=1e-6)
+    ref_loss.backward()
+    fast_loss.backward()
+    for (name, p_ref), (_, p_fast) in zip(reference.named_parameters(), fast.named_parameters()):
+        torch.testing.assert_close(p_fast.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_scratch_gelu_and_layernorm_formulas():
+    x = torch.linspace(-6, 6, 101)
+    torch.testing.assert_close(gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    # the scratch GELU is the tanh approximation, not the exact erf GELU
+    assert (gelu_tanh(x) - torch.nn.functional.gelu(x)).abs().max() > 1e-5
+
+
+def test_padded_vocab_matches_unpadded():
+    cfg = tiny_model_config(vocab_size=37)
+    reference = GPT(cfg)
+    padded = GPT(tiny_model_config(vocab_size=37, vocab_pad_multiple=64))
+    assert padded.transformer.wte.weight.shape[0] == padded_vocab_size(37, 64) == 64
+    state = reference.state_dict()
+    with torch.no_grad():
+        own = padded.state_dict()
+        for k, v in state.items():
+            if k in ("transformer.wte.weight", "lm_head.weight"):
+                own[k][:37].copy_(v)
+                own[k][37:].normal_(std=5.0)  # large junk rows must still never win
+            else:
+                own[k].copy_(v)
+    x, y = batch(cfg)
+    ref_logits, ref_loss = reference(x, y)
+    pad_logits, pad_loss = padded(x, y)
+    assert pad_logits.shape[-1] == 37
+    torch.testing.assert_close(pad_logits, ref_logits)
+    torch.testing.assert_close(pad_loss, ref_loss)
+
+
+@pytest.mark.parametrize("attention,mask", [("scratch", "buffer"), ("sdpa", "buffer"),
+                                            ("sdpa", "on_the_fly"), ("scratch", "on_the_fly")])
+def test_kv_cache_matches_full_forward(attention, mask):
+    cfg = tiny_model_config(attention=attention, causal_mask=mask)
+    model = GPT(cfg).eval()
+    x, _ = batch(cfg, B=2)
+    full, _ = model(x)
+    cache = model.new_kv_cache(2)
+    prefix, _ = model(x[:, :5], kv_cache=cache)  # a multi-token prefill ...
+    steps = [model(x[:, t:t + 1], kv_cache=cache)[0] for t in range(5, cfg.block_size)]
+    cached = torch.cat([prefix] + steps, dim=1)  # ... then one token at a time
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+    assert cache.pos == cfg.block_size
+
+
+def test_too_long_input_is_refused():
+    cfg = tiny_model_config()
+    model = GPT(cfg)
+    with pytest.raises(ValueError, match="longer than block_size 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_flops_per_token_rule():
+    cfg = tiny_model_config()
+    model = GPT(cfg)
+    n = model.num_params(non_embedding=False) - cfg.block_size * cfg.n_embd
+    assert model.flops_per_token() == 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def test_weight_decay_groups():
+    model = GPT(tiny_model_config())
+    decay, no_decay = model.optimizer_groups(0.1)
+    assert all(p.dim() == 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert n == model.num_params(non_embedding=False)

@@ -1,0 +1,161 @@
+"""Tiny end-to-end runs: train -> checkpoint -> generate, and the sampler's behaviour."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import checkpoint
+import generate
+import train
+from config import load_config
+from conftest import tiny_model_config
+from model import GPT
+
+
+def tiny_cfg(char_dataset, out_dir, *extra):
+    cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}", f"--out_dir={out_dir}",
+                          "--device=cpu", *extra])
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def trained(char_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    cfg = tiny_cfg(char_dataset, out, "--max_iters=60", "--eval_interval=30")
+    summary = train.train(cfg)
+    return cfg, summary, out
+
+
+def test_training_lowers_loss_and_checkpoints(trained):
+    cfg, summary, out = trained
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 30, 60]
+    assert evals[-1]["val"] < evals[0]["val"] - 0.5  # starts near ln(65) = 4.17
+    assert summary["steps"] == 60
+    ckpts = checkpoint.list_checkpoints(out)
+    assert [p.name for p in ckpts] == ["ckpt_0000030", "ckpt_0000060"]
+    assert not any(p.name.startswith(".tmp") for p in out.iterdir())
+
+
+def test_checkpoint_reproduces_final_eval(trained, char_dataset):
+    cfg, summary, out = trained
+    model, stored, meta = checkpoint.load_model(out)
+    assert stored == cfg  # the resolved config is stored
+    assert meta["step"] == 60 and meta["tokenizer"]["kind"] == "char"
+    import runtime
+    from data.loader import Batches, load_meta
+    data_meta = load_meta(str(char_dataset))
+    loaders = {s: Batches(data_meta, s, cfg.train.batch_size, cfg.model.block_size, 0)
+               for s in ("train", "val")}
+    eval_sets = {s: b.fixed(cfg.train.eval_iters, seed=cfg.system.seed + 1 + i)
+                 for i, (s, b) in enumerate(loaders.items())}
+    rt = runtime.setup(cfg.system)
+    losses = train.evaluate(model, loaders, eval_sets, rt)
+    assert losses["val"] == pytest.approx(summary["final"]["val"], abs=1e-6)
+
+
+def test_same_seed_same_training(char_dataset, tmp_path):
+    a = train.train(tiny_cfg(char_dataset, tmp_path / "a", "--max_iters=10", "--eval_interval=10"))
+    b = train.train(tiny_cfg(char_dataset, tmp_path / "b", "--max_iters=10", "--eval_interval=10"))
+    c = train.train(tiny_cfg(char_dataset, tmp_path / "c", "--max_iters=10", "--eval_interval=10",
+                             "--seed=2"))
+    assert a["final"] == b["final"]
+    assert a["final"] != c["final"]
+
+
+def test_generate_cli_streams_text(trained, capsys):
+    cfg, _, out = trained
+    rc = generate.main(["--config", "tiny", f"--checkpoint={out}", "--prompt", "ROMEO:",
+                        "--max_new_tokens=40", "--seed=3", "--device=cpu"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:") + 30
+    rc = generate.main(["--config", "tiny", f"--checkpoint={out}", "--prompt", "ROMEO:",
+                        "--max_new_tokens=40", "--seed=3", "--device=cpu"])
+    assert capsys.readouterr().out == text  # same seed, same text
+
+
+def test_generate_without_checkpoint_says_how_to_train(tmp_path, capsys):
+    rc = generate.main(["--config", "tiny", f"--out_dir={tmp_path / 'none'}", "--device=cpu"])
+    assert rc == 2
+    assert "does not exist; train one first with python train.py" in capsys.readouterr().err
+
+
+def test_generate_rejects_prompt_outside_vocabulary(trained, capsys):
+    _, _, out = trained
+    rc = generate.main([f"--checkpoint={out}", "--prompt", "naïve ☃", "--device=cpu"])
+    assert rc == 2
+    assert "outside this 65-character vocabulary" in capsys.readouterr().err
+
+
+def test_long_prompt_is_cropped_and_empty_prompt_starts_at_newline(trained, capsys):
+    _, _, out = trained
+    model, _, meta = checkpoint.load_model(out)
+    from tokenizer import from_meta
+    tok = from_meta(meta["tokenizer"])
+    ids = generate.encode_prompt(tok, "To be or not to be " * 5, model.config.block_size)
+    assert len(ids) == model.config.block_size
+    assert "keeping the last 32" in capsys.readouterr().err
+    assert generate.encode_prompt(tok, "", 32) == [tok.encode("\n")[0]]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0),
+                                                     (0.8, 5, 1.0), (1.0, 0, 0.9)])
+def test_kv_cache_gives_same_tokens(temperature, top_k, top_p):
+    """Past the context length too, where the window shifts and the cache is rebuilt."""
+    model = GPT(tiny_model_config(vocab_size=37, block_size=16)).eval()
+    prompt = torch.randint(0, 37, (2, 5))
+    outs = []
+    for use_cache in (True, False):
+        g = torch.Generator().manual_seed(11)
+        outs.append(generate.generate_tokens(model, prompt, 40, temperature, top_k, top_p,
+                                             use_cache, g))
+    assert outs[0].shape == (2, 45)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_sampler_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert generate.sample_next(logits, 0.0, 0, 1.0).item() == 0  # greedy
+    g = torch.Generator().manual_seed(0)
+    draws = {generate.sample_next(logits, 1.0, 2, 1.0, g).item() for _ in range(200)}
+    assert draws == {0, 1}  # top-k keeps two
+    # softmax([4,3,2,1,0]) = [.636, .234, .086, .032, .012]: top_p=0.8 keeps the first two
+    draws = {generate.sample_next(logits, 1.0, 0, 0.8, g).item() for _ in range(200)}
+    assert draws == {0, 1}
+    draws = {generate.sample_next(logits, 1.0, 0, 0.5, g).item() for _ in range(50)}
+    assert draws == {0}  # the top token alone is already past top_p
+    many = [generate.sample_next(logits, 1.0, 0, 1.0, g).item() for _ in range(2000)]
+    assert set(many) == {0, 1, 2, 3, 4}
+
+
+def test_checkpoint_from_other_architecture_is_refused(trained, tmp_path):
+    _, _, out = trained
+    other = GPT(tiny_model_config(vocab_size=65, block_size=32, n_embd=48, n_head=2))
+    with pytest.raises(checkpoint.CheckpointError, match="do not fit the model .*mis-shaped"):
+        checkpoint.load_weights(other, checkpoint.resolve(out))
+
+
+def test_truncated_checkpoint_is_refused(trained, tmp_path):
+    import shutil
+    _, _, out = trained
+    broken = tmp_path / "ckpt_0000001"
+    shutil.copytree(checkpoint.resolve(out), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
+        checkpoint.load_model(broken)
+
+
+def test_finetune_from_checkpoint_with_shorter_context(trained, char_dataset, tmp_path):
+    _, _, out = trained
+    cfg = tiny_cfg(char_dataset, tmp_path / "ft", f"--init_from={checkpoint.resolve(out)}",
+                   "--block_size=16", "--max_iters=4", "--eval_interval=4",
+                   "--attention=sdpa")
+    summary = train.train(cfg)
+    model, stored, _ = checkpoint.load_model(tmp_path / "ft")
+    assert stored.model.block_size == 16 and model.transformer.wpe.weight.shape[0] == 16
+    assert summary["final"]["val"] < 3.5  # starts from the trained weights, not from scratch

@@ -1,0 +1,105 @@
+"""One tokenizer interface for character-level data and GPT-2 BPE, chosen by a dataset's metadata.
+
+The GPT-2 ranks ship in data/gpt2.tiktoken and are checked against tiktoken's published hash, so
+the GPT-2 tokenizer works with no network.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent
+GPT2_RANKS = REPO_ROOT / "data" / "gpt2.tiktoken"
+# tiktoken's expected sha256 for r50k_base (the GPT-2 ranks)
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+GPT2_EOT = 50256
+
+
+class TokenizerError(ValueError):
+    """Text or metadata the tokenizer cannot handle."""
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet."""
+
+    kind = "char"
+
+    def __init__(self, chars: list[str]):
+        self.chars = list(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+        # generation from an empty prompt starts at a newline, the char corpus' natural boundary
+        self.start_id = self.stoi.get("\n", 0)
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls(sorted(set(text)))
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted({c for c in text if c not in self.stoi})
+        if unknown:
+            shown = ", ".join(repr(c) for c in unknown[:10])
+            raise TokenizerError(f"text has {len(unknown)} character(s) outside this "
+                                 f"{self.vocab_size}-character vocabulary: {shown}; "
+                                 "use only characters that appear in the training data")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def meta(self) -> dict:
+        return {"kind": self.kind, "chars": self.chars}
+
+
+class GPT2Tokenizer:
+    """GPT-2's byte-level BPE through tiktoken, loaded from the bundled ranks file."""
+
+    kind = "gpt2"
+
+    def __init__(self, ranks_path: Path = GPT2_RANKS):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        if not Path(ranks_path).is_file():
+            raise TokenizerError(f"GPT-2 BPE ranks not found at {ranks_path}; they ship with "
+                                 "the repository as data/gpt2.tiktoken")
+        try:
+            ranks = load_tiktoken_bpe(str(ranks_path), expected_hash=GPT2_RANKS_SHA256)
+        except ValueError as e:
+            raise TokenizerError(f"{ranks_path} failed its hash check ({e}); restore the file "
+                                 "from the repository") from None
+        self.enc = tiktoken.Encoding(name="gpt2_offline", pat_str=GPT2_PATTERN,
+                                     mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": GPT2_EOT})
+        self.vocab_size = self.enc.n_vocab  # 50257
+        self.eot_id = GPT2_EOT
+        self.start_id = GPT2_EOT
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        allowed = {"<|endoftext|>"} if allow_special else set()
+        return self.enc.encode(text, allowed_special=allowed)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(ids)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return self.enc.decode_bytes(ids)
+
+    def meta(self) -> dict:
+        return {"kind": self.kind}
+
+
+Tokenizer = CharTokenizer | GPT2Tokenizer
+
+
+def from_meta(meta: dict) -> Tokenizer:
+    """Build the tokenizer a dataset (or checkpoint) was made with from its metadata."""
+    kind = meta.get("kind")
+    if kind == "char":
+        return CharTokenizer(meta["chars"])
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    raise TokenizerError(f"unknown tokenizer kind {kind!r} in metadata; expected 'char' or 'gpt2'")
