@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -67,14 +68,23 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, meta: dict,
-         train_state: dict | None = None, keep: int = 0) -> Path:
-    """Write a checkpoint atomically and keep only the newest `keep` (0 = keep all)."""
+         train_state: dict | None = None, keep: int = 0,
+         weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a checkpoint atomically and keep only the newest `keep` (0 = keep all). `weights`,
+    when given, are stored instead of model_state(model) (FSDP gathers them from its shards)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    recover(out)
+    weights = model_state(model) if weights is None else weights
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"refusing to save step {step}: NaN/inf in {len(bad)} weight "
+                              f"tensor(s) ({', '.join(bad[:3])}); the last good checkpoint is "
+                              f"{latest_checkpoint(out)}")
     final = out / f"ckpt_{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=out))
     try:
-        save_file(model_state(model), str(tmp / "model.safetensors"))
+        save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(cfg.to_json())
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
         if train_state is not None:
@@ -96,8 +106,35 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
         raise
     if keep > 0:
         for old in list_checkpoints(out)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     return final
+
+
+def _remove(ckpt: Path) -> None:
+    """Rename, then delete: a kill mid-delete never leaves half a checkpoint under its name."""
+    doomed = ckpt.with_name(f".del_{ckpt.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(ckpt, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def recover(out_dir: str | Path) -> None:
+    """Tidy what a save killed part-way leaves in out_dir: unfinished `.tmp_ckpt_*` and
+    half-deleted `.del_*` directories go; a `.old_ckpt_*` whose replacement never arrived is put
+    back under its name. Only the run's own trainer calls this (from save and on resume)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return
+    for p in out.iterdir():
+        name = p.name
+        if name.startswith(".old_") and CKPT_PATTERN.match(name[len(".old_"):]):
+            target = out / name[len(".old_"):]
+            if target.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.rename(p, target)
+        elif name.startswith((".tmp_ckpt_", ".del_")) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def resolve(path: str | Path) -> Path:
@@ -172,10 +209,33 @@ def load_train_state(ckpt: Path) -> dict:
                               "cannot be resumed; use init_from=<path> to start from its weights")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # the unpickler refuses anything but tensors and plain containers
-        raise CheckpointError(f"refusing to load {path}: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''} (only tensors and plain "
-                              "containers are accepted; the file is corrupt or not ours)") from None
+    except pickle.UnpicklingError:  # the safe unpickler met something other than plain data
+        raise CheckpointError(f"refusing to load {path}: it holds Python objects other than "
+                              "tensors and plain containers, which could run code when "
+                              "unpickled; it was not written by this code (crafted or foreign "
+                              "file); resume from another checkpoint") from None
+    except Exception as e:  # a truncated zip, a wrong file
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {first}); the file "
+                              "is truncated or corrupt; resume from an earlier "
+                              "checkpoint") from None
+
+
+def check_tokenizer(ckpt: Path, data_meta: dict) -> None:
+    """The dataset must be tokenized as the checkpoint's model was trained (same ids)."""
+    ours, theirs = read_meta(ckpt).get("tokenizer") or {}, data_meta["tokenizer"]
+    if ours.get("kind") in (None, "unknown"):
+        return  # nothing recorded to compare with
+    where = f"dataset {data_meta.get('dir', '')} and checkpoint {ckpt}"
+    if ours["kind"] != theirs.get("kind"):
+        raise CheckpointError(f"{where} use different tokenizers ('{theirs.get('kind')}' vs "
+                              f"'{ours['kind']}'); prepare the data with the checkpoint's "
+                              "tokenizer or train from scratch")
+    if ours["kind"] == "char" and ours.get("chars") != theirs.get("chars"):
+        raise CheckpointError(f"{where} use different char vocabularies "
+                              f"({len(theirs.get('chars', []))} vs {len(ours.get('chars', []))} "
+                              "characters): token ids would mean different text; prepare the "
+                              "data with the checkpoint's vocabulary or train from scratch")
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu",

@@ -1,4 +1,4 @@
-"""The one config: model / data / train / sample / system sections.
+"""The one config: model / data / train / sample / system / wandb sections.
 
 Defaults live only in the dataclasses below. `configs/NAME.toml` overrides them, and the command
 line overrides both:
@@ -60,22 +60,40 @@ class ModelConfig:
     gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu", ("scratch", "native"))
     vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
                                   "(64: 50257 -> 50304); padded logits never win")
+    activation_checkpointing: str = opt("none", "recompute activations in backward instead of "
+                                        "storing them (less memory, ~1/3 more compute): none | "
+                                        "all | attention | mlp (that part of every block) | "
+                                        "every:K (every K-th block) | blocks:0,3,5")
 
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("shakespeare_char", "folder under data/ holding train.bin, val.bin, "
-                       "meta.json (or a path to such a folder)")
+    dataset: str = opt("shakespeare_char", "folder under data/ holding meta.json with train.bin "
+                       "+ val.bin or shards (or a path to such a folder)")
     pin_memory: bool = opt(False, "pinned host batches copied with non_blocking=True (CUDA)")
+    prefetch: bool = opt(False, "copy each batch host->GPU on a side CUDA stream, overlapping "
+                         "the step that runs meanwhile (implies pinned memory; CUDA)")
+    hellaswag_path: str = opt("", "hellaswag_val.jsonl for train.hellaswag_interval; '' = "
+                              "data/hellaswag/hellaswag_val.jsonl, downloaded if missing")
 
 
 @dataclass
 class TrainConfig:
     out_dir: str = opt("out/shakespeare_char", "run directory: checkpoints and metrics")
-    init_from: str = opt("scratch", "scratch | resume (latest checkpoint in out_dir) | "
-                         "path to one of our checkpoints")
+    init_from: str = opt("scratch", "scratch | resume (latest checkpoint in out_dir) | auto "
+                         "(resume if out_dir has a checkpoint, else scratch) | "
+                         "path to one of our checkpoints | a GPT-2 from Hugging Face: gpt2, "
+                         "gpt2-medium, gpt2-large, gpt2-xl, hf:ORG/NAME or a local HF directory "
+                         "(block_size may be shorter than its context: cropped)")
     batch_size: int = opt(32, "micro-batch size (sequences per forward pass)")
     grad_accum_steps: int = opt(1, "micro-batches per optimizer step")
+    tokens_per_step: int = opt(0, "the global batch in tokens: when set, grad_accum_steps "
+                               "becomes tokens_per_step / (batch_size x block_size x processes), "
+                               "so the batch is the same on any number of GPUs; 0 = batch_size x "
+                               "grad_accum_steps x block_size x processes")
+    batch_size_auto: bool = opt(False, "keep batch_size x grad_accum_steps sequences per step "
+                                "but make the micro-batch the largest divisor of it that fits "
+                                "in device memory (searched at start; CUDA)")
     max_iters: int = opt(2000, "optimizer steps")
     learning_rate: float = opt(1e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
@@ -91,6 +109,30 @@ class TrainConfig:
     log_interval: int = opt(10, "print a log line every this many steps")
     keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir")
     save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
+    hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "
+                                  "(GPT-2-tokenized data only); 0 = off")
+    hellaswag_examples: int = opt(0, "HellaSwag validation examples scored each time; "
+                                  "0 = all 10,042")
+    stop_after_iters: int = opt(0, "end this invocation after this many steps with a checkpoint "
+                                "(jobs with a time limit); continue with init_from=resume; "
+                                "0 = run to max_iters")
+    max_nonfinite_steps: int = opt(10, "stop after this many steps in a row with a NaN/inf loss "
+                                   "or gradient norm (each is skipped, no update); the last "
+                                   "good checkpoint is kept")
+
+
+@dataclass
+class WandbConfig:
+    """Optional Weights & Biases logging, on top of metrics.jsonl/csv and loss_curve.png."""
+
+    enabled: bool = opt(False, "log metrics to Weights & Biases (pip install wandb)")
+    project: str = opt("gpt2-scratch", "W&B project")
+    entity: str = opt("", "W&B team or user; '' = your default")
+    name: str = opt("", "W&B run name; '' = the out_dir's folder name")
+    group: str = opt("", "W&B group, to gather related runs")
+    tags: str = opt("", "comma-separated W&B tags")
+    mode: str = opt("auto", "auto = WANDB_MODE or online; offline logs locally for a later "
+                    "`wandb sync`", ("auto", "online", "offline"))
 
 
 @dataclass
@@ -103,20 +145,42 @@ class SampleConfig:
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = off")
     top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off")
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
+    quantize: str = opt("none", "int8: int8 weight-only Linear layers for sampling (torchao): "
+                        "about half the weight bytes of bf16, a quarter of float32",
+                        ("none", "int8"))
+    quantize_layers: str = opt("attn,mlp", "which Linear layers sample.quantize converts, a "
+                               "comma list of attn, mlp, c_attn, attn.c_proj, c_fc, mlp.c_proj; "
+                               "embeddings and the tied LM head stay floating point")
 
 
 @dataclass
 class SystemConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     dtype: str = opt("float32", "autocast precision", ("float32", "bfloat16", "float16"))
+    weights_dtype: str = opt("float32", "how the model's weights are held: bfloat16 halves "
+                             "weight and gradient memory, AdamW keeps a float32 master copy and "
+                             "its state (needs --dtype=bfloat16; not with fsdp, whose "
+                             "mixed precision does this)", ("float32", "bfloat16"))
     tf32: bool = opt(False, "TF32 tensor-core matmuls for float32 (CUDA, Ampere and newer)")
     compile: bool = opt(False, "torch.compile the model")
     compile_mode: str = opt("default", "torch.compile mode",
                             ("default", "reduce-overhead", "max-autotune",
                              "max-autotune-no-cudagraphs"))
     seed: int = opt(1337, "seed for weights, data order and sampling")
+    empty_cache: bool = opt(True, "return cached CUDA memory to the driver after each "
+                            "evaluation, sampling and checkpoint save (never inside a step)")
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default")
     peak_flops: float = opt(0.0, "device peak FLOP/s for MFU; 0 = look the device up")
+    parallel: str = opt("ddp", "with several processes (torchrun, accelerate launch): ddp = a "
+                        "full replica per GPU, gradients averaged; fsdp = weights, gradients and "
+                        "AdamW state sharded over the GPUs (FSDP2), for models too big for ddp",
+                        ("ddp", "fsdp"))
+    fsdp_reshard: bool = opt(True, "fsdp: free each block's gathered weights after its forward "
+                             "and gather them again for backward (least memory); false keeps "
+                             "them until backward (less traffic, more memory)")
+    dist_timeout: float = opt(600.0, "seconds a process waits for the others in a collective "
+                              "before the job fails (a hung rank); must exceed the slowest "
+                              "checkpoint save or evaluation")
 
 
 SECTIONS: dict[str, type] = {
@@ -125,6 +189,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "sample": SampleConfig,
     "system": SystemConfig,
+    "wandb": WandbConfig,
 }
 
 
@@ -135,6 +200,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -306,6 +372,8 @@ def validate(cfg: Config) -> list[str]:
         "train.learning_rate": t.learning_rate, "train.eval_iters": t.eval_iters,
         "train.eval_interval": t.eval_interval, "train.log_interval": t.log_interval,
         "train.keep_checkpoints": t.keep_checkpoints, "model.layer_norm_eps": m.layer_norm_eps,
+        "train.max_nonfinite_steps": t.max_nonfinite_steps,
+        "system.dist_timeout": cfg.system.dist_timeout,
     }
     for name, value in positive.items():
         if not value > 0:
@@ -313,15 +381,30 @@ def validate(cfg: Config) -> list[str]:
     non_negative = {
         "model.vocab_size": m.vocab_size, "train.max_iters": t.max_iters,
         "train.warmup_iters": t.warmup_iters, "train.weight_decay": t.weight_decay,
-        "train.grad_clip": t.grad_clip, "sample.max_new_tokens": s.max_new_tokens,
+        "train.grad_clip": t.grad_clip, "train.stop_after_iters": t.stop_after_iters,
+        "train.tokens_per_step": t.tokens_per_step,
+        "train.hellaswag_interval": t.hellaswag_interval,
+        "train.hellaswag_examples": t.hellaswag_examples,
+        "sample.max_new_tokens": s.max_new_tokens,
         "sample.temperature": s.temperature, "sample.top_k": s.top_k,
         "system.threads": cfg.system.threads, "system.peak_flops": cfg.system.peak_flops,
     }
     for name, value in non_negative.items():
         if value < 0:
             problems.append(f"{name} must be >= 0, got {value}")
+    if cfg.system.weights_dtype == "bfloat16" and cfg.system.dtype != "bfloat16":
+        problems.append(f"system.weights_dtype=bfloat16 needs --dtype=bfloat16 (autocast), "
+                        f"got dtype={cfg.system.dtype}")
+    try:
+        checkpoint_plan(m.activation_checkpointing, m.n_layer)
+    except ValueError as e:
+        problems.append(str(e))
     if m.n_head > 0 and m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    per_sequence = t.batch_size * m.block_size
+    if t.tokens_per_step > 0 and per_sequence > 0 and t.tokens_per_step % per_sequence:
+        problems.append(f"train.tokens_per_step={t.tokens_per_step} must be a multiple of "
+                        f"batch_size x block_size = {per_sequence} (x the number of processes)")
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout must be in [0, 1), got {m.dropout}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
@@ -334,6 +417,35 @@ def validate(cfg: Config) -> list[str]:
     if s.num_samples < 1:
         problems.append(f"sample.num_samples must be >= 1, got {s.num_samples}")
     return problems
+
+
+CHECKPOINT_PARTS = {"all": "block", "attention": "attention", "mlp": "mlp"}
+
+
+def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
+    """model.activation_checkpointing -> what each block recomputes in backward: '' (nothing),
+    'block', 'attention' (ln_1 + attention) or 'mlp' (ln_2 + MLP). Raises ValueError."""
+    spec = spec.strip().lower()
+    where = f"model.activation_checkpointing={spec!r}"
+    if spec == "none":
+        return [""] * n_layer
+    if spec in CHECKPOINT_PARTS:
+        return [CHECKPOINT_PARTS[spec]] * n_layer
+    kind, _, arg = spec.partition(":")
+    try:
+        numbers = [int(a) for a in arg.split(",")] if arg else []
+    except ValueError:
+        numbers = None
+    if kind == "every" and numbers and len(numbers) == 1 and numbers[0] > 0:
+        return ["block" if i % numbers[0] == 0 else "" for i in range(n_layer)]
+    if kind == "blocks" and numbers:
+        bad = [b for b in numbers if not 0 <= b < n_layer]
+        if bad:
+            raise ValueError(f"{where} names blocks {bad}, but the model has blocks 0.."
+                             f"{n_layer - 1}")
+        return ["block" if i in numbers else "" for i in range(n_layer)]
+    raise ValueError(f"{where} is not understood; use none, all, attention, mlp, every:K "
+                     "(K >= 1) or blocks:I,J,...")
 
 
 def from_dict(data: dict) -> Config:
@@ -413,5 +525,7 @@ def load_config(argv: list[str], prog: str = "train.py",
         apply_override(cfg, key, value, problems)
     problems += validate(cfg)
     if problems:
+        if len(problems) == 1:  # one problem, one line
+            raise ConfigError(f"invalid config: {problems[0]}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return cfg, flags_seen

@@ -3,6 +3,7 @@
     python generate.py --prompt "ROMEO:"                       # latest checkpoint of the default run
     python generate.py --checkpoint out/tiny --temperature 0   # greedy, from another run
     python generate.py --prompt FILE:prompt.txt --num_samples 3 --top_p 0.9 --seed 7
+    python generate.py --init-from gpt2 --prompt "Hello, I'm a language model,"   # OpenAI's GPT-2
 
 Tokens stream to stdout as they are produced. With the KV cache each new token costs the same
 however long the text; when the context fills up, the oldest half is dropped and the rest
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import copy
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import Callable
 import torch
 
 import checkpoint
+import load_gpt2_weights
+import memory
 import runtime
 from config import Config, ConfigError, load_config
 from model import GPT
@@ -107,7 +111,12 @@ def read_prompt(prompt: str) -> str:
         path = Path(prompt[5:])
         if not path.is_file():
             raise ConfigError(f"prompt file {path} not found")
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"prompt file {path} is not UTF-8 text (byte "
+                                 f"{e.object[e.start]:#04x} at offset {e.start}); save it as "
+                                 "UTF-8") from None
     return prompt
 
 
@@ -122,21 +131,75 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
     return ids
 
 
-def load_for_sampling(cfg: Config, device: torch.device) -> tuple[GPT, Config, dict, Path]:
-    path = checkpoint.resolve(cfg.sample.checkpoint or cfg.train.out_dir)
+INIT_FROM_FLAG = {"--init-from SRC": "sample from gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
+                  "hf:ORG/NAME | a local HF directory | one of our checkpoints"}
+
+
+def pop_init_from(argv: list[str]) -> tuple[str, list[str]]:
+    """generate.py's --init-from SRC (or --init_from=SRC): the model to sample from. It is read
+    here rather than from the config's train.init_from, which names where a run *started*."""
+    rest, init_from, i = [], "", 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in ("--init-from", "--init_from"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value, e.g. {name} gpt2")
+                value, i = argv[i + 1], i + 1
+            init_from = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return init_from, rest
+
+
+def load_hf_for_sampling(cfg: Config, source: str, device: torch.device) -> tuple[GPT, dict, str]:
+    """A Hugging Face GPT-2 at its full context, with this config's implementation switches."""
+    model, hf_dir = load_gpt2_weights.load_hf(source, copy.deepcopy(cfg.model))
+    vocab = model.config.vocab_size
+    tokenizer = load_gpt2_weights.tokenizer_meta(vocab)
+    if tokenizer["kind"] != "gpt2":
+        raise TokenizerError(f"{source} has a {vocab}-token vocabulary, not GPT-2's "
+                             f"{load_gpt2_weights.GPT2_VOCAB}: there is no tokenizer for it here")
+    label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
+    return model.to(device), {"tokenizer": tokenizer}, label
+
+
+def load_for_sampling(cfg: Config, device: torch.device,
+                      init_from: str = "") -> tuple[GPT, Config, dict, Path | str]:
+    if init_from and cfg.sample.checkpoint:
+        raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
+                          "name a model to sample from; pass one of them")
+    if init_from == "scratch":
+        raise ConfigError("--init-from scratch has nothing to sample from; pass a GPT-2 id, a "
+                          "Hugging Face directory or one of our checkpoints")
+    if init_from and load_gpt2_weights.is_gpt2_source(init_from):
+        model, meta, label = load_hf_for_sampling(cfg, init_from, device)
+        return model, cfg, meta, label
+    if init_from in ("", "resume", "auto"):
+        init_from = cfg.sample.checkpoint or cfg.train.out_dir
+    path = checkpoint.resolve(init_from)
     model, stored, meta = checkpoint.load_model(path, device)
     return model, stored, meta, path
 
 
-def sample(cfg: Config) -> list[str]:
-    """Generate cfg.sample.num_samples texts, streaming them to stdout; returns them."""
+def sample(cfg: Config, init_from: str = "") -> list[str]:
+    """Generate cfg.sample.num_samples texts, streaming them to stdout; returns them. init_from
+    (a GPT-2 id, HF directory or checkpoint) overrides the checkpoint the config points at."""
     rt = runtime.setup(cfg.system)
-    model, stored, meta, path = load_for_sampling(cfg, rt.device)
+    if cfg.sample.quantize != "none":
+        memory.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
+    model, stored, meta, path = load_for_sampling(cfg, rt.device, init_from)
     model.eval()
+    if cfg.sample.quantize == "int8":
+        chosen = memory.quantize_linears(model, cfg.sample.quantize_layers)
+        print(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
+              f"weights now {memory.weight_bytes(model) / 2**20:.1f} MiB", file=sys.stderr)
     tokenizer = from_meta(meta["tokenizer"])
     s = cfg.sample
     prompt_ids = encode_prompt(tokenizer, read_prompt(s.prompt), model.config.block_size)
-    print(f"sampling from {path} (step {meta.get('step')}) on {rt.device}", file=sys.stderr)
+    step = f" (step {meta['step']})" if "step" in meta else ""
+    print(f"sampling from {path}{step} on {rt.device}", file=sys.stderr)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.system.seed)
     texts = []
     for i in range(s.num_samples):
@@ -158,8 +221,9 @@ def sample(cfg: Config) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, _ = load_config(sys.argv[1:] if argv is None else argv, prog="generate.py")
-        sample(cfg)
+        init_from, argv = pop_init_from(sys.argv[1:] if argv is None else argv)
+        cfg, _ = load_config(argv, prog="generate.py", extra_flags=INIT_FROM_FLAG)
+        sample(cfg, init_from)
     except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

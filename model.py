@@ -11,8 +11,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from config import ModelConfig
+from config import ModelConfig, checkpoint_plan
 
 IGNORE_INDEX = -1
 
@@ -28,12 +29,17 @@ class LayerNorm(nn.Module):
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # precision policy: statistics and affine in float32 whatever the weights' dtype (no-op
+        # casts when everything is float32 already); the output keeps the input's dtype
+        w = self.weight.float()
+        b = self.bias.float() if self.bias is not None else None
+        x32 = x.float()
         if self.impl == "native":
-            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-        mean = x.mean(dim=-1, keepdim=True)
-        var = (x - mean).pow(2).mean(dim=-1, keepdim=True)
-        y = (x - mean) * torch.rsqrt(var + self.eps) * self.weight
-        return y + self.bias if self.bias is not None else y
+            return F.layer_norm(x32, w.shape, w, b, self.eps).to(x.dtype)
+        mean = x32.mean(dim=-1, keepdim=True)
+        var = (x32 - mean).pow(2).mean(dim=-1, keepdim=True)
+        y = (x32 - mean) * torch.rsqrt(var + self.eps) * w
+        return (y + b if b is not None else y).to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -143,10 +149,31 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias, cfg.layer_norm_eps, cfg.norm)
         self.mlp = MLP(cfg)
+        self.recompute = checkpoint_plan(cfg.activation_checkpointing, cfg.n_layer)[layer]
+
+    def attn_branch(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        return self.attn(self.ln_1(x), kv_cache)
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_2(x))
+
+    def body(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn_branch(x, kv_cache)
+        return x + self.mlp_branch(x)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache)
-        return x + self.mlp(self.ln_2(x))
+        # activation checkpointing (model.activation_checkpointing): keep only this part's input
+        # and recompute the rest in backward; dropout replays the same masks (RNG is restored)
+        part = self.recompute if kv_cache is None and torch.is_grad_enabled() else ""
+        if part == "block":
+            return checkpoint(self.body, x, use_reentrant=False)
+        if part == "attention":
+            x = x + checkpoint(self.attn_branch, x, use_reentrant=False)
+            return x + self.mlp_branch(x)
+        if part == "mlp":
+            x = x + self.attn_branch(x, kv_cache)
+            return x + checkpoint(self.mlp_branch, x, use_reentrant=False)
+        return self.body(x, kv_cache)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -209,7 +236,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
                              f"{self.config.block_size}; crop the input")
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(x.float())  # precision policy: the residual stream is float32
         for block in self.transformer.h:
             x = block(x, kv_cache)  # (B, T, C)
         if kv_cache is not None:

@@ -117,6 +117,10 @@ def setup(system: SystemConfig) -> Runtime:
     if tf32 and device.type != "cuda":
         notes.append("tf32 needs CUDA: off")
         tf32 = False
+    elif tf32 and torch.cuda.get_device_capability(device) < (8, 0):
+        notes.append(f"tf32 needs an Ampere or newer GPU, not {torch.cuda.get_device_name(device)}"
+                     ": off")
+        tf32 = False
     if device.type == "cuda":
         # Reference path keeps full float32 matmuls; TF32 only when asked for.
         torch.backends.cuda.matmul.allow_tf32 = tf32

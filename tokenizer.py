@@ -5,6 +5,8 @@ the GPT-2 tokenizer works with no network.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -51,6 +53,27 @@ class CharTokenizer:
         return {"kind": self.kind, "chars": self.chars}
 
 
+def load_ranks(path: Path) -> dict[bytes, int]:
+    """Read a .tiktoken ranks file ("base64-token rank" per line) after checking its sha256.
+
+    Read directly rather than through tiktoken's loader, whose cache is keyed by path and would
+    hide a file changed after its first load."""
+    if not path.is_file():
+        raise TokenizerError(f"GPT-2 BPE ranks not found at {path}; they ship with the "
+                             "repository as data/gpt2.tiktoken")
+    contents = path.read_bytes()
+    digest = hashlib.sha256(contents).hexdigest()
+    if digest != GPT2_RANKS_SHA256:
+        raise TokenizerError(f"{path} failed its hash check (sha256 {digest}, expected "
+                             f"{GPT2_RANKS_SHA256}); restore the file from the repository")
+    ranks = {}
+    for line in contents.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
 class GPT2Tokenizer:
     """GPT-2's byte-level BPE through tiktoken, loaded from the bundled ranks file."""
 
@@ -58,18 +81,9 @@ class GPT2Tokenizer:
 
     def __init__(self, ranks_path: Path = GPT2_RANKS):
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
 
-        if not Path(ranks_path).is_file():
-            raise TokenizerError(f"GPT-2 BPE ranks not found at {ranks_path}; they ship with "
-                                 "the repository as data/gpt2.tiktoken")
-        try:
-            ranks = load_tiktoken_bpe(str(ranks_path), expected_hash=GPT2_RANKS_SHA256)
-        except ValueError as e:
-            raise TokenizerError(f"{ranks_path} failed its hash check ({e}); restore the file "
-                                 "from the repository") from None
         self.enc = tiktoken.Encoding(name="gpt2_offline", pat_str=GPT2_PATTERN,
-                                     mergeable_ranks=ranks,
+                                     mergeable_ranks=load_ranks(Path(ranks_path)),
                                      special_tokens={"<|endoftext|>": GPT2_EOT})
         self.vocab_size = self.enc.n_vocab  # 50257
         self.eot_id = GPT2_EOT

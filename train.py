@@ -8,8 +8,8 @@ main(cfg): runtime setup -> data -> model -> optimizer -> one training loop -> c
 """
 from __future__ import annotations
 
-import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,15 +17,23 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import distributed
+import hellaswag
+import load_gpt2_weights
+import memory
+import runlog
+import runstate
 import runtime
-from config import Config, ConfigError, load_config
+import speedups
+from config import Config, ConfigError, TrainConfig, load_config
 from data.loader import Batches, DataError, check_vocab, load_meta
 from model import GPT
 
 DEFAULT_DATASET = "shakespeare_char"
 # model-section keys that fix the weights' shapes; the others (attention, norm, ...) are free to
 # change when starting from a checkpoint
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "vocab_pad_multiple")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "vocab_pad_multiple",
+              "layer_norm_eps")
 
 
 def dataset_meta(cfg: Config) -> dict:
@@ -63,9 +71,12 @@ def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Pat
         if source is None:
             raise checkpoint.CheckpointError(f"init_from=resume but {cfg.train.out_dir} has no "
                                              "checkpoint; use init_from=scratch to start")
+    elif load_gpt2_weights.is_gpt2_source(init):
+        return gpt2_model(cfg, meta, device)
     elif init != "scratch":
         source = checkpoint.resolve(init)
     if source is not None:
+        checkpoint.check_tokenizer(source, meta)
         stored = checkpoint.read_config(source).model
         for key in SHAPE_KEYS:
             setattr(cfg.model, key, getattr(stored, key))
@@ -99,10 +110,28 @@ def crop_block_size(model: GPT, block_size: int) -> None:
             block.attn.mask = block.attn.mask[:block_size, :block_size]
 
 
+def gpt2_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path]:
+    """A Hugging Face GPT-2 (hub id or local directory) as the starting point: its shape comes
+    from its config.json, the context is cropped to cfg.model.block_size when that is shorter."""
+    block = cfg.model.block_size
+    model, hf_dir = load_gpt2_weights.load_hf(cfg.train.init_from, cfg.model)
+    kind = load_gpt2_weights.tokenizer_meta(cfg.model.vocab_size)["kind"]
+    check_vocab(meta, cfg.model.vocab_size, kind if kind == "gpt2" else None)
+    if block > model.config.block_size:
+        raise ConfigError(f"block_size {block} is larger than {cfg.train.init_from}'s context "
+                          f"{model.config.block_size}; use a block_size <= "
+                          f"{model.config.block_size}")
+    if block < model.config.block_size:
+        crop_block_size(model, block)
+    return model.to(device), hf_dir
+
+
 def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> tuple[torch.optim.AdamW, str]:
     t = cfg.train
     groups = model.optimizer_groups(t.weight_decay)
     kwargs = dict(lr=t.learning_rate, betas=(t.beta1, t.beta2))
+    if next(model.parameters()).dtype == torch.bfloat16:  # system.weights_dtype=bfloat16
+        return memory.MasterWeights(groups, torch.optim.AdamW, foreach=False, **kwargs), "off"
     if t.fused_adamw:
         try:
             return torch.optim.AdamW(groups, fused=True, **kwargs), "on"
@@ -131,19 +160,6 @@ def evaluate(model: torch.nn.Module, loaders: dict[str, Batches], eval_sets: dic
     return out
 
 
-def banner(cfg: Config, rt: runtime.Runtime, fused_note: str, compiled: bool) -> str:
-    m, s = cfg.model, cfg.system
-    pin = "on" if cfg.data.pin_memory and rt.device.type == "cuda" else (
-        "off (needs CUDA)" if cfg.data.pin_memory else "off")
-    parts = [f"device={rt.device}", f"attention={m.attention}", f"mask={m.causal_mask}",
-             f"norm={m.norm}", f"gelu={m.gelu}", f"vocab_pad={m.vocab_pad_multiple}",
-             f"dtype={s.dtype}", f"tf32={'on' if rt.tf32 else 'off'}",
-             f"compile={s.compile_mode if compiled else 'off'}", f"fused_adamw={fused_note}",
-             f"pin_memory={pin}", f"batch={cfg.train.batch_size}x{cfg.train.grad_accum_steps}"]
-    notes = f"  [{'; '.join(rt.notes)}]" if rt.notes else ""
-    return "speedups: " + " ".join(parts) + notes
-
-
 def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: float,
              mfu: float | None) -> str:
     line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.1e} | norm {norm:.2f} | {ms:.0f} ms | "
@@ -151,121 +167,245 @@ def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: f
     return line + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
 
 
-class MetricsLog:
-    """Appends one JSON object per event to out_dir/metrics.jsonl."""
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                   raw_model: GPT, grad_clip: float, guard: runstate.NonFiniteGuard,
+                   loss_sum: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Unscale and clip the gradients, then update, unless the loss or the gradient norm is not
+    finite: that step is skipped (the guard counts it). Returns (grad norm, updated)."""
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                          grad_clip if grad_clip > 0 else math.inf)
+    norm = distributed.full_tensor(norm)  # under FSDP: a DTensor over every rank's shard
+    updated = guard.check(loss_sum, norm)
+    if updated:
+        scaler.step(optimizer)
+    scaler.update()  # with float16, a skipped step also lowers the loss scale
+    optimizer.zero_grad(set_to_none=True)
+    return norm, updated
 
-    def __init__(self, out_dir: str):
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        self.path = Path(out_dir) / "metrics.jsonl"
 
-    def write(self, **record) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+def report_skip(run: runlog.RunLog, step: int, loss: torch.Tensor, norm: torch.Tensor,
+                guard: runstate.NonFiniteGuard) -> None:
+    loss_value, norm_value = loss.item(), norm.item()
+    print(f"step {step:5d} | skipped: loss {loss_value:.4g}, norm {norm_value:.4g} "
+          f"({guard.in_a_row} non-finite in a row; the run stops at {guard.limit})")
+    run.write(kind="skip", step=step, loss=str(loss_value), norm=str(norm_value))
+
+
+def resolve_init(t: TrainConfig) -> None:
+    """init_from=auto becomes resume or scratch; any other start refuses an out_dir that holds
+    another run's checkpoints (it would mix with them, pruning would delete them, and its
+    metrics would be overwritten)."""
+    checkpoint.recover(t.out_dir)  # a save killed part-way: tidy up before looking
+    latest = checkpoint.latest_checkpoint(t.out_dir)
+    if t.init_from == "auto":
+        t.init_from = "resume" if latest is not None else "scratch"
+    if t.init_from != "resume" and latest is not None:
+        raise ConfigError(f"{t.out_dir} already holds a run (latest checkpoint {latest.name}); "
+                          "continue it with --init_from=resume, or start a new run in another "
+                          "--out_dir (or delete that one)")
 
 
 def train(cfg: Config) -> dict:
-    """Run training as configured; returns a summary (final losses, steps, time, checkpoint)."""
-    rt = runtime.setup(cfg.system)
-    meta = dataset_meta(cfg)
-    raw_model, source = build_model(cfg, meta, rt.device)
-    optimizer, fused_note = make_optimizer(raw_model, cfg, rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    t = cfg.train
-    train_batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
-                            rt.device, cfg.data.pin_memory)
-    loaders = {"train": train_batches,
-               "val": Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
-                              rt.device, cfg.data.pin_memory)}
-    eval_sets = {split: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
-                 for i, (split, b) in enumerate(loaders.items())}
-    start_step, best_val = 0, math.inf
-    if t.init_from == "resume":
-        state = checkpoint.load_train_state(source)
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        train_batches.load_state_dict(state["data"])
-        torch.set_rng_state(state["torch_rng"])
-        start_step, best_val = state["step"], state["best_val"]
-    model = torch.compile(raw_model, mode=cfg.system.compile_mode) if cfg.system.compile else raw_model
-
-    print(f"config:\n{cfg.to_json()}")
-    print(banner(cfg, rt, fused_note, cfg.system.compile))
-    tokens_per_step = t.batch_size * cfg.model.block_size * t.grad_accum_steps
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters without embeddings, "
-          f"{raw_model.num_params(False) / 1e6:.2f}M with | {tokens_per_step:,} tokens per step"
-          + (f" | from {source}" if source else ""))
-    peak = runtime.peak_flops(rt, cfg.system.peak_flops)
-    flops_per_step = raw_model.flops_per_token() * tokens_per_step
-    metrics = MetricsLog(t.out_dir)
-
-    def save(step: int, losses: dict) -> Path | None:
-        if not t.save_checkpoints:
-            return None
-        state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                 "data": train_batches.state_dict(), "torch_rng": torch.get_rng_state(),
-                 "step": step, "best_val": best_val}
-        info = {"losses": losses, "tokens_seen": step * tokens_per_step,
-                "tokenizer": meta["tokenizer"], "dataset": cfg.data.dataset}
-        return checkpoint.save(t.out_dir, step, raw_model, cfg, info, state, t.keep_checkpoints)
-
-    model.train()
-    x, y = train_batches.next()
-    losses, last_ckpt, run_start = {}, None, time.perf_counter()
-    step = start_step
-    while True:
-        if step % t.eval_interval == 0 or step == t.max_iters:
-            losses = evaluate(model, loaders, eval_sets, rt)
-            best_val = min(best_val, losses["val"])
-            print(f"eval {step:5d} | train {losses['train']:.4f} | val {losses['val']:.4f} | "
-                  f"val ppl {math.exp(losses['val']):.2f}")
-            metrics.write(kind="eval", step=step, **losses)
-            if step > start_step:
-                last_ckpt = save(step, losses)
-        if step >= t.max_iters:
-            break
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=rt.device)
-        for micro in range(t.grad_accum_steps):
-            with rt.autocast():
-                _, loss = model(x, y)
-            x, y = train_batches.next()  # fetch the next batch while the device works
-            loss_sum += loss.detach()
-            scaler.scale(loss / t.grad_accum_steps).backward()
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                              t.grad_clip if t.grad_clip > 0 else math.inf)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % t.log_interval == 0 or step == t.max_iters:
-            loss_value = loss_sum.item() / t.grad_accum_steps  # .item() syncs the device
-            dt = time.perf_counter() - t0
-            mfu = flops_per_step / dt / peak if peak else None
-            print(log_line(step, loss_value, lr, norm.item(), 1000 * dt, tokens_per_step / dt, mfu))
-            metrics.write(kind="train", step=step, loss=loss_value, lr=lr, norm=norm.item(),
-                          ms=1000 * dt, tok_per_s=tokens_per_step / dt)
-    elapsed = time.perf_counter() - run_start
-    summary = {"steps": step - start_step, "seconds": elapsed, "final": losses,
-               "best_val": best_val, "tokens_seen": step * tokens_per_step,
-               "checkpoint": str(last_ckpt) if last_ckpt else None}
-    print(f"done: {summary['steps']} steps in {elapsed:.1f}s | val {losses.get('val', math.nan):.4f}"
-          f" (best {best_val:.4f}) | checkpoint {summary['checkpoint']}")
+    """Run training as configured, as one process or as one rank of a torchrun / accelerate
+    launch job (distributed.py); returns a summary (final losses, steps, time, checkpoint)."""
+    dist = distributed.init(cfg)
+    summary = train_rank(cfg, dist)
+    dist.close()
     return summary
 
 
+def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
+    rt = runtime.setup(dist.system(cfg.system))
+    with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
+        meta = dataset_meta(cfg)
+        resolve_init(cfg.train)
+        raw_model, source = build_model(cfg, meta, rt.device)
+    t = cfg.train
+    dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
+                         "the checkpoint to resume (put out_dir where every node sees it)")
+    accum_note = distributed.set_global_batch(t, cfg.model.block_size, dist.world_size)
+    batch_note = distributed.auto_micro_batch(dist, cfg, raw_model, rt)  # may change it
+    weights_note = memory.hold_weights(raw_model, cfg.system.weights_dtype, cfg.system.parallel,
+                                       dist.world_size)
+    kernels = speedups.probe_attention(raw_model, rt, t.batch_size)  # before FSDP shards it
+    model = dist.wrap(raw_model, cfg, rt)  # DDP or FSDP2 with several processes
+    optimizer, fused_note = make_optimizer(raw_model, cfg, rt.device)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    train_batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
+                            rt.device, cfg.data.pin_memory, dist.rank, dist.world_size,
+                            prefetch=cfg.data.prefetch)
+    loaders = {"train": train_batches,
+               "val": Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
+                              rt.device, cfg.data.pin_memory, dist.rank, dist.world_size)}
+    eval_sets = {split: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
+                 for i, (split, b) in enumerate(loaders.items())}
+    hellaswag_eval = hellaswag.for_training(cfg, meta, rt)  # None unless hellaswag_interval
+    counters, next_batch, resume_notes, state = runstate.Counters(), None, [], None
+    if t.init_from == "resume":
+        state = checkpoint.load_train_state(source)
+        counters, next_batch, resume_notes = runstate.restore_train_state(
+            state, dist.optimizer(raw_model, optimizer), scaler, train_batches, rt.device,
+            str(source))
+        resume_notes += runstate.config_changes(checkpoint.read_config(source), cfg,
+                                                (state.get("world_size", 1), dist.world_size))
+    resume_notes += dist.restore_rank_rng(state, cfg.system.seed, counters.step)
+    model, compile_note = speedups.compile_model(model, cfg.system, rt)
+
+    print(f"config:\n{cfg.to_json()}")
+    print(speedups.banner(speedups.settings(cfg, rt, fused_note, compile_note, batch_note,
+                                            kernels), rt.notes))
+    print(dist.describe(cfg) + (f"  [{accum_note}]" if accum_note else ""))
+    tokens_per_step = t.batch_size * cfg.model.block_size * t.grad_accum_steps * dist.world_size
+    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters without embeddings, "
+          f"{raw_model.num_params(False) / 1e6:.2f}M with"
+          + (f" | from {source}" if source else ""))
+    print(f"memory: weights={weights_note} "
+          f"activation_checkpointing={cfg.model.activation_checkpointing} "
+          f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
+          f"prefetch={train_batches.prefetch_note}")
+    print(memory.format_estimate(memory.estimate(cfg, dist.world_size), cfg))
+    for note in resume_notes:
+        print(f"note: {note}")
+    peak = runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size
+    flops_per_step = raw_model.flops_per_token() * tokens_per_step
+    run = runlog.RunLog(cfg, counters.step, resumed=t.init_from == "resume",
+                        train_seconds=counters.train_seconds, wandb_id=counters.wandb_id,
+                        files=dist.is_main)
+    counters.wandb_id = run.wandb_id
+
+    def save(step: int) -> None:
+        if not t.save_checkpoints:
+            return
+        if not dist.weights_finite(raw_model):
+            print(f"step {step:5d} | weights hold NaN/inf: not saved; the last good checkpoint "
+                  f"is {checkpoint.latest_checkpoint(t.out_dir)}")
+            stop.request("nonfinite")
+            return
+        counters.train_seconds = run.train_seconds
+        # (x, y) is the batch already fetched for the next step
+        state = dist.capture_train_state(raw_model, optimizer, scaler, train_batches, (x, y),
+                                         counters, rt.device)  # every rank: FSDP gathers
+        weights = dist.model_state(raw_model)  # None on ranks > 0
+        if not dist.is_main:
+            return
+        info = {"losses": counters.losses, "eval_step": counters.eval_step,
+                "tokens_seen": counters.tokens_seen, "tokenizer": meta["tokenizer"],
+                "dataset": cfg.data.dataset}
+        checkpoint.save(t.out_dir, step, raw_model, cfg, info, state, t.keep_checkpoints,
+                        weights=weights)
+
+    model.train()
+    x, y = next_batch or train_batches.next()
+    start_step = step = counters.step
+    guard = runstate.NonFiniteGuard(t.max_nonfinite_steps)
+    # SIGINT/SIGTERM: save at the next step, exit (every rank at the same step)
+    with distributed.stop_request(dist) as stop, run:
+        while True:
+            if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
+                counters.record_eval(step, dist.mean_losses(evaluate(model, loaders, eval_sets,
+                                                                     rt)))
+                run.eval(step, counters.losses)  # prints it, redraws the loss curve
+                if step > start_step:
+                    save(step)
+                memory.release_cached(rt.device, cfg.system.empty_cache)  # a phase boundary
+            if hellaswag_eval and hellaswag_eval.due(step) and (step > start_step or step == 0):
+                run.write(kind="hellaswag", step=step, **hellaswag_eval.run(raw_model, step))
+                memory.release_cached(rt.device, cfg.system.empty_cache)
+            if step >= t.max_iters or stop:
+                break
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=rt.device)
+            for micro in range(t.grad_accum_steps):
+                with dist.grad_sync(micro == t.grad_accum_steps - 1):  # ranks sync on the last
+                    with rt.autocast():
+                        _, loss = model(x, y)
+                    x, y = train_batches.next()  # fetch the next batch while the device works
+                    loss_sum += loss.detach()
+                    scaler.scale(loss / t.grad_accum_steps).backward()
+            loss_sum = dist.sync_step(loss_sum, stop)  # the mean over ranks; shares a stop signal
+            norm, updated = optimizer_step(optimizer, scaler, raw_model, t.grad_clip,
+                                           guard, loss_sum)
+            step += 1
+            counters.step, counters.tokens_seen = step, counters.tokens_seen + tokens_per_step
+            if not updated:
+                counters.skipped_steps += 1
+                report_skip(run, step, loss_sum / t.grad_accum_steps, norm, guard)
+                if guard.exhausted:
+                    stop.request("nonfinite")
+                    break
+            if t.stop_after_iters and step - start_step >= t.stop_after_iters:
+                stop.request("stop_after_iters")
+            if step % t.log_interval == 0 or step == t.max_iters:
+                loss_value = loss_sum.item() / t.grad_accum_steps  # .item() syncs the device
+                dt = time.perf_counter() - t0
+                mfu = flops_per_step / dt / peak if peak else None
+                print(log_line(step, loss_value, lr, norm.item(), 1000 * dt, tokens_per_step / dt,
+                               mfu) + run.progress(step))
+                run.write(kind="train", step=step, loss=loss_value, lr=lr, norm=norm.item(),
+                          ms=1000 * dt, tok_per_s=tokens_per_step / dt, mfu=mfu)
+        if stop and stop.reason != "nonfinite" and counters.eval_step != step:
+            save(step)  # stopped between evaluations: keep this step
+        return run.finish(counters, stop.reason or "done", start_step,
+                          checkpoint.latest_checkpoint(t.out_dir))
+
+
+ESTIMATE_FLAG = {"--estimate-memory": "print the memory estimate for this config and exit "
+                                     "without training"}
+
+
+def estimate_only(cfg: Config) -> str:
+    """The start-up memory estimate, without building the model (vocab_size from the data)."""
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = dataset_meta(cfg)["vocab_size"]
+    world = distributed.launch_env()[2]
+    params = memory.parameter_count(cfg.model)
+    return (f"model: {params / 1e6:.2f}M parameters, {world} process(es)\n"
+            + memory.format_estimate(memory.estimate(cfg, world), cfg))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done (or stopped by stop_after_iters), 2 bad input, 3 stopped on NaN/inf,
+    4 another process of a distributed run died or hung, 128 + N stopped by signal N after
+    saving (130 for Ctrl-C, 143 for SIGTERM)."""
+    where = distributed.error_prefix()  # 'rank 3: ' when there are several processes
     try:
-        cfg, _ = load_config(sys.argv[1:] if argv is None else argv, prog="train.py")
-        train(cfg)
+        cfg, flags = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
+                                 extra_flags=ESTIMATE_FLAG)
+        if flags:
+            print(estimate_only(cfg))
+            return 0
+        summary = train(cfg)
     except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{where}error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing saved since the last checkpoint", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        if not distributed.collective_failed(e):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        print(f"{where}error: waiting for the other processes failed ({first}): another rank "
+              "died (its error is in the launcher's summary) or did not answer within "
+              f"--dist_timeout={cfg.system.dist_timeout:g} seconds; a rank that is only slow (a "
+              "long save or evaluation) needs a larger --dist_timeout", file=sys.stderr)
+        return 4
+    reason = summary["stop_reason"]
+    if reason == "nonfinite":
+        print(f"error: stopped at step {summary['step']}: the loss or gradient norm was NaN/inf "
+              f"for {cfg.train.max_nonfinite_steps} steps in a row (or the weights were); "
+              f"nothing non-finite was saved; the last good checkpoint is "
+              f"{summary['checkpoint']}: resume it with --init_from=resume, perhaps with a "
+              "lower --learning_rate", file=sys.stderr)
+        return 3
+    if reason.startswith("SIG"):
+        return 128 + signal.Signals[reason].value
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(distributed.record(main)())

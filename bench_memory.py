@@ -1,0 +1,392 @@
+"""The memory benchmark: what each memory strategy costs and saves on this machine.
+
+    python bench_memory.py                        # every part, bench_cpu (CPU) / bench_gpu config
+    python bench.py --memory                      # the same, through bench.py
+    python bench_memory.py --part train --config gpt2_124m --batch_size=4
+    python bench_memory.py --part quant --checkpoint out/shakespeare_char
+    python bench_memory.py --part decode          # ours vs transformers' generate, GPT-2 124M
+
+Parts:
+  train   one row per setting (activation checkpointing modes, bfloat16 autocast, empty_cache and
+          prefetch on CUDA), each in its own process: a few training steps with an evaluation
+          between them; peak memory, tokens/s, and the start-up estimate beside the measured peak
+  quant   int8 weight-only attention + MLP Linears (sample.quantize): weight bytes, batch-1
+          decode tokens/s and the validation loss, float vs int8, of a trained model (trains a
+          small one first unless --checkpoint is given)
+  decode  batch-1 greedy decoding with the KV cache on GPT-2 124M-shaped weights (random, the
+          same ones for both), ours vs transformers' generate in one process, against the
+          memory-bandwidth limit (weight bytes read per token vs measured copy bandwidth)
+
+Peak memory is CUDA max allocated/reserved, or on CPU the process's peak RSS above its RSS after
+start-up (the allocator's high-water mark, rougher). Results go to bench_results/memory_NAME.json
+and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import memory
+import runtime
+import speedups
+from config import Config, ConfigError, from_dict, load_config
+from data.loader import Batches, DataError, load_meta
+
+REPO_ROOT = Path(__file__).resolve().parent
+MIB = 2**20
+# (label, overrides, needs CUDA)
+TRAIN_ROWS = [
+    ("baseline", [], False),
+    ("checkpointing=all", ["--activation_checkpointing=all"], False),
+    ("checkpointing=attention", ["--activation_checkpointing=attention"], False),
+    ("checkpointing=mlp", ["--activation_checkpointing=mlp"], False),
+    ("checkpointing=every:2", ["--activation_checkpointing=every:2"], False),
+    ("dtype=bfloat16", ["--dtype=bfloat16"], False),
+    ("empty_cache=off", ["--empty_cache=false"], True),
+    ("prefetch=on", ["--prefetch=true"], True),
+]
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def in_use(device: torch.device) -> int:
+    """Bytes held now: CUDA allocated, or the process's RSS."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_now()
+
+
+def peak_in_use(device: torch.device) -> int:
+    peak = speedups.peak_memory(device)
+    return peak["allocated"] if device.type == "cuda" else peak.get("rss", 0)
+
+
+def train_step(model, optimizer, batches: Batches, batch: tuple, cfg: Config,
+               rt: runtime.Runtime) -> tuple:
+    t = cfg.train
+    x, y = batch
+    for _ in range(t.grad_accum_steps):
+        with rt.autocast():
+            _, loss = model(x, y)
+        x, y = batches.next()
+        (loss / t.grad_accum_steps).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss.item()
+    return x, y
+
+
+def train_row(cfg: Config, steps: int) -> dict:
+    """Build as train.py does and take one step (AdamW's state appears); then `steps` steps, an
+    evaluation (then empty_cache as configured) and `steps` more. Reports the peak over those
+    above what was held before them (weights + AdamW state: the step's own memory), the whole
+    peak, and tokens/s over the steps after the evaluation."""
+    from train import build_model, evaluate, make_optimizer
+
+    rt = runtime.setup(cfg.system)
+    meta = load_meta(cfg.data.dataset)
+    start = in_use(rt.device)
+    model, _ = build_model(cfg, meta, rt.device)
+    optimizer, _ = make_optimizer(model, cfg, rt.device)
+    t = cfg.train
+    batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
+                      rt.device, cfg.data.pin_memory, prefetch=cfg.data.prefetch)
+    val = Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed, rt.device)
+    model.train()
+    batch = train_step(model, optimizer, batches, batches.next(), cfg, rt)
+    rt.synchronize()
+    resident = in_use(rt.device)
+    speedups.reset_peak_memory(rt.device)
+    times = []
+    for i in range(2 * steps):
+        if i == steps:
+            evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
+            memory.release_cached(rt.device, cfg.system.empty_cache)
+        rt.synchronize()
+        t0 = time.perf_counter()
+        batch = train_step(model, optimizer, batches, batch, cfg, rt)
+        rt.synchronize()
+        if i >= steps:
+            times.append(time.perf_counter() - t0)
+    peak = peak_in_use(rt.device)
+    e = memory.estimate(cfg)
+    result = {"tokens_per_s": t.batch_size * t.grad_accum_steps * cfg.model.block_size
+              / statistics.median(times),
+              "step_peak": peak - resident, "peak": peak - start,
+              "estimate_step": e.total - e.weights - e.optimizer, "estimate": e.total}
+    if rt.device.type == "cuda":
+        result["reserved"] = torch.cuda.max_memory_reserved(rt.device)
+    return result
+
+
+def run_in_process(kind: str, spec: dict) -> dict:
+    """One row in a fresh Python process: its own peak memory, nothing cached from before."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps({"kind": kind, **spec}))
+        # large CPU buffers straight from mmap, so freed tensors leave the RSS at once and the
+        # peak RSS follows live tensors (glibc otherwise keeps freed memory in its heap)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        proc = subprocess.run([sys.executable, __file__, "--worker", str(path)], cwd=REPO_ROOT,
+                              capture_output=True, text=True, env=env)
+        out = Path(tmp) / "result.json"
+        if proc.returncode != 0 or not out.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"status": "failed", "reason": " | ".join(tail)}
+        return {"status": "ok", **json.loads(out.read_text())}
+
+
+def worker(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = from_dict(spec["config"])
+    if spec["kind"] == "train":
+        result = train_row(cfg, spec["steps"])
+    else:
+        raise ValueError(spec["kind"])
+    (Path(spec_path).parent / "result.json").write_text(json.dumps(result))
+    return 0
+
+
+def bench_train(argv: list[str], steps: int, device: torch.device) -> list[dict]:
+    rows = []
+    for label, overrides, needs_cuda in TRAIN_ROWS:
+        if needs_cuda and device.type != "cuda":
+            rows.append({"setting": label, "status": "needs CUDA"})
+            continue
+        cfg, _ = load_config(argv + overrides, prog="bench_memory.py")
+        result = run_in_process("train", {"config": cfg.to_dict(), "steps": steps})
+        rows.append({"setting": label, **result})
+        print(f"  train {label}: {row_text(rows[-1])}", flush=True)
+    return rows
+
+
+def row_text(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']} {row.get('reason', '')}"
+    return (f"{row['tokens_per_s']:,.0f} tok/s, step peak {row['step_peak'] / MIB:,.0f} MiB "
+            f"(estimate {row['estimate_step'] / MIB:,.0f}), whole peak {row['peak'] / MIB:,.0f} "
+            f"MiB (estimate {row['estimate'] / MIB:,.0f})")
+
+
+@torch.no_grad()
+def decode_rate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
+                rt: runtime.Runtime) -> tuple[float, torch.Tensor]:
+    """Batch-1 greedy decoding with our KV cache: (tokens/s after the prompt, the tokens)."""
+    from generate import generate_tokens
+
+    generate_tokens(model, prompt, 4, temperature=0, autocast=rt.autocast)  # warm-up
+    rt.synchronize()
+    t0 = time.perf_counter()
+    out = generate_tokens(model, prompt, new_tokens, temperature=0, autocast=rt.autocast)
+    rt.synchronize()
+    return new_tokens / (time.perf_counter() - t0), out
+
+
+def copy_bandwidth(device: torch.device, mib: int = 256) -> float:
+    """Bytes/s of a large device-memory copy (read + write), the best of a few."""
+    src = torch.empty(mib * MIB // 4, device=device)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 2 * src.numel() * 4 / (time.perf_counter() - t0))
+    return best
+
+
+def trained_model(args, cfg: Config, rt: runtime.Runtime):
+    """The checkpoint to score, or a small model trained here for args.quant_steps steps."""
+    import checkpoint
+    import train
+
+    if args.checkpoint:
+        model, stored, _ = checkpoint.load_model(args.checkpoint, rt.device)
+        return model, stored
+    cfg = copy.deepcopy(cfg)
+    out = tempfile.mkdtemp(prefix="bench_memory_")
+    cfg.train.out_dir, cfg.train.max_iters = out, args.quant_steps
+    cfg.train.eval_interval, cfg.train.log_interval = args.quant_steps, args.quant_steps
+    cfg.train.warmup_iters, cfg.train.init_from = min(20, args.quant_steps), "scratch"
+    cfg.system.compile = False
+    print(f"  quant: training {args.quant_steps} steps to have a model to quantize ...",
+          flush=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        train.train(cfg)
+    model, stored, _ = checkpoint.load_model(out, rt.device)
+    return model, stored
+
+
+def bench_quant(args, cfg: Config, rt: runtime.Runtime) -> dict:
+    from train import evaluate
+
+    model, stored = trained_model(args, cfg, rt)
+    model.eval()
+    meta = load_meta(stored.data.dataset)
+    val = Batches(meta, "val", 8, model.config.block_size, 0, rt.device)
+    eval_set = {"val": val.fixed(args.eval_batches, seed=1)}
+    prompt = torch.zeros((1, 1), dtype=torch.long, device=rt.device)
+    new = min(args.decode_tokens, model.config.block_size - 1)
+    rows = {}
+    for label in ("float32", "int8"):
+        if label == "int8":
+            chosen = memory.quantize_linears(model, args.quantize_layers)
+        rate, _ = decode_rate(model, prompt, new, rt)
+        rows[label] = {"weight_bytes": memory.weight_bytes(model), "decode_tokens_per_s": rate,
+                       "val_loss": evaluate(model, {"val": val}, eval_set, rt)["val"]}
+        print(f"  quant {label}: {rows[label]}", flush=True)
+    return {"layers": args.quantize_layers, "quantized": len(chosen),
+            "params": model.num_params(False), "rows": rows}
+
+
+def bench_decode(args, rt: runtime.Runtime) -> dict:
+    """Ours vs transformers' generate on the same GPT-2 124M-shaped weights, batch 1, greedy."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import load_gpt2_weights
+    from config import ModelConfig
+    from model import GPT
+
+    torch.manual_seed(0)
+    m = ModelConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
+                    attention="sdpa", causal_mask="on_the_fly", norm="native", gelu="native")
+    ours = GPT(m).to(rt.device).eval()
+    hf = GPT2LMHeadModel(GPT2Config(**load_gpt2_weights.hf_config(m)))
+    missing, unexpected = hf.load_state_dict(load_gpt2_weights.ours_to_hf(ours), strict=False)
+    hf = hf.to(rt.device).eval()
+    prompt = torch.randint(0, m.vocab_size, (1, args.prompt_tokens), device=rt.device)
+    new = args.decode_tokens
+    our_rate, our_tokens = decode_rate(ours, prompt, new, rt)
+    kwargs = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, use_cache=True,
+                  pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        hf.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        rt.synchronize()
+        t0 = time.perf_counter()
+        hf_tokens = hf.generate(prompt, **kwargs)
+        rt.synchronize()
+    hf_rate = new / (time.perf_counter() - t0)
+    weight = memory.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4  # wpe: 1 row
+    bandwidth = copy_bandwidth(rt.device)
+    result = {"params": ours.num_params(False), "weight_bytes_per_token": weight,
+              "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
+              "ours_tokens_per_s": our_rate, "hf_tokens_per_s": hf_rate,
+              "same_tokens": bool(torch.equal(our_tokens, hf_tokens)),
+              "hf_missing_keys": [k for k in missing if not k.endswith("attn.bias")],
+              "prompt_tokens": args.prompt_tokens, "new_tokens": new}
+    print(f"  decode: {result}", flush=True)
+    return result
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Memory benchmark on {report['hardware']} (`{report['command']}`)", ""]
+    if "train" in report:
+        lines += ["| setting | tokens/s | step peak MiB (estimate) | whole peak MiB (estimate) |",
+                  "|---|---:|---:|---:|"]
+        for row in report["train"]:
+            if row["status"] != "ok":
+                lines.append(f"| {row['setting']} | {row['status']} | | |")
+                continue
+            lines.append(f"| {row['setting']} | {row['tokens_per_s']:,.0f} | "
+                         f"{row['step_peak'] / MIB:,.0f} ({row['estimate_step'] / MIB:,.0f}) | "
+                         f"{row['peak'] / MIB:,.0f} ({row['estimate'] / MIB:,.0f}) |")
+        lines.append("")
+    if "quant" in report:
+        q = report["quant"]
+        lines += [f"int8 weight-only ({q['layers']}, {q['quantized']} Linears, "
+                  f"{q['params'] / 1e6:.2f}M-parameter model):", "",
+                  "| weights | bytes | decode tok/s (batch 1) | val loss |", "|---|---:|---:|---:|"]
+        for label, r in q["rows"].items():
+            lines.append(f"| {label} | {r['weight_bytes'] / MIB:,.2f} MiB | "
+                         f"{r['decode_tokens_per_s']:,.0f} | {r['val_loss']:.4f} |")
+        lines.append("")
+    if "decode" in report:
+        d = report["decode"]
+        lines += [f"Batch-1 greedy decode, GPT-2 124M shape, {d['prompt_tokens']}-token prompt, "
+                  f"{d['new_tokens']} new tokens (same tokens from both: {d['same_tokens']}):", "",
+                  "| implementation | tokens/s | share of the bandwidth limit |", "|---|---:|---:|"]
+        limit = d["bandwidth_limit_tokens_per_s"]
+        for label, key in (("ours (KV cache)", "ours_tokens_per_s"),
+                           ("transformers generate", "hf_tokens_per_s")):
+            lines.append(f"| {label} | {d[key]:,.1f} | {100 * d[key] / limit:.0f}% |")
+        lines.append(f"| limit: {d['copy_bandwidth'] / 1e9:.1f} GB/s copy bandwidth / "
+                     f"{d['weight_bytes_per_token'] / MIB:,.0f} MiB of weights per token | "
+                     f"{limit:,.1f} | 100% |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="bench_memory.py", allow_abbrev=False,
+                                description="Memory strategies: peak memory and speed.",
+                                epilog="Other arguments are config overrides, as for train.py.")
+    p.add_argument("--part", default="train,quant,decode", help="train, quant, decode (a list)")
+    p.add_argument("--steps", type=int, default=3, help="train: steps before and after the eval")
+    p.add_argument("--checkpoint", default="", help="quant: the trained model to quantize")
+    p.add_argument("--quant-steps", type=int, default=300,
+                   help="quant: training steps when no --checkpoint is given")
+    p.add_argument("--quantize-layers", default="attn,mlp", help="quant: sample.quantize_layers")
+    p.add_argument("--eval-batches", type=int, default=20, help="quant: val batches of 8")
+    p.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode run")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="decode: prompt length")
+    p.add_argument("--results", default="bench_results", help="output folder")
+    p.add_argument("--name", default="", help="output file stem after memory_ (default: device)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, rest = parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    parts = [p.strip() for p in args.part.split(",") if p.strip()]
+    try:
+        if not set(parts) <= {"train", "quant", "decode"} or not parts:
+            raise ConfigError(f"--part={args.part!r}: use train, quant and/or decode")
+        device = runtime.resolve_device(load_config(rest)[0].system.device)
+        if not any(a.startswith("--config") for a in rest):
+            rest = ["--config", "bench_gpu" if device.type == "cuda" else "bench_cpu"] + rest
+        cfg, _ = load_config(rest, prog="bench_memory.py")
+        rt = runtime.setup(cfg.system)
+        import bench
+        bench.ensure_dataset(cfg)
+    except (ConfigError, DataError, runtime.SetupError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = {"hardware": runtime.device_name(rt), "command": "python bench_memory.py "
+              + shlex.join(argv), "config": cfg.to_dict()}
+    if "train" in parts:
+        report["train"] = bench_train(rest, args.steps, rt.device)
+    if "quant" in parts:
+        report["quant"] = bench_quant(args, cfg, rt)
+    if "decode" in parts:
+        report["decode"] = bench_decode(args, rt)
+    text = markdown(report)
+    print("\n" + text)
+    folder = REPO_ROOT / args.results
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = "memory_" + (args.name or rt.device.type)
+    (folder / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (folder / f"{stem}.md").write_text(text)
+    print(f"wrote {folder / stem}.json, .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

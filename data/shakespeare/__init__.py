@@ -1,0 +1,1 @@
+"""Tiny Shakespeare in GPT-2 BPE tokens (prepare.py)."""

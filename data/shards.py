@@ -1,0 +1,654 @@
+"""Sharded GPT-2 token datasets for corpora of any size: streamed, tokenized in parallel worker
+processes, written as fixed-size shards, and resumable after an interruption.
+
+    python data/fineweb_edu/prepare.py                     # the 10B-token FineWeb-Edu sample
+    python data/openwebtext/prepare.py --workers 8
+    python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
+        --out-dir data/mycorpus --max-tokens 5M --shard-tokens 1M
+
+The token stream is every document's GPT-2 tokens followed by <|endoftext|>, in the dataset's
+order. Its first val_tokens tokens (extended to the end of that document) are the val split, the
+rest is train. Each split is cut into shards of shard_tokens tokens (its last shard shorter):
+
+    val_000000.bin, train_000000.bin, ...   flat uint16 token ids, memory-mapped by the loader
+    meta.json                               tokenizer, dtype, every shard with its token count
+    prepare_state.json                      the progress record a second run resumes from
+
+A shard is written to a hidden `.NAME.partial` file and renamed when full, so a file with a shard's
+name is always complete; meta.json is written last, so the dataset is usable only when complete.
+The progress record is committed (after an fsync of the partial file) every commit_tokens tokens
+and at every shard boundary; it holds the stream position (document index, tokens of that document
+already written, the dataset iterator's resumable state) that matches the committed length of the
+partial shard. A second run truncates the partial shard to that length and carries on from there,
+so an interrupted and resumed preparation writes exactly the bytes of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import resource
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from data.loader import DataError, _write_atomic, token_dtype
+from tokenizer import GPT2Tokenizer
+
+STATE_FILE = "prepare_state.json"
+SPLIT_ORDER = ("val", "train")
+SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+TASK_CHARS = 2**20  # text per tokenizer task at most: long documents make smaller tasks
+
+
+@dataclass
+class Source:
+    """Where the documents come from: a Hugging Face Hub dataset (streamed), a builder over local
+    files (`json`, `text`, `parquet`, `csv` with data_files), or a folder written by
+    `Dataset.save_to_disk`."""
+
+    dataset: str
+    name: str | None = None
+    split: str = "train"
+    data_files: list[str] | None = None
+    text_field: str = "text"
+    revision: str | None = None
+
+    def describe(self) -> str:
+        parts = [self.dataset, self.name or "", f"split={self.split}"]
+        if self.data_files:
+            parts.append(f"files={','.join(self.data_files)}")
+        return " ".join(p for p in parts if p)
+
+
+@dataclass
+class Batch:
+    """Documents handed to one tokenizer task, and where they sit in the stream."""
+
+    first_doc: int  # index of texts[0] in the document stream
+    count: int
+    stream_state: dict | None  # the dataset iterator's state just before texts[0]
+
+
+def open_stream(source: Source):
+    """The documents as a datasets.IterableDataset (streamed: memory stays flat)."""
+    import datasets
+
+    path = Path(source.dataset)
+    try:
+        if path.is_dir() and any((path / m).is_file() for m in SAVED_DATASET_MARKERS):
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if source.split not in ds:
+                    raise DataError(f"saved dataset {path} has splits {sorted(ds)}, not "
+                                    f"'{source.split}'; pass --split")
+                ds = ds[source.split]
+            ds = ds.to_iterable_dataset()
+        else:
+            ds = datasets.load_dataset(source.dataset, source.name, split=source.split,
+                                       data_files=source.data_files, revision=source.revision,
+                                       streaming=True)
+    except DataError:
+        raise
+    except Exception as e:  # hub, network, file and script errors all land here
+        raise DataError(_open_error(source, e)) from None
+    columns = ds.column_names
+    if columns is not None and source.text_field not in columns:
+        raise DataError(f"documents in {source.describe()} have no '{source.text_field}' field "
+                        f"(fields: {', '.join(columns)}); pass --text-field")
+    if columns is not None and len(columns) > 1:
+        ds = ds.select_columns([source.text_field])  # skip decoding the other columns
+    return ds
+
+
+def _open_error(source: Source, e: Exception) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
+            "or --dataset text) or a folder saved with Dataset.save_to_disk")
+    if "scripts are no longer supported" in str(e):
+        hint = ("this hub dataset still ships a loading script, which datasets>=4 refuses; pass "
+                "--revision refs/convert/parquet (the hub's parquet export) or a parquet mirror")
+    return f"could not open {source.describe()}: {type(e).__name__}: {first}; {hint}"
+
+
+def read_batches(ds, text_field: str, start_doc: int, skip: int, docs_per_task: int,
+                 stream_state: dict | None) -> Iterator[tuple[Batch, list[str]]]:
+    """Documents in batches, from document `start_doc + skip`. The iterator resumes from
+    `stream_state` (saved at document start_doc) when the dataset supports it; otherwise it
+    re-reads and drops the first start_doc documents."""
+    resumable = hasattr(ds, "state_dict")
+    if stream_state is not None and resumable:
+        ds.load_state_dict(stream_state)
+    else:
+        skip += start_doc
+        start_doc = 0
+    rows = iter(ds)
+    for _ in islice(rows, skip):
+        pass
+    doc = start_doc + skip
+    while True:
+        state = ds.state_dict() if resumable else None
+        texts, chars = [], 0
+        for row in rows:  # a task ends at docs_per_task documents or TASK_CHARS of text
+            texts.append(_text(row, text_field, doc + len(texts)))
+            chars += len(texts[-1])
+            if len(texts) == docs_per_task or chars >= TASK_CHARS:
+                break
+        if not texts:
+            return
+        yield Batch(doc, len(texts), state), texts
+        doc += len(texts)
+
+
+def _text(row: dict, field: str, index: int) -> str:
+    try:
+        text = row[field]
+    except KeyError:
+        raise DataError(f"document {index} has no '{field}' field (fields: "
+                        f"{', '.join(row)}); pass --text-field") from None
+    if not isinstance(text, str):
+        raise DataError(f"document {index}: '{field}' is {type(text).__name__}, not text; "
+                        "pass --text-field naming a text column")
+    return text
+
+
+_worker_tokenizer: GPT2Tokenizer | None = None
+
+
+def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """GPT-2 tokens of each document followed by <|endoftext|>, concatenated, and each document's
+    token count (the separator included)."""
+    global _worker_tokenizer
+    if _worker_tokenizer is None:
+        _worker_tokenizer = GPT2Tokenizer()
+    tok = _worker_tokenizer
+    docs = [tok.encode_ordinary(text) for text in texts]
+    lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    flat = np.empty(int(lengths.sum()), dtype=np.uint16)
+    ends = np.cumsum(lengths)
+    for d, end in zip(docs, ends):
+        flat[end - len(d) - 1:end - 1] = d
+        flat[end - 1] = tok.eot_id
+    return flat, lengths
+
+
+def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, float]:
+    """encode_batch, plus the worker's peak resident memory so far (MiB)."""
+    return (*encode_batch(texts), peak_rss_mib())
+
+
+def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
+                      ) -> Iterator[tuple[Batch, np.ndarray, np.ndarray, float]]:
+    """encode_in_worker over the batches in `workers` processes, results in input order. At most
+    2 * workers + 1 batches are in flight, so memory stays bounded however long the stream."""
+    if workers == 1:
+        for batch, texts in batches:
+            yield (batch, *encode_in_worker(texts))
+        return
+    # spawn, not fork: the datasets/fsspec stack runs threads that fork would copy mid-flight
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint) as pool:
+        pending: deque = deque()
+        try:
+            for batch, texts in batches:
+                pending.append((batch, pool.submit(encode_in_worker, texts)))
+                if len(pending) > 2 * workers:
+                    done, future = pending.popleft()
+                    yield (done, *future.result())
+            while pending:
+                done, future = pending.popleft()
+                yield (done, *future.result())
+        except BrokenProcessPool:
+            raise DataError("a tokenizer worker process died (out of memory, killed, or it "
+                            "could not start: run the preparation as a script, not from stdin "
+                            "or a notebook cell); run the same command again to resume, or "
+                            "use --workers 1") from None
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the main process, which stops at a consistent point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class GracefulInterrupt:
+    """The first Ctrl-C asks the loop to commit and stop after the current batch; a second one
+    interrupts at once (the last commit still holds)."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstopping after the current batch (Ctrl-C again to stop at once) ...",
+              file=sys.stderr)
+
+    def __enter__(self) -> "GracefulInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+class ShardWriter:
+    """Appends the token stream to shards and keeps prepare_state.json in step with them."""
+
+    def __init__(self, out_dir: Path, settings: dict, commit_tokens: int):
+        self.out = out_dir
+        self.settings = settings
+        self.shard_tokens = settings["shard_tokens"]
+        self.val_tokens = settings["val_tokens"]
+        self.max_tokens = settings["max_tokens"]
+        self.commit_tokens = commit_tokens
+        self.dtype = np.dtype(settings["dtype"])
+        self.file = None
+        self.uncommitted = 0
+        self.state = self._load_or_start()
+        self.closed = {split: sum(s["tokens"] for s in self.state["shards"][split])
+                       for split in SPLIT_ORDER}  # tokens in finished shards, per split
+
+    def _load_or_start(self) -> dict:
+        path = self.out / STATE_FILE
+        if not path.is_file():
+            stray = sorted(p.name for p in self.out.glob("*.bin"))
+            if stray:
+                raise DataError(f"{self.out} holds shard files ({', '.join(stray[:3])}...) but no "
+                                f"{STATE_FILE}; delete them or choose another --out-dir")
+            return {"settings": self.settings, "shards": {s: [] for s in SPLIT_ORDER},
+                    "current": {"split": "val", "index": 0, "tokens": 0, "closing": False},
+                    "pos": {"doc": 0, "offset": 0, "batch_doc": 0, "stream_state": None},
+                    "finished": False}
+        state = json.loads(path.read_text())
+        changed = [f"{k}: {state['settings'].get(k)!r} then, {v!r} now"
+                   for k, v in self.settings.items() if state["settings"].get(k) != v]
+        if changed:
+            raise DataError(f"{self.out} holds a preparation with other settings ("
+                            + "; ".join(changed) + "); re-run with the same settings to resume, "
+                            "or delete the folder (or pick another --out-dir) to start over")
+        return state
+
+    def paths(self, split: str, index: int) -> tuple[Path, Path]:
+        final = self.out / f"{split}_{index:06d}.bin"
+        return final, self.out / f".{final.name}.partial"
+
+    def recover(self) -> None:
+        """Bring the files in line with the last committed state after an interruption."""
+        for split, shards in self.state["shards"].items():
+            for shard in shards:
+                self._check_size(self.out / shard["file"], shard["tokens"])
+        cur = self.state["current"]
+        final, partial = self.paths(cur["split"], cur["index"])
+        if cur["closing"]:  # stopped between committing a full shard and renaming it
+            if partial.exists():
+                os.replace(partial, final)
+            self._check_size(final, cur["tokens"])
+            self._advance()
+            self._write_state()
+        else:
+            if final.exists():
+                raise DataError(f"{final} exists but {STATE_FILE} records it as unfinished; "
+                                f"delete {self.out} and prepare again")
+            if cur["tokens"] or partial.exists():  # drop whatever was written after the commit
+                self._check_size(partial, cur["tokens"], at_least=True)
+                os.truncate(partial, cur["tokens"] * self.dtype.itemsize)
+        cur = self.state["current"]
+        keep = self.paths(cur["split"], cur["index"])[1]
+        for stray in self.out.glob(".*.partial"):
+            if stray != keep:
+                stray.unlink()
+
+    def _check_size(self, path: Path, tokens: int, at_least: bool = False) -> None:
+        size = path.stat().st_size if path.exists() else -1
+        want = tokens * self.dtype.itemsize
+        if size < want or (size != want and not at_least):
+            raise DataError(f"{path} has {max(size, 0)} bytes but {STATE_FILE} records {tokens:,} "
+                            f"tokens ({want} bytes); the folder was changed by hand: delete "
+                            f"{self.out} and prepare again")
+
+    def written(self, split: str | None = None) -> int:
+        splits = [split] if split else list(SPLIT_ORDER)
+        cur = self.state["current"]
+        return sum(self.closed[s] for s in splits) + (cur["tokens"] if cur["split"] in splits
+                                                       else 0)
+
+    def add_document(self, tokens: np.ndarray, batch: Batch) -> bool:
+        """Append the rest of document pos.doc (tokens past pos.offset). False once max_tokens is
+        reached and the dataset is finished."""
+        pos = self.state["pos"]
+        tokens = tokens[pos["offset"]:]
+        while tokens.size:
+            room = self.shard_tokens - self.state["current"]["tokens"]
+            if self.max_tokens:
+                room = min(room, self.max_tokens - self.written())
+            take = tokens[:room]
+            self._append(take)
+            pos["offset"] += take.size
+            tokens = tokens[take.size:]
+            if self.state["current"]["tokens"] == self.shard_tokens:
+                self.close_shard(batch)
+            if self.max_tokens and self.written() >= self.max_tokens:
+                return False
+        cur = self.state["current"]
+        if cur["split"] == "val" and self.written("val") >= self.val_tokens:
+            # checked before pos moves past the document, so a run resumed from the commit in
+            # close_shard reaches this same switch
+            if cur["tokens"]:
+                self.close_shard(batch)
+            self.state["current"] = {"split": "train", "index": 0, "tokens": 0, "closing": False}
+        pos["doc"], pos["offset"] = pos["doc"] + 1, 0
+        return True
+
+    def _append(self, tokens: np.ndarray) -> None:
+        if self.file is None:
+            cur = self.state["current"]
+            self.file = open(self.paths(cur["split"], cur["index"])[1], "ab")
+        self.file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self.state["current"]["tokens"] += tokens.size
+        self.uncommitted += tokens.size
+
+    def maybe_commit(self, batch: Batch) -> None:
+        if self.uncommitted >= self.commit_tokens:
+            self.commit(batch)
+
+    def commit(self, batch: Batch | None) -> None:
+        """fsync the partial shard, then record the state that matches its length. `batch` holds
+        pos.doc (None: the stream position is unchanged since the last commit)."""
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        if batch is not None:
+            pos = self.state["pos"]
+            pos["batch_doc"], pos["stream_state"] = batch.first_doc, batch.stream_state
+        self._write_state()
+        self.uncommitted = 0
+
+    def _write_state(self) -> None:
+        _write_atomic(self.out / STATE_FILE, json.dumps(self.state).encode())
+
+    def close_shard(self, batch: Batch | None) -> None:
+        """Commit the full shard as 'closing', rename it into place, then start the next one."""
+        cur = self.state["current"]
+        cur["closing"] = True
+        self.commit(batch)
+        self.close()
+        final, partial = self.paths(cur["split"], cur["index"])
+        rename_shard(partial, final)
+        self._advance()
+        self.commit(batch)
+
+    def _advance(self) -> None:
+        cur = self.state["current"]
+        final = self.paths(cur["split"], cur["index"])[0]
+        self.state["shards"][cur["split"]].append({"file": final.name, "tokens": cur["tokens"]})
+        self.closed[cur["split"]] += cur["tokens"]
+        self.state["current"] = {"split": cur["split"], "index": cur["index"] + 1, "tokens": 0,
+                                 "closing": False}
+
+    def finish(self, batch: Batch | None) -> None:
+        if self.state["current"]["tokens"]:
+            self.close_shard(batch)
+        self.state["finished"] = True
+        self._write_state()
+
+    def close(self) -> None:
+        """Release the partial file without committing (used on errors and interrupts)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def rename_shard(partial: Path, final: Path) -> None:
+    os.replace(partial, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename durable before the state that depends on it
+    finally:
+        os.close(fd)
+
+
+def write_meta(out_dir: Path, state: dict, source: Source) -> dict:
+    shards = state["shards"]
+    counts = {split: sum(s["tokens"] for s in shards[split]) for split in SPLIT_ORDER}
+    settings = state["settings"]
+    if not counts["train"]:
+        raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens and "
+                        f"the val split takes the first {settings['val_tokens']:,}; delete "
+                        f"{out_dir} and prepare again with a smaller --val-tokens or more data")
+    tok = GPT2Tokenizer()
+    meta = {"vocab_size": tok.vocab_size, "dtype": settings["dtype"], "tokenizer": tok.meta(),
+            "splits": counts, "shards": shards, "shard_tokens": settings["shard_tokens"],
+            "documents": state["pos"]["doc"], "source": source.describe(), "settings": settings}
+    _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    return meta
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time (user + system) of this process and of its finished child processes."""
+    own, children = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return {"main": own.ru_utime + own.ru_stime,
+            "workers": children.ru_utime + children.ru_stime}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB. On Linux from VmHWM, which belongs to the
+    running program: ru_maxrss would also count the parent's memory at the fork before exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000,
+            val_tokens: int = 10_000_000, max_tokens: int = 0, workers: int = 1,
+            docs_per_task: int = 256, commit_tokens: int = 16_000_000,
+            expected_tokens: int = 0, progress: bool = True) -> dict:
+    """Stream `source` into GPT-2 token shards in out_dir, resuming an interrupted run there.
+    Returns meta.json's content plus a `run` entry (tokens, seconds, tokens/s, peak memory)."""
+    check_sizes(shard_tokens, val_tokens, max_tokens, workers, docs_per_task)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {**asdict(source), "shard_tokens": shard_tokens, "val_tokens": val_tokens,
+                "max_tokens": max_tokens, "tokenizer": "gpt2",
+                "dtype": token_dtype(GPT2Tokenizer().vocab_size).name}
+    writer = ShardWriter(out, settings, commit_tokens)
+    if writer.state["finished"]:
+        print(f"{out}: already prepared ({writer.written():,} tokens); nothing to do")
+        return {**write_meta(out, writer.state, source), "run": {"tokens": 0}}
+    writer.recover()
+    start_tokens, started, cpu_before = writer.written(), time.perf_counter(), cpu_seconds()
+    print(f"{out}: {'resuming at ' + format(start_tokens, ',') + ' tokens' if start_tokens else 'starting'}"
+          f" | {source.describe()} | {workers} worker(s) | shards of {shard_tokens:,} tokens")
+    try:
+        worker_peak, stream_seconds = _run(writer, source, workers, docs_per_task,
+                                           (max_tokens or expected_tokens) if progress else -1)
+    finally:
+        writer.close()
+    seconds = time.perf_counter() - started
+    meta = write_meta(out, writer.state, source)
+    tokens = writer.written() - start_tokens
+    cpu = {k: round(v - cpu_before[k], 1) for k, v in cpu_seconds().items()}
+    # stream_seconds leaves out the fixed start-up (imports, opening the dataset): the rate a
+    # long preparation runs at
+    run = {"tokens": tokens, "seconds": round(seconds, 2), "workers": workers,
+           "tokens_per_s": round(tokens / seconds), "stream_seconds": round(stream_seconds, 2),
+           "stream_tokens_per_s": round(tokens / max(stream_seconds, 1e-9)), "cpu_s": cpu,
+           "peak_mib": {"main": round(peak_rss_mib()), "worker": round(worker_peak)}}
+    parallel = workers > 1
+    print(f"done: {tokens:,} tokens in {seconds:.1f}s ({run['tokens_per_s']:,} tok/s; "
+          f"{run['stream_tokens_per_s']:,} tok/s after start-up) with {workers} worker(s) | "
+          f"{len(meta['shards']['val'])} val + "
+          f"{len(meta['shards']['train'])} train shards, {meta['splits']['val']:,} val / "
+          f"{meta['splits']['train']:,} train tokens | cpu: main {cpu['main']}s"
+          + (f", workers {cpu['workers']}s" if parallel else "")
+          + f" | peak memory: main {run['peak_mib']['main']} MiB"
+          + (f", largest worker {run['peak_mib']['worker']} MiB" if parallel else ""))
+    return {**meta, "run": run}
+
+
+def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
+         bar_total: int) -> tuple[float, float]:
+    """The preparation loop: read -> tokenize (in workers) -> append to shards -> commit.
+    Returns the largest worker's peak memory (MiB) and the seconds since the dataset opened."""
+    pos, worker_peak, opened = writer.state["pos"], 0.0, time.perf_counter()
+    if writer.max_tokens and writer.written() >= writer.max_tokens:
+        writer.finish(None)
+        return worker_peak, 0.0
+    ds = open_stream(source)
+    opened = time.perf_counter()
+    batches = read_batches(ds, source.text_field, pos["batch_doc"],
+                           pos["doc"] - pos["batch_doc"], docs_per_task, pos["stream_state"])
+    bar = None
+    if bar_total >= 0:
+        from tqdm import tqdm
+        bar = tqdm(total=bar_total or None, initial=writer.written(), unit="tok",
+                   unit_scale=True, dynamic_ncols=True, desc="tokens", smoothing=0.05)
+    batch = None
+    try:
+        with GracefulInterrupt() as interrupt, \
+                contextlib.closing(tokenize_in_order(batches, workers)) as results:
+            for batch, flat, lengths, peak in results:
+                worker_peak = max(worker_peak, peak)
+                before = writer.written()
+                if not _write_batch(writer, batch, flat, lengths):
+                    break
+                writer.maybe_commit(batch)
+                if bar is not None:
+                    bar.update(writer.written() - before)
+                    bar.set_postfix(docs=f"{pos['doc']:,}", refresh=False)
+                if interrupt.requested:
+                    writer.commit(batch)
+                    raise KeyboardInterrupt
+        writer.finish(batch)
+    finally:
+        if bar is not None:
+            bar.close()
+    return worker_peak, time.perf_counter() - opened
+
+
+def _write_batch(writer: ShardWriter, batch: Batch, flat: np.ndarray,
+                 lengths: np.ndarray) -> bool:
+    """Hand the batch's documents from pos.doc on to the writer; False when max_tokens is hit."""
+    pos = writer.state["pos"]
+    ends = np.cumsum(lengths)
+    for i in range(pos["doc"] - batch.first_doc, batch.count):
+        doc_tokens = flat[ends[i] - lengths[i]:ends[i]]
+        if not writer.add_document(doc_tokens, batch):
+            return False
+    return True
+
+
+def check_sizes(shard_tokens: int, val_tokens: int, max_tokens: int, workers: int,
+                docs_per_task: int) -> None:
+    problems = [f"{name} must be >= 1, got {value}" for name, value in
+                (("--shard-tokens", shard_tokens), ("--val-tokens", val_tokens),
+                 ("--workers", workers), ("--docs-per-task", docs_per_task)) if value < 1]
+    if max_tokens < 0:
+        problems.append(f"--max-tokens must be >= 0 (0 = no cap), got {max_tokens}")
+    if max_tokens and val_tokens >= max_tokens:
+        problems.append(f"--val-tokens {val_tokens:,} leaves nothing for train under "
+                        f"--max-tokens {max_tokens:,}; use a smaller --val-tokens")
+    if problems:
+        raise DataError("; ".join(problems))
+
+
+def parse_count(text: str) -> int:
+    """'100M', '2.5B', '1_000_000' or '1e6' -> an int number of tokens."""
+    match = re.fullmatch(r"\s*([0-9_.eE+]+)\s*([kKmMbB]?)\s*", text)
+    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}
+    try:
+        if not match:
+            raise ValueError
+        value = float(match.group(1).replace("_", "")) * scale[match.group(2).lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; write e.g. 100M, "
+                                         "2.5B or 1000000") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
+@dataclass
+class Defaults:
+    """What a dataset's prepare script changes about the shared command line."""
+
+    dataset: str
+    out_dir: Path
+    name: str | None = None
+    split: str = "train"
+    expected_tokens: int = 0  # rough size of the full corpus, for the progress bar's ETA
+    shard_tokens: int = 100_000_000
+    val_tokens: int = 10_000_000
+
+
+def main(defaults: Defaults, argv: list[str] | None = None, description: str = "") -> int:
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = parser.add_argument
+    a("--dataset", default=defaults.dataset, help="hub dataset id, a builder over local files "
+      "(json, text, parquet, csv; with --data-files) or a folder saved with save_to_disk "
+      f"(default {defaults.dataset})")
+    a("--name", help=f"hub dataset config (default {defaults.name} for {defaults.dataset})")
+    a("--split", default=defaults.split, help=f"split to read (default {defaults.split})")
+    a("--data-files", nargs="+", help="local files or globs for the json/text/parquet/csv builders")
+    a("--text-field", default="text", help="column holding the document text (default text)")
+    a("--revision", help="hub revision (branch, tag or commit)")
+    a("--out-dir", default=str(defaults.out_dir), help=f"where the shards go (default "
+      f"{defaults.out_dir}); a bare name in train.py's --dataset is a folder under data/")
+    a("--shard-tokens", type=parse_count, default=defaults.shard_tokens,
+      help=f"tokens per shard (default {defaults.shard_tokens:,})")
+    a("--val-tokens", type=parse_count, help=f"tokens held out as val, from the start of the "
+      f"stream (default {defaults.val_tokens:,}, or a tenth of --max-tokens when that is smaller)")
+    a("--max-tokens", type=parse_count, default=0, help="stop after this many tokens in all "
+      "(default 0: the whole dataset); e.g. 20M to try it small")
+    a("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+      help="tokenizer processes (default: CPU cores - 1)")
+    a("--docs-per-task", type=int, default=256, help="documents per tokenizer task (default 256)")
+    a("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    val_tokens = args.val_tokens
+    if val_tokens is None:
+        val_tokens = defaults.val_tokens
+        if args.max_tokens:
+            val_tokens = max(1, min(val_tokens, args.max_tokens // 10))
+    own = args.dataset == defaults.dataset  # the script's config and size apply to its dataset
+    source = Source(args.dataset, args.name or (defaults.name if own else None), args.split,
+                    args.data_files, args.text_field, args.revision)
+    try:
+        prepare(source, args.out_dir, args.shard_tokens, val_tokens, args.max_tokens,
+                args.workers, args.docs_per_task,
+                expected_tokens=defaults.expected_tokens if own else 0,
+                progress=not args.no_progress)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: run the same command again to resume from the last commit in "
+              f"{args.out_dir}", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,254 @@
+"""HellaSwag (Zellers et al. 2019): pick the right one of four endings; scored zero-shot.
+
+    python hellaswag.py --model out/gpt2_124m            # our checkpoint (or its run directory)
+    python hellaswag.py --model gpt2 --device cuda       # OpenAI's GPT-2 via load_gpt2_weights
+    python hellaswag.py --model out/run --limit 500 --data path/to/hellaswag_val.jsonl
+
+Scoring, the completion style used for GPT-2-size models: each ending (with a leading space)
+is appended to the context and the model's cross-entropy is taken over the ending's tokens only.
+`acc` picks the ending with the lowest summed loss, `acc_norm` the one with the lowest loss per
+token (length-normalised). References on the 10,042 validation examples: GPT-2 124M acc_norm
+0.2955 with this scoring; GPT-3 Small (125M) 0.337 in the GPT-3 paper (trained on 300B tokens).
+
+The official validation file is downloaded once to data/hellaswag/hellaswag_val.jsonl on a
+machine with a network; elsewhere, copy it there or pass --data. train.py scores it every
+train.hellaswag_interval steps when that is set.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from data.loader import DataError
+from tokenizer import GPT2Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent
+DEFAULT_PATH = REPO_ROOT / "data" / "hellaswag" / "hellaswag_val.jsonl"
+VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+VAL_EXAMPLES = 10_042
+REFERENCES = "GPT-2 124M acc_norm 0.2955 (this scoring), GPT-3 Small 0.337"
+
+
+class HellaSwagError(DataError):
+    """A HellaSwag file that is missing or malformed, or a model that cannot be scored."""
+
+
+def ensure_file(path: str | Path = "") -> Path:
+    """The validation file at `path` ('' = the default location), downloaded there if missing."""
+    path = Path(path) if path else DEFAULT_PATH
+    if path.is_file():
+        return path
+    if path != DEFAULT_PATH:
+        raise HellaSwagError(f"HellaSwag file {path} not found; pass the path of "
+                             "hellaswag_val.jsonl, or leave it unset to download it")
+    print(f"downloading HellaSwag validation set to {path} ...")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with urllib.request.urlopen(VAL_URL, timeout=60) as response, open(tmp, "wb") as f:
+            f.write(response.read())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise HellaSwagError(f"could not download {VAL_URL} ({e}); on a machine without a "
+                             f"network, copy hellaswag_val.jsonl to {path} or pass its "
+                             "path") from None
+    tmp.replace(path)
+    return path
+
+
+def load_examples(path: str | Path, limit: int = 0) -> list[dict]:
+    """Examples from a HellaSwag jsonl file (the first `limit`; 0 = all), each checked for the
+    fields scoring needs: ctx, endings (4 strings) and label (0-3)."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            examples.append(_check_example(line, f"{path}:{line_no}"))
+            if limit and len(examples) == limit:
+                break
+    if not examples:
+        raise HellaSwagError(f"{path} holds no examples")
+    return examples
+
+
+def _check_example(line: str, where: str) -> dict:
+    try:
+        ex = json.loads(line)
+        ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
+    except json.JSONDecodeError as e:
+        raise HellaSwagError(f"{where}: not a JSON line ({e}); is this the official "
+                             "hellaswag_val.jsonl?") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise HellaSwagError(f"{where}: needs 'ctx', 'endings' and an integer 'label' "
+                             f"({type(e).__name__}: {e})") from None
+    if (not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4
+            or not all(isinstance(e, str) for e in endings)):
+        raise HellaSwagError(f"{where}: 'ctx' must be text and 'endings' a list of 4 texts")
+    if not 0 <= label < 4:
+        raise HellaSwagError(f"{where}: label {label} is not 0, 1, 2 or 3")
+    return {"ctx": ctx, "endings": endings, "label": label}
+
+
+def example_rows(example: dict, tokenizer: GPT2Tokenizer, block_size: int
+                 ) -> list[tuple[list[int], int]]:
+    """For each ending: the tokens of context + " " + ending, cropped on the left to
+    block_size + 1, and how many of the last tokens are the ending's (the scored targets)."""
+    ctx = tokenizer.encode_ordinary(example["ctx"])
+    rows = []
+    for ending in example["endings"]:
+        end = tokenizer.encode_ordinary(" " + ending)
+        row = (ctx + end)[-(block_size + 1):]
+        rows.append((row, min(len(end), len(row) - 1)))
+    return rows
+
+
+@torch.no_grad()
+def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
+                  device: torch.device | str, autocast=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy over each row's ending tokens, and their count: (N,), (N,).
+    Rows are right-padded into one batch; causal attention keeps padding out of the scores."""
+    width = max(len(r) for r, _ in rows) - 1
+    inputs = torch.zeros(len(rows), width, dtype=torch.long)
+    targets = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (row, n_end) in enumerate(rows):
+        t = torch.tensor(row)
+        inputs[i, :len(row) - 1], targets[i, :len(row) - 1] = t[:-1], t[1:]
+        mask[i, len(row) - 1 - n_end:len(row) - 1] = True
+    inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
+    with autocast if autocast is not None else contextlib.nullcontext():
+        logits, _ = model(inputs)  # (N, W, vocab)
+    loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (N, W)
+    loss = loss * mask
+    return loss.sum(dim=1), mask.sum(dim=1)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[dict],
+             device: torch.device | str = "cpu", autocast=None, batch_examples: int = 4,
+             rank: int = 0, world_size: int = 1) -> dict:
+    """Score examples[rank::world_size]; returns acc, acc_norm and the counts behind them (sum
+    the counts over ranks for the whole set). The model is put in eval mode and restored."""
+    was_training = model.training
+    model.eval()
+    block_size = model.config.block_size
+    mine = examples[rank::world_size]
+    correct = correct_norm = 0
+    for start in range(0, len(mine), batch_examples):
+        chunk = mine[start:start + batch_examples]
+        rows = [r for ex in chunk for r in example_rows(ex, tokenizer, block_size)]
+        total, count = ending_losses(model, rows, device, autocast)
+        total, mean = total.view(-1, 4), (total / count).view(-1, 4)  # (examples, 4 endings)
+        labels = torch.tensor([ex["label"] for ex in chunk], device=total.device)
+        correct += int((total.argmin(dim=1) == labels).sum())
+        correct_norm += int((mean.argmin(dim=1) == labels).sum())
+    model.train(was_training)
+    n = len(mine)
+    return {"acc": correct / n if n else math.nan, "acc_norm": correct_norm / n if n else math.nan,
+            "correct": correct, "correct_norm": correct_norm, "n": n}
+
+
+def check_tokenizer(kind: str, what: str) -> None:
+    if kind != "gpt2":
+        raise HellaSwagError(f"{what} uses the '{kind}' tokenizer; HellaSwag is scored on GPT-2 "
+                             "BPE models only (train on a GPT-2-tokenized dataset)")
+
+
+class TrainingEval:
+    """HellaSwag inside train.py, every train.hellaswag_interval steps."""
+
+    def __init__(self, cfg, meta: dict, rt):
+        check_tokenizer(meta["tokenizer"]["kind"], f"dataset {meta['dir']}")
+        self.interval, self.max_iters = cfg.train.hellaswag_interval, cfg.train.max_iters
+        self.examples = load_examples(ensure_file(cfg.data.hellaswag_path),
+                                      cfg.train.hellaswag_examples)
+        self.tokenizer = GPT2Tokenizer()
+        self.rt = rt
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0 or step == self.max_iters
+
+    def run(self, model: torch.nn.Module, step: int) -> dict:
+        t0 = time.perf_counter()
+        result = evaluate(model, self.tokenizer, self.examples, self.rt.device, self.rt.autocast())
+        print(f"hellaswag {step:5d} | acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f}"
+              f" | {result['n']:,} examples | {time.perf_counter() - t0:.1f}s")
+        return {"acc": result["acc"], "acc_norm": result["acc_norm"], "n": result["n"]}
+
+
+def for_training(cfg, meta: dict, rt) -> TrainingEval | None:
+    """The in-training evaluation, or None when train.hellaswag_interval is 0."""
+    return TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None
+
+
+def load_any(name: str, device: torch.device, overrides: dict) -> tuple[torch.nn.Module, str]:
+    """Our checkpoint (or run directory), or a GPT-2 that load_gpt2_weights can read."""
+    try:
+        import load_gpt2_weights as gpt2
+    except ImportError:
+        gpt2 = None
+    if gpt2 is not None and not Path(name, "model.safetensors").is_file() and \
+            gpt2.is_gpt2_source(name):
+        from config import ModelConfig
+        model, hf_dir = gpt2.load_hf(name, ModelConfig(**overrides))
+        return model.to(device), gpt2.tokenizer_meta(model.config.vocab_size)["kind"]
+    import checkpoint
+    model, _, meta = checkpoint.load_model(name, device, overrides)
+    return model, meta.get("tokenizer", {}).get("kind", "unknown")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="our checkpoint or run directory, or a GPT-2 "
+                   "(gpt2, gpt2-medium, ..., hf:ORG/NAME, a local HF directory)")
+    p.add_argument("--data", default="", help=f"hellaswag_val.jsonl (default {DEFAULT_PATH}, "
+                   "downloaded if missing)")
+    p.add_argument("--limit", type=int, default=0, help="score only the first N examples")
+    p.add_argument("--batch-examples", type=int, default=4, help="examples per forward pass")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--attention", choices=("scratch", "sdpa"), help="override the attention "
+                   "implementation (sdpa is faster on GPUs; the scores are the same)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import checkpoint
+    import runtime
+    from config import SystemConfig
+
+    args = parse_args(argv)
+    try:
+        if args.limit < 0 or args.batch_examples < 1:
+            raise HellaSwagError("--limit must be >= 0 and --batch-examples >= 1")
+        rt = runtime.setup(SystemConfig(device=args.device, dtype=args.dtype))
+        examples = load_examples(ensure_file(args.data), args.limit)
+        overrides = {"attention": args.attention} if args.attention else {}
+        model, kind = load_any(args.model, rt.device, overrides)
+        check_tokenizer(kind, args.model)
+        t0 = time.perf_counter()
+        result = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(),
+                          args.batch_examples)
+    except (DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    note = "" if result["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
+    print(f"hellaswag | {args.model} | acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f}"
+          f" | {result['n']:,} examples{note} | {time.perf_counter() - t0:.1f}s on {rt.device}")
+    print(f"reference: {REFERENCES}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

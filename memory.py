@@ -1,0 +1,261 @@
+"""Memory strategies shared by train.py, generate.py and bench_memory.py.
+
+    estimate / format_estimate   bytes of weights, gradients, AdamW state and activations for a
+                                 model and micro-batch, before anything is allocated
+                                 (printed at start; `python train.py --estimate-memory`)
+    release_cached               system.empty_cache: hand cached CUDA blocks back at phase
+                                 boundaries (after evaluation, sampling, checkpointing)
+    quantize_linears             sample.quantize=int8: int8 weight-only Linear layers (torchao),
+                                 only the ones chosen by sample.quantize_layers
+    hold_weights / MasterWeights system.weights_dtype=bfloat16: bf16 weights and gradients,
+                                 float32 master weights and AdamW state in the optimizer
+
+The precision policy, in one list. Under autocast (system.dtype=bfloat16/float16) the matmuls run
+in the low precision; these stay float32 whatever system.dtype and system.weights_dtype are:
+    residual stream     GPT.forward upcasts the embeddings' sum; every block adds into it
+    LayerNorm           statistics and affine computed in float32 (model.LayerNorm)
+    softmax statistics  scratch attention's softmax in float32; SDPA kernels accumulate in float32
+    logits -> loss      cross-entropy on float32 logits (GPT.forward)
+    optimizer           AdamW moments, and with bf16 weights a float32 master copy (MasterWeights)
+
+Activation checkpointing is read in model.Block (model.activation_checkpointing); the CUDA-stream
+prefetch in data/loader.py (data.prefetch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from config import Config, ConfigError, ModelConfig, checkpoint_plan
+from model import GPT, padded_vocab_size
+
+GIB = 2**30
+ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, one of each per parameter
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per process for one training micro-step (upper estimate: backward frees the
+    activations while it makes the gradients, so the real peak lies somewhat below `total`)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # kept for backward, over the whole micro-batch
+    logits: int  # the loss's float32 log-softmax and its gradient, at the start of backward
+    recompute: int  # one checkpointed part's activations, rebuilt during backward
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits
+                + self.recompute)
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """GPT parameters, counted once (the LM head shares the token embedding)."""
+    C, L = m.n_embd, m.n_layer
+    bias = 1 if m.bias else 0
+    per_block = (2 * (C + bias * C)  # two LayerNorms
+                 + C * 3 * C + bias * 3 * C + C * C + bias * C  # attention in/out projections
+                 + C * 4 * C + bias * 4 * C + 4 * C * C + bias * C)  # MLP
+    embeddings = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple) * C + m.block_size * C
+    return embeddings + L * per_block + C + bias * C  # + final LayerNorm
+
+
+def block_part_bytes(m: ModelConfig, act: int) -> dict[str, int]:
+    """Bytes per token that one block keeps for backward, for its attention and MLP branches.
+
+    act is the byte width of matmul inputs (2 under bf16/fp16 autocast, else 4); the residual
+    stream and LayerNorm inputs stay float32. Counted tensor by tensor from what each op saves.
+    """
+    C, T, nh = m.n_embd, m.block_size, m.n_head
+    ln = 4 * C if m.norm == "native" else 8 * C  # native: its input; scratch: x-mean and x-hat
+    if m.attention == "sdpa":  # q, k, v, the output, and the c_attn / c_proj inputs
+        attention = 3 * act * C + act * C
+    else:  # q, k, v, the float32 softmax output and its cast copy for att @ v
+        attention = 3 * act * C + (4 + act) * nh * T
+        attention += nh * T if m.dropout > 0 else 0
+    attn = ln + act * C + attention + act * C
+    gelu = 4 * act * C if m.gelu == "native" else 16 * act * C  # scratch keeps 4 intermediates
+    mlp = ln + act * C + gelu + 4 * act * C
+    if m.dropout > 0:  # one byte per element for each dropout mask
+        attn, mlp = attn + C, mlp + C
+    return {"attention": attn, "mlp": mlp}
+
+
+def activation_bytes(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
+    """(kept for backward, largest recomputed part) in bytes, for `tokens` tokens per
+    micro-batch, with model.activation_checkpointing applied."""
+    parts = block_part_bytes(m, act)
+    kept_input = 4 * m.n_embd  # a checkpointed part keeps only its float32 input
+    kept, recompute = 0, 0
+    for part in checkpoint_plan(m.activation_checkpointing, m.n_layer):
+        if part == "block":
+            kept += kept_input
+            recompute = max(recompute, parts["attention"] + parts["mlp"])
+        elif part in parts:
+            other = "mlp" if part == "attention" else "attention"
+            kept += kept_input + parts[other]
+            recompute = max(recompute, parts[part])
+        else:
+            kept += parts["attention"] + parts["mlp"]
+    final = 4 * m.n_embd + act * m.n_embd  # ln_f input, lm_head input
+    return (kept + final) * tokens, recompute * tokens
+
+
+def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
+    """Memory of one training process for cfg (model.vocab_size must be set). Under
+    system.parallel=fsdp the weights, gradients and optimizer state are split over world_size."""
+    m, t = cfg.model, cfg.train
+    params = parameter_count(m)
+    shards = world_size if world_size > 1 and cfg.system.parallel == "fsdp" else 1
+    act = 4 if cfg.system.dtype == "float32" else 2
+    tokens = t.batch_size * m.block_size
+    activations, recompute = activation_bytes(m, tokens, act)
+    # logits (act bytes, padded rows too), their float32 log-softmax kept for backward, and the
+    # float32 gradient of the logits made from it
+    padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple)
+    logits = tokens * (act * padded + 8 * m.vocab_size)
+    return MemoryEstimate(weights=4 * params // shards, gradients=4 * params // shards,
+                          optimizer=ADAMW_STATES * 4 * params // shards,
+                          activations=activations, logits=logits, recompute=recompute)
+
+
+def format_estimate(e: MemoryEstimate, cfg: Config) -> str:
+    parts = [("weights", e.weights), ("grads", e.gradients), ("adamw", e.optimizer),
+             ("activations", e.activations), ("logits+loss", e.logits),
+             ("recompute", e.recompute)]
+    body = " + ".join(f"{name} {b / GIB:.2f}" for name, b in parts if b)
+    return (f"memory estimate: {body} = {e.total / GIB:.2f} GiB per process "
+            f"(micro-batch {cfg.train.batch_size}x{cfg.model.block_size}, {cfg.system.dtype}, "
+            f"checkpointing={cfg.model.activation_checkpointing})")
+
+
+def release_cached(device: torch.device, enabled: bool) -> bool:
+    """system.empty_cache: return the CUDA caching allocator's unused blocks to the driver.
+    Called only between phases (evaluation, sampling, checkpointing), where the next phase
+    allocates different shapes; never inside a step, where it would only force new cudaMallocs.
+    Returns whether it ran."""
+    if not enabled or device.type != "cuda":
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
+# sample.quantize_layers names -> the Linear layers of every block they cover
+QUANTIZABLE = {
+    "attn": ("attn.c_attn", "attn.c_proj"),
+    "mlp": ("mlp.c_fc", "mlp.c_proj"),
+    "c_attn": ("attn.c_attn",), "attn.c_proj": ("attn.c_proj",),
+    "c_fc": ("mlp.c_fc",), "mlp.c_proj": ("mlp.c_proj",),
+}
+
+
+def quantize_targets(layers: str) -> set[str]:
+    """'attn,mlp' -> the block-relative Linear names to quantize. Raises ConfigError."""
+    names = [n.strip() for n in layers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in QUANTIZABLE]
+    if unknown or not names:
+        raise ConfigError(f"sample.quantize_layers={layers!r}: {unknown or 'nothing'} is not a "
+                          f"choice; use a comma list of {', '.join(QUANTIZABLE)} (the embeddings "
+                          "and the tied LM head stay in floating point)")
+    return {target for n in names for target in QUANTIZABLE[n]}
+
+
+def quantize_linears(model: GPT, layers: str) -> list[str]:
+    """Replace the chosen Linear weights of every block by int8 weight-only tensors (per-channel
+    scales; torchao). Activations stay in floating point, biases are kept as they are. Returns
+    the quantized module names."""
+    targets = quantize_targets(layers)
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ConfigError("sample.quantize=int8 needs torchao: pip install torchao") from None
+    chosen = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and name.startswith("transformer.h.")
+              and name.split(".", 3)[3] in targets]
+    chosen_set = set(chosen)
+    quantize_(model, Int8WeightOnlyConfig(),
+              filter_fn=lambda module, name: name in chosen_set)
+    return chosen
+
+
+def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
+                 world_size: int) -> str:
+    """system.weights_dtype: cast the model's weights (and so its gradients) to bfloat16 in
+    place. Returns the banner value."""
+    if weights_dtype == "float32":
+        return "float32"
+    if parallel == "fsdp" and world_size > 1:
+        raise ConfigError("--weights_dtype=bfloat16 with --parallel=fsdp: FSDP2 keeps float32 "
+                          "shards and computes in bf16 itself; use --weights_dtype=float32 "
+                          "--dtype=bfloat16")
+    model.to(torch.bfloat16)
+    return "bfloat16 (float32 master weights + AdamW state)"
+
+
+class MasterWeights:
+    """An optimizer over float32 copies of bf16 weights: step() moves the bf16 gradients onto
+    the float32 masters, steps there, and writes the rounded result back into the model, so small
+    updates accumulate in float32 instead of vanishing in bf16. Quacks like the optimizer it
+    wraps (param_groups, step, zero_grad, state_dict, load_state_dict)."""
+
+    def __init__(self, groups: list[dict], make: type, **kwargs):
+        self.model_params = [p for g in groups for p in g["params"]]
+        master_groups = []
+        for g in groups:
+            masters = [p.detach().float().clone().requires_grad_(True) for p in g["params"]]
+            master_groups.append({**g, "params": masters})
+        self.inner = make(master_groups, **kwargs)
+        self.masters = [p for g in self.inner.param_groups for p in g["params"]]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for p, master in zip(self.model_params, self.masters):
+            master.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, master in zip(self.model_params, self.masters):
+            p.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        state = self.inner.state_dict()
+        state["master_weights"] = [m.detach().clone() for m in self.masters]
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        masters = state.pop("master_weights", None)
+        self.inner.load_state_dict(state)
+        if masters is not None:  # else the masters stay the (bf16-rounded) loaded weights
+            for p, master, saved in zip(self.model_params, self.masters, masters):
+                master.copy_(saved)
+                p.copy_(saved)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights occupy (int8 tensors count their int8 data and scales); the
+    tied embedding / LM head once."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        inner = [getattr(p, name) for name in getattr(p, "tensor_data_names", [])]
+        tensors = inner or [p]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total

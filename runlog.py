@@ -1,0 +1,249 @@
+"""What a run shows while it runs and when it ends.
+
+In the run directory (out_dir):
+    metrics.jsonl     one JSON object per event: kind=train (every log_interval steps),
+                      kind=eval, kind=skip (a non-finite step that was skipped)
+    metrics.csv       the same rows with fixed columns, for spreadsheets and pandas
+    loss_curve.png    train and val loss, redrawn at every evaluation
+    summary.json      the final summary (also printed)
+and optionally the same metrics in Weights & Biases (the [wandb] config section).
+
+A resumed run first drops the rows written after its checkpoint (the part of the killed run
+that is being redone), so the files read as one uninterrupted run.
+"""
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from config import Config
+from runstate import Counters
+from runtime import SetupError
+
+CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu",
+               "train", "val")
+ETA_WINDOW = 20  # progress marks the ETA is averaged over
+
+
+def format_duration(seconds: float) -> str:
+    """45s, 12m03s, 3h05m, 2d04h."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def plot_losses(records: list[dict], path: Path, title: str) -> None:
+    """Train loss at each logged step and train/val loss at each evaluation, as a PNG. Uses
+    matplotlib's Figure directly (Agg), so no GUI backend or pyplot state is touched."""
+    from matplotlib.figure import Figure
+
+    def finite(kind: str, key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in records
+                if r.get("kind") == kind and isinstance(r.get(key), (int, float))
+                and math.isfinite(r[key])]
+
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.subplots()
+    logged = finite("train", "loss")
+    if logged:
+        ax.plot(*zip(*logged), lw=0.8, alpha=0.45, color="tab:blue", label="train (logged steps)")
+    for key, style in (("train", "tab:blue"), ("val", "tab:orange")):
+        points = finite("eval", key)
+        if points:
+            ax.plot(*zip(*points), "o-", ms=3, color=style, label=f"{key} (eval)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)  # a viewer never sees a half-written image
+
+
+def start_wandb(cfg: Config, out_dir: Path, run_id: str):
+    """wandb.init from the [wandb] section; continues run `run_id` when resuming."""
+    w = cfg.wandb
+    try:
+        import wandb
+    except ImportError:
+        raise SetupError("wandb.enabled=true but the wandb package is not installed; "
+                         "pip install wandb, or set --wandb.enabled=false") from None
+    kwargs = dict(project=w.project, entity=w.entity or None, name=w.name or out_dir.name,
+                  group=w.group or None, config=cfg.to_dict(), dir=str(out_dir),
+                  tags=[t.strip() for t in w.tags.split(",") if t.strip()] or None)
+    if w.mode != "auto":
+        kwargs["mode"] = w.mode
+    if run_id:
+        kwargs.update(id=run_id, resume="allow")
+    try:
+        return wandb.init(**kwargs)
+    except Exception as e:  # wandb raises many types: no API key, no network, bad entity, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SetupError(f"could not start Weights & Biases logging ({first}); run `wandb login`, "
+                         "or log offline with WANDB_MODE=offline (then `wandb sync`), or set "
+                         "--wandb.enabled=false") from None
+
+
+def _strict_json(value):
+    """NaN/inf become null, so summary.json is JSON that any parser reads."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunLog:
+    """The run's metrics files, loss curve, optional wandb run, progress/ETA and summary."""
+
+    def __init__(self, cfg: Config, start_step: int, resumed: bool, train_seconds: float = 0.0,
+                 wandb_id: str = "", files: bool = True):
+        """files=False (ranks > 0 of a distributed run) keeps the counts and the summary but
+        writes nothing: rank 0 writes for the whole run."""
+        self.files = files
+        self.out_dir = Path(cfg.train.out_dir)
+        if files:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.out_dir / "metrics.jsonl"
+        self.csv = self.out_dir / "metrics.csv"
+        self.png = self.out_dir / "loss_curve.png"
+        self.title = f"{self.out_dir.name}: {cfg.model.n_layer} layers, {cfg.model.n_embd} wide"
+        self.max_iters = cfg.train.max_iters
+        self.records = self._earlier_records(start_step) if resumed and files else []
+        if files:
+            self._rewrite_files()
+        self.clock_start = time.perf_counter()
+        self.seconds_before = train_seconds  # spent by the earlier parts of a resumed run
+        self.marks = collections.deque([(self.clock_start, start_step)], maxlen=ETA_WINDOW)
+        self.plot_note = ""
+        self.wandb = start_wandb(cfg, self.out_dir, wandb_id) if cfg.wandb.enabled and files \
+            else None
+
+    @property
+    def wandb_id(self) -> str:
+        return self.wandb.id if self.wandb is not None else ""
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall-clock of the whole run so far, resumed parts included."""
+        return self.seconds_before + time.perf_counter() - self.clock_start
+
+    def _earlier_records(self, start_step: int) -> list[dict]:
+        if not self.jsonl.is_file():
+            return []
+        kept = []
+        for line in self.jsonl.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if isinstance(record, dict) and record.get("step", math.inf) <= start_step:
+                kept.append(record)
+        return kept
+
+    def _rewrite_files(self) -> None:
+        tmp = self.jsonl.with_name(self.jsonl.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, self.jsonl)
+        with open(self.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(self.records)
+
+    def write(self, **record) -> None:
+        """Append one event (it must have `kind` and `step`) to every sink."""
+        record.setdefault("time_s", round(self.train_seconds, 3))
+        self.records.append(record)
+        if not self.files:
+            return
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with open(self.csv, "a", newline="") as f:
+            csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore").writerow(record)
+        if self.wandb is not None:
+            kind = record["kind"]
+            values = {f"{kind}/{k}": v for k, v in record.items()
+                      if k not in ("kind", "step") and isinstance(v, (int, float))}
+            self.wandb.log(values, step=record["step"])
+
+    def eval(self, step: int, losses: dict[str, float]) -> None:
+        """Print and record an evaluation, and redraw the loss curve."""
+        val = losses["val"]
+        print(f"eval {step:5d} | train {losses['train']:.4f} | val {val:.4f} | val ppl "
+              f"{math.exp(min(val, 700)):.2f}")
+        self.write(kind="eval", step=step, **losses)
+        if not self.files:
+            return
+        try:
+            plot_losses(self.records, self.png, self.title)
+        except ImportError:
+            self.plot_note = ("no loss_curve.png: matplotlib is not installed "
+                              "(pip install matplotlib)")
+
+    def progress(self, step: int) -> str:
+        """' | 42.0% | eta 3m12s', from the pace over the last few log lines."""
+        now = time.perf_counter()
+        then, then_step = self.marks[0]
+        self.marks.append((now, step))
+        if step <= then_step or self.max_iters == 0:
+            return ""
+        eta = (now - then) / (step - then_step) * max(0, self.max_iters - step)
+        return f" | {100 * step / self.max_iters:.1f}% | eta {format_duration(eta)}"
+
+    def finish(self, counters: Counters, reason: str, start_step: int,
+               ckpt: Path | None) -> dict:
+        """Print the final summary, write summary.json, close the wandb run; returns the summary:
+        stop_reason (done | stop_after_iters | SIGINT | SIGTERM | nonfinite), step, steps (in this
+        invocation), seconds (this invocation), train_seconds (all of the run), final (the last
+        evaluation's losses), best_val, tokens_seen, skipped_steps, checkpoint (the latest)."""
+        summary = {"stop_reason": reason, "step": counters.step,
+                   "steps": counters.step - start_step,
+                   "seconds": time.perf_counter() - self.clock_start,
+                   "train_seconds": self.train_seconds, "final": counters.losses,
+                   "best_val": counters.best_val, "tokens_seen": counters.tokens_seen,
+                   "skipped_steps": counters.skipped_steps,
+                   "checkpoint": str(ckpt) if ckpt is not None else None}
+        best, final = counters.best_val, counters.losses.get("val", math.nan)
+        label = "done" if reason == "done" else f"stopped ({reason})"
+        print(f"{label}: step {summary['step']} of {self.max_iters} | "
+              f"{summary['steps']} steps in {format_duration(summary['seconds'])} "
+              f"({format_duration(summary['train_seconds'])} in all) | "
+              f"{summary['tokens_seen']:,} tokens seen | val {final:.4f} (best {best:.4f}) | "
+              f"checkpoint {summary['checkpoint']}")
+        if summary.get("skipped_steps"):
+            print(f"skipped {summary['skipped_steps']} non-finite step(s) in all")
+        if self.plot_note:
+            print(self.plot_note)
+        clean = _strict_json(summary)
+        if self.files:
+            (self.out_dir / "summary.json").write_text(json.dumps(clean, indent=1) + "\n")
+        if self.wandb is not None:
+            for key in ("best_val", "tokens_seen", "train_seconds", "checkpoint", "stop_reason"):
+                if clean.get(key) is not None:
+                    self.wandb.summary[key] = clean[key]
+            self.wandb.finish(exit_code=0 if reason != "nonfinite" else 1)
+            self.wandb = None
+        return summary
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        """A loop that ends with an exception still closes its wandb run, marked failed."""
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if exc_type else 0)
+            self.wandb = None

@@ -1,0 +1,251 @@
+"""What lets a long run survive interruption: the complete resumable state, stop requests and
+non-finite steps.
+
+    capture_train_state / restore_train_state   everything a resumed run needs to continue
+        exactly as if it had never stopped: optimizer, gradient scaler, the loop's counters (step =
+        schedule position, best val loss, tokens seen), the data loader's position plus the batch
+        already fetched for the next step, and every RNG (Python, numpy, torch CPU, CUDA or MPS)
+    StopRequest      SIGINT/SIGTERM (or a step budget) ask the loop to save a checkpoint and
+                     exit at the next step boundary; a second signal stops at once
+    NonFiniteGuard   a step whose loss or gradient norm is NaN/inf is skipped (no update) and
+                     counted; after `limit` such steps in a row the run stops without saving
+
+Everything in the train state is a tensor, number, string or plain container, so it round-trips
+through torch.save / torch.load(weights_only=True).
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from checkpoint import CheckpointError
+from config import Config
+
+STATE_FORMAT = 2  # bump when the layout of train_state.pt changes
+
+
+@dataclass
+class Counters:
+    """The training loop's own state, saved with every checkpoint."""
+
+    step: int = 0  # optimizer steps done; also the position in the learning-rate schedule
+    best_val: float = math.inf
+    tokens_seen: int = 0
+    train_seconds: float = 0.0  # wall-clock spent in this run, summed over every resume
+    eval_step: int = -1  # step of the latest evaluation
+    losses: dict = field(default_factory=dict)  # the latest evaluation's losses
+    skipped_steps: int = 0  # non-finite steps skipped, in total
+    wandb_id: str = ""  # the Weights & Biases run to continue, when logging there
+
+    def record_eval(self, step: int, losses: dict[str, float]) -> None:
+        self.losses, self.eval_step = losses, step
+        if math.isfinite(losses["val"]):
+            self.best_val = min(self.best_val, losses["val"])
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every random number generator the run may draw from."""
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "mps":
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict, device: torch.device) -> list[str]:
+    """Put every generator back where rng_state() found it. Returns notes on what could not be
+    restored (e.g. a different number of GPUs), for the log."""
+    notes = []
+    random.setstate(_as_tuples(state["python"]))
+    np_state = state["numpy"]
+    np.random.set_state({"bit_generator": np_state["bit_generator"],
+                         "state": {"key": np_state["key"].numpy().astype(np.uint32),
+                                   "pos": np_state["pos"]},
+                         "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda":
+        saved = state.get("cuda")
+        if saved is not None and len(saved) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(saved)
+        else:
+            notes.append("CUDA RNG not restored (saved on another device count or on CPU)")
+    if device.type == "mps":
+        if "mps" in state:
+            torch.mps.set_rng_state(state["mps"])
+        else:
+            notes.append("MPS RNG not restored (saved on another device)")
+    return notes
+
+
+def _as_tuples(value):
+    """random.setstate wants the nested tuples random.getstate gave (a loader may give lists)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_as_tuples(v) for v in value)
+    return value
+
+
+def capture_train_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                        batches, next_batch: tuple[torch.Tensor, torch.Tensor],
+                        counters: Counters, device: torch.device) -> dict:
+    """The contents of train_state.pt. `next_batch` is the (x, y) already fetched for the next
+    step: the loader's position is past it, so it is stored rather than drawn again."""
+    x, y = next_batch
+    return {"format": STATE_FORMAT, "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "data": batches.state_dict(),
+            "next_batch": {"x": x.detach().cpu(), "y": y.detach().cpu()},
+            "rng": rng_state(device), "counters": asdict(counters)}
+
+
+def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
+                        scaler: torch.amp.GradScaler, batches, device: torch.device,
+                        source: str) -> tuple[Counters, tuple, list[str]]:
+    """Load a capture_train_state() dict into a freshly built run. Returns the counters, the
+    batch for the next step and notes for the log. Call it after the model is built (building
+    draws from the RNG) and before the first step."""
+    if state.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"{source} has train state format {state.get('format')!r}, this "
+                              f"code reads format {STATE_FORMAT}; start a new run from its "
+                              f"weights with --init_from={source} instead of resuming")
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"optimizer state in {source} does not fit this model/optimizer "
+                              f"({e}); resume with the config the run was started with") from None
+    scaler.load_state_dict(state["scaler"])
+    batches.load_state_dict(state["data"])
+    notes = restore_rng_state(state["rng"], device)
+    known = set(Counters.__dataclass_fields__)
+    counters = Counters(**{k: v for k, v in state["counters"].items() if k in known})
+    # the next global batch: a distributed run saves every rank's rows (rank r's are
+    # [r::world_size]), so any world size with the same global batch takes its share of it
+    x, y = state["next_batch"]["x"], state["next_batch"]["y"]
+    rank, world = getattr(batches, "rank", 0), getattr(batches, "world_size", 1)
+    if x.shape[0] != batches.batch_size * world or x.shape[1] != batches.block_size:
+        notes.append(f"batch shape changed from {tuple(x.shape)}: the next batch is drawn anew")
+        next_batch = batches.next()
+    else:
+        next_batch = (x[rank::world].to(device), y[rank::world].to(device))
+    return counters, next_batch, notes
+
+
+# settings that may change on resume without the run differing from an uninterrupted one
+FREE_ON_RESUME = {"train.init_from", "train.stop_after_iters", "train.max_iters",
+                  "train.eval_interval", "train.log_interval", "train.keep_checkpoints",
+                  "train.save_checkpoints", "train.max_nonfinite_steps", "train.out_dir",
+                  "system.parallel", "system.dist_timeout", "system.fsdp_reshard"}
+
+
+def config_changes(stored: Config, cfg: Config,
+                   world_sizes: tuple[int, int] = (1, 1)) -> list[str]:
+    """Notes naming the train/data/system settings a resumed run changes from its checkpoint's.
+    world_sizes: the processes then and now; the micro-batch may change with them as long as
+    every micro-step reads the same global batch (batch_size x processes) as before."""
+    free = set(FREE_ON_RESUME)
+    then, now = stored.train, cfg.train
+    if then.batch_size * world_sizes[0] == now.batch_size * world_sizes[1] and \
+            then.grad_accum_steps == now.grad_accum_steps:
+        free.add("train.batch_size")
+    changed = []
+    for section in ("train", "data", "system"):
+        old, new = getattr(stored, section), getattr(cfg, section)
+        for key in vars(new):
+            name = f"{section}.{key}"
+            if name not in free and getattr(old, key, None) != getattr(new, key):
+                changed.append(f"{name} {getattr(old, key, None)!r} -> {getattr(new, key)!r}")
+    if not changed:
+        return []
+    return ["resuming with changed settings (the run will differ from an uninterrupted one): "
+            + ", ".join(changed)]
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """True when no parameter holds a NaN or inf (one device sync)."""
+    flags = [torch.isfinite(p).all() for p in model.parameters()]
+    return bool(torch.stack(flags).all())
+
+
+class StopRequest:
+    """Why the loop should stop early, if it should. As a context manager it turns SIGINT and
+    SIGTERM into a request to save a checkpoint and exit at the next step boundary (a cluster's
+    preemption notice is a SIGTERM); a second signal restores the default handlers and stops at
+    once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+
+    def __bool__(self) -> bool:
+        return self.reason is not None
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            self._restore()
+            print(f"\n{name} again: stopping now without saving", file=sys.stderr, flush=True)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        self.request(name)
+        print(f"\n{name} received: saving a checkpoint after this step, then exiting "
+              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> "StopRequest":
+        # handlers can only be installed from the main thread; elsewhere signals act as usual
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+
+class NonFiniteGuard:
+    """Counts steps whose loss or gradient norm is not finite; such a step must be skipped.
+
+    check() syncs the device once per step (the loop needs the answer before it updates)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_a_row = 0
+
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """True when the step is good; otherwise counts it."""
+        good = bool(torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all())
+        self.in_a_row = 0 if good else self.in_a_row + 1
+        return good
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_a_row >= self.limit

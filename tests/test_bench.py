@@ -1,0 +1,97 @@
+"""bench.py: the plan of rows, its argument errors, and one tiny end-to-end run."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import bench
+from config import ConfigError, load_config
+
+
+def gpt2_cfg():
+    cfg, _ = load_config(["--config", "gpt2_124m", "--device=cpu"])
+    return cfg
+
+
+def test_chain_adds_flags_one_by_one_from_the_reference_path():
+    cfg = gpt2_cfg()  # the recipe has every speedup on: the baseline must switch them off
+    rows = bench.plan(cfg, bench.parse_steps(bench.DEFAULT_ORDER), only=False)
+    base = rows[0]["config"]
+    assert (base.model.attention, base.model.causal_mask, base.model.norm, base.model.gelu,
+            base.model.vocab_pad_multiple, base.system.dtype, base.system.tf32,
+            base.system.compile, base.train.fused_adamw, base.data.pin_memory,
+            base.train.batch_size_auto) == ("scratch", "buffer", "scratch", "scratch", 1,
+                                            "float32", False, False, False, False, False)
+    assert [r["flag"] for r in rows] == [None, *bench.FLAGS]
+    last = rows[-1]["config"]
+    assert (last.model.attention, last.model.causal_mask, last.model.norm, last.model.gelu,
+            last.model.vocab_pad_multiple, last.system.dtype, last.system.tf32,
+            last.system.compile, last.train.fused_adamw, last.data.pin_memory,
+            last.train.batch_size_auto) == ("sdpa", "on_the_fly", "native", "native", 64,
+                                            "auto", True, True, True, True, True)
+    sdpa = rows[[r["flag"] for r in rows].index("attention")]["config"]
+    assert sdpa.model.norm == "native" and not sdpa.system.compile  # earlier flags only
+    assert cfg.model.attention == "sdpa"  # planning leaves the given config alone
+
+
+def test_only_mode_and_flag_values():
+    steps = bench.parse_steps("compile=max-autotune,dtype=float16,vocab_pad=128")
+    rows = bench.plan(gpt2_cfg(), steps, only=True)
+    compile_cfg, fp16_cfg, pad_cfg = (r["config"] for r in rows[1:])
+    assert compile_cfg.system.compile and compile_cfg.system.compile_mode == "max-autotune"
+    assert compile_cfg.system.dtype == "float32"  # alone: nothing else switched on
+    assert fp16_cfg.system.dtype == "float16" and not fp16_cfg.system.compile
+    assert pad_cfg.model.vocab_pad_multiple == 128
+    assert [r["previous"] for r in rows] == [None, 0, 0, 0]
+    assert [bench.label(r, only=True) for r in rows] == [
+        "baseline", "only compile=max-autotune", "only dtype=float16", "only vocab_pad=128"]
+
+
+def test_unknown_or_repeated_flag_and_bad_value(capsys):
+    assert bench.main(["--order", "atention,compile", "--device=cpu"]) == 2
+    assert "unknown flag 'atention'; did you mean attention?" in capsys.readouterr().err
+    with pytest.raises(bench.BenchError, match="appears twice"):
+        bench.parse_steps("tf32,tf32")
+    with pytest.raises(ConfigError, match="dtype=float8.*float32, bfloat16, float16"):
+        bench.plan(gpt2_cfg(), bench.parse_steps("dtype=float8"), only=False)
+    assert bench.main(["--measure-steps", "0", "--device=cpu"]) == 2
+    assert "--measure-steps" in capsys.readouterr().err
+    assert bench.main(["--clock=process", "--device=cpu", "--threads=2"]) == 2
+    assert "needs --device=cpu and --threads=1" in capsys.readouterr().err
+
+
+def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, capsys):
+    code = bench.main(["--config", "tiny", f"--dataset={char_dataset}", "--device=cpu",
+                       "--order", "attention,tf32", "--warmup-steps", "1",
+                       "--measure-steps", "2", "--results", str(tmp_path), "--name", "t"])
+    out = capsys.readouterr().out
+    assert code == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    base, sdpa, tf32 = report["rows"]
+    assert [r["status"] for r in report["rows"]] == ["ok", "ok", "skipped"]
+    assert "tf32 needs CUDA" in tf32["reason"]  # a no-op on CPU is reported, not timed
+    assert sdpa["kernels"] == ["flash (cpu)"] and base["kernels"] == []
+    assert len(base["step_s"]) == 2 and base["tokens_per_step"] == 8 * 32
+    assert base["tokens_per_s"] > 0 and sdpa["vs_baseline"] > 0
+    assert sdpa["vs_baseline"] == pytest.approx(sdpa["tokens_per_s"] / base["tokens_per_s"])
+    # same seed, same data, numerically neutral flag: the same loss after the timed steps
+    assert math.isfinite(base["loss"]) and sdpa["loss"] == pytest.approx(base["loss"], abs=1e-4)
+    assert base["memory"]["rss"] > 0 and report["ceiling"]["measured"] > 0
+    assert 0 < sdpa["mfu_measured"] < 1
+    md = (tmp_path / "t.md").read_text()
+    assert "| 1 | + attention=sdpa |" in md and "skipped: changes nothing here" in md
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "+ attention=sdpa" in out and "wrote" in out
+
+
+def test_later_passes_add_their_steps_to_the_median():
+    first = {"status": "ok", "tokens_per_step": 100, "step_s": [1.0, 1.0, 4.0],
+             "tokens_per_s": 100.0, "memory": {"rss": 10}}
+    bench.merge_pass(first, {"status": "ok", "step_s": [0.5, 0.5], "memory": {"rss": 30}})
+    assert first["step_s"] == [1.0, 1.0, 4.0, 0.5, 0.5]
+    assert first["tokens_per_s"] == 100.0  # median step 1.0 s
+    assert first["memory"] == {"rss": 30}
+    bench.merge_pass(first, {"status": "failed", "error": "OutOfMemoryError: ..."})
+    assert first["later_pass_errors"] == ["OutOfMemoryError: ..."] and first["status"] == "ok"

@@ -1,0 +1,297 @@
+"""Distributed training on the CPU: 2 processes under torchrun (gloo) train exactly as one process
+with the same global batch, with DDP and with FSDP2; their checkpoint resumes in one process; a
+rank that raises or hangs brings the whole job down. Then the pieces, without processes: each
+rank's share of the data, the global batch in tokens, gradient sync on the last micro-step only,
+stop signals shared by the ranks, the launcher's environment."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+from safetensors.torch import load_file
+
+import checkpoint
+import distributed
+import runstate
+import runtime
+import train
+from config import Config, ConfigError, SystemConfig, TrainConfig, load_config
+from data.loader import Batches, load_meta
+from model import GPT
+from conftest import tiny_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+# 4 steps of 2 micro-steps, evaluated (and saved) every 2; the global micro-batch is 4 sequences:
+# --batch_size=4 in one process, --batch_size=2 in each of two
+RUN = ["--config", "tiny", "--device=cpu", "--threads=1", "--max_iters=4", "--eval_interval=2",
+       "--eval_iters=2", "--log_interval=1", "--grad_accum_steps=2", "--dropout=0"]
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Two processes on this machine; `timeout` only guards the test against a hang."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+def run_one(char_dataset, out_dir, *extra) -> dict:
+    cfg, _ = load_config([*RUN, f"--dataset={char_dataset}", f"--out_dir={out_dir}", *extra])
+    return train.train(cfg)
+
+
+def trajectory(out_dir) -> list[dict]:
+    """Every logged step and evaluation, without timings."""
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    keep = ("kind", "step", "loss", "lr", "norm", "train", "val")
+    return [{k: r[k] for k in keep if k in r} for r in rows]
+
+
+def assert_same_trajectory(got: list[dict], want: list[dict]) -> None:
+    assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, rel=1e-5, abs=1e-6), (g, w)
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Weights and AdamW moments equal to float tolerance (the sums run in another order)."""
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
+    sa, sb = (checkpoint.load_train_state(c)["optimizer"] for c in (a, b))
+    assert [g["params"] for g in sa["param_groups"]] == [g["params"] for g in sb["param_groups"]]
+    for i, moments in sa["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(moments[name], sb["state"][i][name], rtol=1e-4,
+                                       atol=1e-6, msg=f"{i}.{name}")
+
+
+@pytest.fixture(scope="module")
+def single(char_dataset, tmp_path_factory) -> Path:
+    """The reference: one process, micro-batch 4, 4 steps uninterrupted."""
+    out = tmp_path_factory.mktemp("single")
+    run_one(char_dataset, out, "--batch_size=4")
+    return out
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_train_as_one_and_resume_in_one(parallel, char_dataset, single, tmp_path,
+                                                      capsys):
+    out = tmp_path / "run"
+    proc = torchrun("train.py", *RUN, f"--dataset={char_dataset}", f"--out_dir={out}",
+                    "--batch_size=2", f"--parallel={parallel}", "--stop_after_iters=2")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    log = proc.stdout
+    assert f"distributed: {parallel} over 2 processes" in log
+    assert ("global batch: 8 sequences = 256 tokens per step (2 micro-batch x 2 accumulation x "
+            "2 processes)") in log
+    assert log.count("eval     0 |") == 1  # rank 0 alone prints
+    # each rank read its half of every global batch, and the losses, gradients and evaluations
+    # were averaged over both: steps 1-2 equal the single process's
+    want = trajectory(single)
+    assert_same_trajectory(trajectory(out), want[:4])  # eval 0, steps 1-2, eval 2
+    assert [c.name for c in checkpoint.list_checkpoints(out)] == ["ckpt_0000002"]
+    assert_same_checkpoint(out / "ckpt_0000002", single / "ckpt_0000002")
+    # one process (the same global batch) continues the run as if nothing had changed
+    capsys.readouterr()
+    summary = run_one(char_dataset, out, "--batch_size=4", "--init_from=resume")
+    assert summary["step"] == 4 and summary["tokens_seen"] == 4 * 8 * 32
+    assert "note:" not in capsys.readouterr().out  # nothing changed that changes the run
+    assert_same_trajectory(trajectory(out), want)
+    assert_same_checkpoint(out / "ckpt_0000004", single / "ckpt_0000004")
+
+
+def test_accelerate_launch_runs_the_same_script(char_dataset, single, tmp_path):
+    """accelerate is not in requirements.txt: this runs where it is installed."""
+    pytest.importorskip("accelerate")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))  # no accelerate config file
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
+           "--dynamo_backend=no", "train.py", *RUN, f"--dataset={char_dataset}",
+           f"--out_dir={out}", "--batch_size=2", "--stop_after_iters=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert "distributed: ddp over 2 processes" in proc.stdout
+    assert_same_trajectory(trajectory(out), trajectory(single)[:4])
+
+
+# rank 1 fails at its 5th batch (in step 4): it raises, or it hangs and dies only when killed
+FAULTY_RANK = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    import distributed, train
+    from data import loader
+
+    if os.environ["RANK"] == "1":
+        fetch, fetched = loader.Batches.next, [0]
+
+        def next_batch(self):
+            fetched[0] += 1
+            if fetched[0] == 5 and sys.argv[1] == "raise":
+                raise ValueError("rank 1 failed on purpose")
+            if fetched[0] == 5:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                time.sleep(600)
+            return fetch(self)
+
+        loader.Batches.next = next_batch
+    sys.exit(distributed.record(train.main)(sys.argv[2:]))
+""")
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+def test_a_failing_rank_brings_the_job_down(fault, char_dataset, tmp_path):
+    script = tmp_path / "faulty_rank.py"
+    script.write_text(FAULTY_RANK.format(root=str(ROOT)))
+    proc = torchrun(str(script), fault, "--config", "tiny", f"--dataset={char_dataset}",
+                    f"--out_dir={tmp_path / 'run'}", "--device=cpu", "--threads=1",
+                    "--batch_size=2", "--max_iters=50", "--eval_interval=100",
+                    "--eval_iters=1", "--log_interval=1", "--dist_timeout=3", timeout=150)
+    text = output(proc)
+    assert proc.returncode != 0, text[-4000:]
+    assert "step     3 |" in proc.stdout and "step     4 |" not in proc.stdout
+    # rank 0 was waiting for rank 1's gradients and says why it gave up
+    assert "rank 0: error: waiting for the other processes failed" in text
+    if fault == "raise":  # the launcher's summary shows the failed rank's own error
+        assert "ValueError: rank 1 failed on purpose" in text
+    else:  # nothing died: only the timeout ended the wait
+        assert "--dist_timeout=3 seconds" in text
+
+
+def test_each_rank_reads_its_share_of_the_global_batch(char_dataset):
+    meta = load_meta(str(char_dataset))
+    one = Batches(meta, "train", 4, 16, seed=5)
+    ranks = [Batches(meta, "train", 2, 16, seed=5, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        x, y = one.next()  # (4, 16)
+        (x0, y0), (x1, y1) = (r.next() for r in ranks)
+        assert not torch.equal(x0, x1)
+        assert torch.equal(x[0::2], x0) and torch.equal(x[1::2], x1)
+        assert torch.equal(y[0::2], y0) and torch.equal(y[1::2], y1)
+    fixed = one.fixed(3, seed=9)
+    shares = [r.fixed(3, seed=9) for r in ranks]
+    for i, starts in enumerate(fixed):
+        assert list(starts[0::2]) == list(shares[0][i]) and list(starts[1::2]) == list(shares[1][i])
+    # the position in the stream is the same on every rank: rank 0's checkpoint serves all
+    assert ranks[0].state_dict()["rng"] == ranks[1].state_dict()["rng"] == one.state_dict()["rng"]
+
+
+def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset):
+    meta = load_meta(str(char_dataset))
+    model = GPT(tiny_model_config(vocab_size=meta["vocab_size"]))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    saved = Batches(meta, "train", 4, 16, seed=1)
+    x, y = saved.next()  # the next global batch, as two processes save it
+    state = runstate.capture_train_state(optimizer, scaler, saved, (x, y), runstate.Counters(),
+                                         torch.device("cpu"))
+    for rank in range(2):
+        batches = Batches(meta, "train", 2, 16, seed=1, rank=rank, world_size=2)
+        _, (xr, yr), notes = runstate.restore_train_state(state, optimizer, scaler, batches,
+                                                          torch.device("cpu"), "ckpt")
+        assert torch.equal(xr, x[rank::2]) and torch.equal(yr, y[rank::2]) and notes == []
+
+
+def test_tokens_per_step_sets_the_accumulation():
+    for world, accum in ((1, 32), (2, 16), (8, 4)):
+        t = TrainConfig(batch_size=16, grad_accum_steps=32, tokens_per_step=524288)
+        note = distributed.set_global_batch(t, 1024, world)
+        assert t.grad_accum_steps == accum
+        assert (note == "") == (world == 1)
+    t = TrainConfig(batch_size=16, grad_accum_steps=32, tokens_per_step=0)
+    assert distributed.set_global_batch(t, 1024, 8) == "" and t.grad_accum_steps == 32
+    with pytest.raises(ConfigError, match=r"16 x 1024 x 3 = 49,152; no batch_size fits 3 "):
+        distributed.set_global_batch(TrainConfig(batch_size=16, tokens_per_step=524288), 1024, 3)
+    with pytest.raises(ConfigError, match=r"use --batch_size=8"):
+        distributed.set_global_batch(TrainConfig(batch_size=12, tokens_per_step=524288), 1024, 2)
+    with pytest.raises(ConfigError, match=r"tokens_per_step=1000 must be a multiple of "
+                                          r"batch_size x block_size = 4096"):
+        load_config(["--config", "tiny", "--tokens_per_step=1000", "--batch_size=128"])
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A gloo group of this one process, so DDP can be built in the test process."""
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                                  world_size=1)
+    yield
+    torch_dist.destroy_process_group()
+
+
+def test_ddp_averages_gradients_on_the_last_micro_step_only(process_group):
+    d = distributed.Dist(parallel="ddp")
+    rt = runtime.Runtime(device=torch.device("cpu"), dtype=torch.float32, tf32=False, notes=[])
+    ddp = d.wrap(GPT(tiny_model_config()), Config(), rt)
+    reductions = []
+
+    def count(state, bucket):  # a comm hook that records each all-reduce and does nothing
+        reductions.append(bucket.index())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    ddp.register_comm_hook(None, count)
+    idx = torch.randint(0, 37, (2, 16))
+    seen = []
+    for micro in range(3):
+        with d.grad_sync(micro == 2):
+            _, loss = ddp(idx, idx)
+            loss.backward()
+        seen.append(len(reductions))
+    assert seen[0] == seen[1] == 0 and seen[2] > 0
+
+
+def test_a_stop_signal_waits_for_the_shared_step_boundary():
+    stop = distributed.SyncedStop()
+    stop.request("SIGTERM")  # what the signal handler does on one rank
+    assert not stop and stop.pending == "SIGTERM"  # no rank stops alone
+    stop.commit("SIGTERM")  # sync_step found it on some rank: every rank stops here
+    assert stop and stop.reason == "SIGTERM"
+    other = distributed.SyncedStop()
+    other.request("stop_after_iters")  # the same step on every rank: at once
+    assert other and other.reason == "stop_after_iters"
+    assert isinstance(distributed.stop_request(distributed.Dist()), runstate.StopRequest)
+    assert not isinstance(distributed.stop_request(distributed.Dist()), distributed.SyncedStop)
+
+
+def test_launcher_environment_errors(monkeypatch):
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert distributed.launch_env() == (0, 0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(runtime.SetupError, match="MASTER_ADDR, MASTER_PORT not set; start the "
+                                                 "processes with torchrun"):
+        distributed.launch_env()
+    monkeypatch.setenv("RANK", "two")
+    with pytest.raises(runtime.SetupError, match="must be integers"):
+        distributed.launch_env()
+    with pytest.raises(runtime.SetupError, match="several processes cannot share MPS"):
+        distributed.rank_device(SystemConfig(device="mps"), 0, 2)
+    assert distributed.rank_device(SystemConfig(device="cpu"), 1, 2) == ("cpu", "")
+    assert distributed.error_prefix() == "rank two: "

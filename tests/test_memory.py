@@ -1,0 +1,211 @@
+"""Memory strategies: activation checkpointing, the memory estimate, int8 partial quantization,
+the prefetching loader, and empty_cache at phase boundaries only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memory
+import train
+from config import Config, ConfigError, checkpoint_plan, load_config
+from conftest import tiny_model_config
+from data.loader import Batches, load_meta
+from model import GPT
+
+MODES = ["all", "attention", "mlp", "every:2", "blocks:0,2"]
+
+
+def grads_and_saved_bytes(spec: str, dropout: float) -> tuple[dict, float, int]:
+    """Gradients and loss of one forward/backward, and the bytes autograd kept for backward."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(n_layer=3, dropout=dropout, activation_checkpointing=spec)
+    model = GPT(cfg).train()
+    idx = torch.randint(0, cfg.vocab_size, (3, cfg.block_size))
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    torch.manual_seed(1)  # the same dropout masks for every mode
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    kept = sum(saved)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item(), kept
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("spec", MODES)
+def test_checkpointing_gives_identical_gradients_and_keeps_less(spec, dropout):
+    plain, plain_loss, plain_kept = grads_and_saved_bytes("none", dropout)
+    grads, loss, kept = grads_and_saved_bytes(spec, dropout)
+    assert loss == plain_loss
+    for name, g in plain.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
+    assert kept < plain_kept  # the recomputed parts' activations were not stored
+
+
+def test_checkpoint_plan_selection_and_errors():
+    assert checkpoint_plan("none", 3) == ["", "", ""]
+    assert checkpoint_plan("all", 2) == ["block", "block"]
+    assert checkpoint_plan("attention", 2) == ["attention", "attention"]
+    assert checkpoint_plan("every:2", 5) == ["block", "", "block", "", "block"]
+    assert checkpoint_plan("blocks:1,3", 4) == ["", "block", "", "block"]
+    with pytest.raises(ValueError, match=r"names blocks \[4\].*0..3"):
+        checkpoint_plan("blocks:0,4", 4)
+    with pytest.raises(ConfigError, match="activation_checkpointing='every:0' is not understood"):
+        load_config(["--config", "tiny", "--activation_checkpointing=every:0"])
+
+
+def test_checkpointing_is_off_without_grad_and_with_kv_cache():
+    cfg = tiny_model_config(activation_checkpointing="all")
+    model = GPT(cfg).eval()
+    plain = GPT(tiny_model_config())
+    plain.load_state_dict(model.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 8))
+    cache, plain_cache = model.new_kv_cache(2), plain.eval().new_kv_cache(2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx, kv_cache=cache)[0],
+                                   plain(idx, kv_cache=plain_cache)[0])
+
+
+def test_estimate_matches_hand_count():
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd = 10, 8, 2, 2, 4
+    m.attention, m.norm, m.gelu, m.dropout = "sdpa", "native", "native", 0.0
+    cfg.train.batch_size, cfg.system.dtype = 3, "float32"
+    C, V, T, B, L = 4, 10, 8, 3, 2
+    per_block = 2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C)
+    params = V * C + T * C + L * per_block + 2 * C
+    assert params == sum(p.numel() for p in GPT(m).parameters())
+    e = memory.estimate(cfg)
+    assert (e.weights, e.gradients, e.optimizer) == (4 * params, 4 * params, 8 * params)
+    # per token per block, float32: ln_1 in, c_attn in, q k v, attention out, c_proj in,
+    # ln_2 in, c_fc in, GELU in (4C), MLP c_proj in (4C): 17 C floats; then ln_f and lm_head in
+    tokens = B * T
+    assert e.activations == tokens * 4 * (17 * C * L + 2 * C)
+    assert e.logits == tokens * (4 * V + 8 * V)
+    assert e.recompute == 0
+    cfg.model.activation_checkpointing = "all"
+    e_all = memory.estimate(cfg)
+    assert e_all.activations == tokens * 4 * (C * L + 2 * C)  # each block keeps its input
+    assert e_all.recompute == tokens * 4 * 17 * C  # one block rebuilt at a time
+    cfg.system.dtype, cfg.system.parallel = "bfloat16", "fsdp"
+    e_half = memory.estimate(cfg, world_size=2)
+    assert e_half.weights == 4 * params // 2
+    assert e_half.recompute == tokens * (8 * C + 2 * 15 * C)  # LayerNorm inputs stay float32
+
+
+def test_estimate_memory_flag_prints_without_training(char_dataset, tmp_path, capsys):
+    code = train.main(["--config", "tiny", f"--dataset={char_dataset}",
+                       f"--out_dir={tmp_path / 'run'}", "--estimate-memory"])
+    out = capsys.readouterr().out
+    assert code == 0 and "memory estimate: weights" in out and "GiB per process" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_int8_quantizes_only_the_chosen_layers_and_stays_close():
+    torch.manual_seed(0)
+    cfg = tiny_model_config(n_embd=32, n_layer=2)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    with torch.no_grad():
+        ref = model(idx)[0]
+    biases = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
+    before = memory.weight_bytes(model)
+    chosen = memory.quantize_linears(model, "attn,mlp.c_proj")
+    assert chosen == [f"transformer.h.{i}.{n}" for i in range(2)
+                      for n in ("attn.c_attn", "attn.c_proj", "mlp.c_proj")]
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if isinstance(module, torch.nn.Linear):
+            is_int8 = "Int8" in type(module.weight).__name__
+            assert is_int8 == (name in chosen), name
+    assert "Int8" not in type(model.transformer.wte.weight).__name__
+    for name, bias in biases.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), bias)
+    assert memory.weight_bytes(model) < before
+    with torch.no_grad():
+        quantized = model(idx)[0]
+    assert (quantized - ref).abs().max() < 0.02 * ref.abs().max()
+    assert not torch.equal(quantized, ref)
+
+
+def test_quantize_layers_bad_name():
+    with pytest.raises(ConfigError, match="'lm_head'.*is not a choice"):
+        memory.quantize_targets("attn,lm_head")
+
+
+def test_prefetch_loader_reads_the_same_batches(char_dataset):
+    meta = load_meta(str(char_dataset))
+    plain = Batches(meta, "train", 4, 16, seed=3)
+    fetched = Batches(meta, "train", 4, 16, seed=3, prefetch=True)
+    assert fetched.prefetch_note.startswith("off (needs CUDA")  # this CPU-only test machine
+    for _ in range(3):
+        for a, b in zip(plain.next(), fetched.next()):
+            assert torch.equal(a, b)
+
+
+def test_empty_cache_only_at_phase_boundaries(char_dataset, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "release_cached",
+                        lambda device, enabled: calls.append(enabled) or False)
+    cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}",
+                          f"--out_dir={tmp_path}", "--device=cpu", "--max_iters=6",
+                          "--eval_interval=3", "--empty_cache=false"])
+    train.train(cfg)
+    assert calls == [False, False, False]  # after the evaluations at steps 0, 3 and 6 only
+
+
+def test_config_switches_exist_with_defaults():
+    cfg = Config()
+    assert cfg.model.activation_checkpointing == "none"
+    assert cfg.system.empty_cache and not cfg.data.prefetch and cfg.sample.quantize == "none"
+
+
+def test_bf16_weights_keep_float32_islands_and_master_copy():
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(n_layer=2))
+    memory.hold_weights(model, "bfloat16", "ddp", 1)
+    groups = model.optimizer_groups(0.1)
+    optimizer = memory.MasterWeights(groups, torch.optim.AdamW, lr=1e-2)
+    seen = {}
+    model.transformer.h[1].register_forward_hook(lambda m, i, o: seen.update(block=o.dtype))
+    model.transformer.ln_f.register_forward_hook(lambda m, i, o: seen.update(ln_f=o.dtype))
+    idx = torch.randint(0, 37, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    assert seen == {"block": torch.float32, "ln_f": torch.float32} and loss.dtype == torch.float32
+    assert model.lm_head.weight.grad.dtype == torch.bfloat16
+    optimizer.step()
+    assert all(m.dtype == torch.float32 for m in optimizer.masters)
+    assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
+    for p, master in zip(optimizer.model_params, optimizer.masters):
+        assert torch.equal(p, master.to(torch.bfloat16))  # the model holds the rounded masters
+    # a resumed optimizer continues from the float32 masters, not from the rounded weights
+    other = GPT(tiny_model_config(n_layer=2))
+    memory.hold_weights(other, "bfloat16", "ddp", 1)
+    resumed = memory.MasterWeights(other.optimizer_groups(0.1), torch.optim.AdamW, lr=1e-2)
+    resumed.load_state_dict(optimizer.state_dict())
+    for a, b in zip(resumed.masters, optimizer.masters):
+        assert torch.equal(a, b)
+
+
+def test_bf16_weights_train_close_to_float32(char_dataset, tmp_path):
+    finals = {}
+    for weights in ("float32", "bfloat16"):
+        cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}",
+                              f"--out_dir={tmp_path / weights}", "--device=cpu",
+                              "--max_iters=30", "--eval_interval=30", "--dtype=bfloat16",
+                              f"--weights_dtype={weights}", "--save_checkpoints=false"])
+        finals[weights] = train.train(cfg)["final"]["val"]
+    assert finals["bfloat16"] == pytest.approx(finals["float32"], rel=0.03)
+    assert finals["float32"] < 3.6  # both learned (from ln(65) = 4.17)
+
+
+def test_bf16_weights_need_bf16_autocast():
+    with pytest.raises(ConfigError, match="weights_dtype=bfloat16 needs --dtype=bfloat16"):
+        load_config(["--config", "tiny", "--weights_dtype=bfloat16"])

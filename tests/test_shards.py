@@ -1,0 +1,319 @@
+"""Sharded preparation (data/shards.py) from local files, and the sharded batch loader."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data.shards as shards
+from data.loader import Batches, DataError, ShardBatches, load_meta
+from data.shards import Source, prepare
+from tokenizer import GPT2Tokenizer
+
+SHARD, VAL = 1500, 2000  # tokens per shard, val tokens: a few shards per split
+EOT = "<|endoftext|>"
+
+
+def make_documents() -> list[str]:
+    """~60 documents of varied length cut from tiny Shakespeare, some with non-ASCII text and
+    one empty, the way web text varies."""
+    words = Path(__file__).resolve().parents[1].joinpath("data", "tinyshakespeare.txt") \
+        .read_text(encoding="utf-8").split()
+    rng = random.Random(0)
+    docs = []
+    for i in range(60):
+        n = rng.choice([3, 40, 150, 400])
+        start = rng.randrange(len(words) - n)
+        doc = " ".join(words[start:start + n])
+        docs.append(doc + (" naïve café — ☃ 東京" if i % 7 == 0 else ""))
+    docs[5] = ""
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[list[str], list[str]]:
+    """The documents, written as three json-lines files (with an extra field to ignore)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = make_documents()
+    files = []
+    for part in range(3):
+        path = folder / f"part{part}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for i, doc in enumerate(docs[part * 20:(part + 1) * 20]):
+                f.write(json.dumps({"id": i, "text": doc}) + "\n")
+        files.append(str(path))
+    return docs, files
+
+
+def run(files: list[str], out: Path, **kwargs) -> dict:
+    kwargs = {"shard_tokens": SHARD, "val_tokens": VAL, "docs_per_task": 8,
+              "commit_tokens": 700, "progress": False, **kwargs}
+    return prepare(Source("json", data_files=files), out, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    """One uninterrupted single-worker preparation, the baseline the other runs must equal."""
+    out = tmp_path_factory.mktemp("reference")
+    run(corpus[1], out, workers=1)
+    return out
+
+
+def shard_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*_*.bin"))}
+
+
+def test_shards_decode_to_the_documents(corpus, reference):
+    docs, _ = corpus
+    meta = load_meta(str(reference))
+    tok = GPT2Tokenizer()
+    stream = {split: np.concatenate([np.fromfile(reference / s["file"], dtype=np.uint16)
+                                     for s in meta["shards"][split]])
+              for split in ("val", "train")}
+    expected = np.concatenate([np.array(tok.encode_ordinary(d) + [tok.eot_id]) for d in docs])
+    assert np.array_equal(np.concatenate([stream["val"], stream["train"]]), expected)
+    assert tok.decode(np.concatenate([stream["val"], stream["train"]]).tolist()) == \
+        "".join(d + EOT for d in docs)
+    # val is the first VAL tokens extended to the end of a document, then train starts
+    assert stream["val"][-1] == tok.eot_id and VAL <= len(stream["val"]) < VAL + 1000
+    assert meta["splits"] == {"val": len(stream["val"]), "train": len(stream["train"])}
+    assert meta["documents"] == len(docs) and meta["dtype"] == "uint16"
+    for split in ("val", "train"):
+        sizes = [s["tokens"] for s in meta["shards"][split]]
+        assert sizes[:-1] == [SHARD] * (len(sizes) - 1) and 0 < sizes[-1] <= SHARD
+        assert [s["file"] for s in meta["shards"][split]] == \
+            [f"{split}_{i:06d}.bin" for i in range(len(sizes))]
+    assert len(meta["shards"]["train"]) >= 4
+    assert not list(reference.glob(".*.partial"))
+
+
+def test_two_workers_equal_one(corpus, reference, tmp_path, monkeypatch):
+    monkeypatch.setattr(shards, "TASK_CHARS", 2000)  # tasks end by size as well as by count
+    result = run(corpus[1], tmp_path, workers=2, docs_per_task=50)
+    assert result["run"]["workers"] == 2 and result["run"]["peak_mib"]["worker"] > 0
+    assert shard_bytes(tmp_path) == shard_bytes(reference)
+    assert (tmp_path / "meta.json").read_bytes() == (reference / "meta.json").read_bytes()
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_on_call(n: int, original, after: bool = False):
+    """A stand-in for `original` that raises on its n-th call (after doing the work if `after`)."""
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            if after:
+                original(*args, **kwargs)
+            raise Crash(f"simulated crash in call {n}")
+        return original(*args, **kwargs)
+    return wrapper
+
+
+@pytest.mark.parametrize("where", ["mid-shard", "before-rename", "after-rename", "twice"])
+def test_interrupted_run_resumes_to_identical_shards(corpus, reference, tmp_path, monkeypatch,
+                                                     where):
+    if where in ("mid-shard", "twice"):  # tokens written after the last commit are dropped
+        monkeypatch.setattr(shards, "encode_batch", crash_on_call(4, shards.encode_batch))
+    else:
+        # the 2nd shard closed is the last val shard (switching to train), the 3rd a full one
+        after = where == "after-rename"
+        monkeypatch.setattr(shards, "rename_shard", crash_on_call(2 if after else 3,
+                                                                  shards.rename_shard, after))
+    with pytest.raises(Crash):
+        run(corpus[1], tmp_path, workers=1)
+    assert not (tmp_path / "meta.json").exists()
+    done = shard_bytes(tmp_path)  # a file with a shard's name is always complete
+    assert done and all(content == (reference / name).read_bytes()
+                        for name, content in done.items())
+    state = json.loads((tmp_path / "prepare_state.json").read_text())
+    if where == "after-rename":  # the shard is in place; its record still says 'closing'
+        assert state["current"]["closing"] and not list(tmp_path.glob(".*.partial"))
+    else:  # the unfinished shard, under a hidden name
+        assert list(tmp_path.glob(".*.partial"))
+    monkeypatch.undo()
+    if where == "twice":
+        monkeypatch.setattr(shards, "encode_batch", crash_on_call(3, shards.encode_batch))
+        with pytest.raises(Crash):
+            run(corpus[1], tmp_path, workers=1)
+        monkeypatch.undo()
+    result = run(corpus[1], tmp_path, workers=1)
+    assert 0 < result["run"]["tokens"] < sum(result["splits"].values())  # it resumed
+    assert shard_bytes(tmp_path) == shard_bytes(reference)
+    assert (tmp_path / "meta.json").read_bytes() == (reference / "meta.json").read_bytes()
+    assert run(corpus[1], tmp_path, workers=1)["run"]["tokens"] == 0  # done: nothing to redo
+
+
+def test_saved_dataset_and_max_tokens(corpus, reference, tmp_path):
+    import datasets
+    docs, files = corpus
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": d, "n": i} for i, d in enumerate(docs)]) \
+        .save_to_disk(str(saved))
+    run_saved = prepare(Source(str(saved)), tmp_path / "from_saved", SHARD, VAL,
+                        docs_per_task=8, progress=False)
+    assert shard_bytes(tmp_path / "from_saved") == shard_bytes(reference)
+    capped = run(files, tmp_path / "capped", max_tokens=4321)
+    assert sum(capped["splits"].values()) == 4321
+    assert run_saved["documents"] == len(docs)
+
+
+def test_preparation_errors(corpus, tmp_path):
+    _, files = corpus
+    run(files, tmp_path / "a", max_tokens=3000)
+    with pytest.raises(DataError, match=r"other settings \(shard_tokens: 1500 then, 1000 now\)"):
+        run(files, tmp_path / "a", max_tokens=3000, shard_tokens=1000)
+    with pytest.raises(DataError, match=r"have no 'body' field \(fields: id, text\); pass "
+                                        r"--text-field"):
+        prepare(Source("json", data_files=files, text_field="body"), tmp_path / "b",
+                progress=False)
+    with pytest.raises(DataError, match="train split is empty: the corpus gave"):
+        run(files, tmp_path / "c", val_tokens=10**7)
+    with pytest.raises(DataError, match="--val-tokens 5,000 leaves nothing for train"):
+        run(files, tmp_path / "d", val_tokens=5000, max_tokens=5000)
+    with pytest.raises(DataError, match="could not open .*no_such_file.jsonl.*without a network"):
+        run([str(tmp_path / "no_such_file.jsonl")], tmp_path / "e")
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "train_000000.bin").write_bytes(b"xx")
+    with pytest.raises(DataError, match="holds shard files .* but no prepare_state.json"):
+        run(files, tmp_path / "f")
+
+
+def test_command_line(corpus, tmp_path, capsys):
+    defaults = shards.Defaults(dataset="org/hub-corpus", name="big-config",
+                               out_dir=tmp_path / "default")
+    out = tmp_path / "cli"
+    code = shards.main(defaults, ["--dataset", "json", "--data-files", *corpus[1], "--out-dir",
+                                  str(out), "--shard-tokens", "2k", "--max-tokens", "6k",
+                                  "--workers", "1", "--no-progress"])
+    assert code == 0
+    meta = load_meta(str(out))
+    assert sum(meta["splits"].values()) == 6000 and meta["shard_tokens"] == 2000
+    assert meta["splits"]["val"] >= 600  # a tenth of --max-tokens by default
+    assert meta["settings"]["name"] is None  # the script's hub config is not applied to json
+    assert "done: 6,000 tokens" in capsys.readouterr().out
+    assert shards.parse_count("2.5B") == 2_500_000_000 and shards.parse_count("1e6") == 10**6
+    with pytest.raises(SystemExit):
+        shards.main(defaults, ["--max-tokens", "lots"])
+    assert "'lots' is not a token count" in capsys.readouterr().err
+
+
+def write_synthetic(folder: Path, lengths: list[int], val: int = 400) -> dict:
+    """A sharded dataset whose token values say where they are: shard i holds i*1000 + k."""
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = {"train": [], "val": []}
+    for split, sizes in (("train", lengths), ("val", [val])):
+        for i, n in enumerate(sizes):
+            name = f"{split}_{i:06d}.bin"
+            (np.arange(n, dtype=np.uint16) + 1000 * i).tofile(folder / name)
+            entries[split].append({"file": name, "tokens": n})
+    meta = {"vocab_size": 50257, "dtype": "uint16", "tokenizer": {"kind": "gpt2"},
+            "splits": {"train": sum(lengths), "val": val}, "shards": entries}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return load_meta(str(folder))
+
+
+def epoch_windows(loader: ShardBatches) -> list[tuple[int, ...]]:
+    epoch, rows = loader.epoch, []
+    while True:
+        x, y = loader.next()
+        if loader.epoch != epoch:
+            return rows
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        rows += [tuple(r) for r in torch.cat([x, y[:, -1:]], dim=1).tolist()]
+
+
+def test_shard_batches_cover_each_window_once_per_epoch(tmp_path):
+    T, lengths = 8, [130, 95, 7, 210]  # a shard shorter than one window is skipped
+    meta = write_synthetic(tmp_path, lengths)
+    loader = Batches(meta, "train", batch_size=3, block_size=T, seed=4)
+    assert isinstance(loader, ShardBatches)
+    rows = epoch_windows(loader)
+    for row in rows:  # consecutive tokens of one shard: no window crosses a shard's end
+        assert row[-1] - row[0] == T and row[0] // 1000 == row[-1] // 1000
+    starts = [r[0] % 1000 for r in rows]
+    shift = starts[0] % T
+    assert all(s % T == shift for s in starts) and len(set(rows)) == len(rows)
+    windows = sum((n - 1 - shift) // T for n in lengths)
+    assert len(rows) == windows - windows % 3  # all but the last partial batch
+    assert rows[:10] != sorted(rows)[:10]  # shuffled across shards, not read in order
+    loader.next()
+    assert loader.epoch == 1 and epoch_windows(loader) != rows  # each epoch reshuffles
+
+
+def test_shard_batches_ranks_disjoint_and_resumable(tmp_path):
+    meta = write_synthetic(tmp_path, [300, 300, 300])
+    ranks = [Batches(meta, "train", 2, 8, seed=1, rank=r, world_size=2) for r in range(2)]
+    seen = [set(), set()]
+    for r, loader in enumerate(ranks):
+        for _ in range(10):
+            seen[r] |= {tuple(row) for row in loader.next()[0].tolist()}
+    assert len(seen[0]) == len(seen[1]) == 20 and not seen[0] & seen[1]
+    a = Batches(meta, "train", 4, 8, seed=7)
+    for _ in range(20):  # past the end of the first epoch (103 windows / 4)
+        a.next()
+    path = tmp_path / "state.pt"
+    torch.save(a.state_dict(), path)
+    expected = [a.next()[0] for _ in range(12)]
+    b = Batches(meta, "train", 4, 8, seed=7)
+    b.load_state_dict(torch.load(path, weights_only=True))
+    assert all(torch.equal(b.next()[0], e) for e in expected)
+    assert not torch.equal(Batches(meta, "train", 4, 8, seed=8).next()[0],
+                           Batches(meta, "train", 4, 8, seed=7).next()[0])
+    fixed = Batches(meta, "train", 4, 8, seed=0).fixed(3, seed=11)  # training draws don't move it
+    assert len(fixed) == 3 and all(np.array_equal(p, q) for p, q in
+                                   zip(fixed, a.fixed(3, seed=11)))
+    assert len({int(s) for batch in fixed for s in batch}) == 12  # no repeats
+
+
+def test_shard_batches_errors(tmp_path, char_dataset):
+    meta = write_synthetic(tmp_path / "s", [100])
+    with pytest.raises(DataError, match=r"12 windows of block_size\+1 = 9 per rank, fewer than "
+                                        r"batch_size 16"):
+        Batches(meta, "train", 16, 8, seed=0)
+    sharded = Batches(meta, "train", 2, 8, seed=0)
+    single = Batches(load_meta(str(char_dataset)), "train", 2, 8, seed=0)
+    with pytest.raises(DataError, match="position is for a single train.bin dataset"):
+        sharded.load_state_dict(single.state_dict())
+    with pytest.raises(DataError, match="position is for a sharded dataset"):
+        single.load_state_dict(sharded.state_dict())
+    (tmp_path / "s" / "train_000000.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(DataError, match=r"train_000000.bin is 10 bytes, not 200; the folder was "
+                                        r"changed after preparation"):
+        Batches(meta, "train", 2, 8, seed=0)
+
+
+def test_training_on_shards_resumes_exactly_and_scores_hellaswag(reference, tmp_path):
+    import train
+    from config import load_config
+    from test_hellaswag import EXAMPLES
+
+    hs = tmp_path / "hellaswag_val.jsonl"
+    hs.write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES))
+    common = ["--config", "tiny", f"--dataset={reference}", "--device=cpu", "--block_size=16",
+              "--batch_size=4", "--max_iters=6", "--eval_interval=6", "--eval_iters=2",
+              "--log_interval=1", "--warmup_iters=2"]
+
+    def losses(out: Path) -> list[tuple]:
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+    cfg, _ = load_config(common + [f"--out_dir={tmp_path / 'whole'}", "--hellaswag_interval=3",
+                                   "--hellaswag_examples=2", f"--hellaswag_path={hs}"])
+    train.train(cfg)
+    records = [json.loads(line) for line in
+               (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in records if r["kind"] == "hellaswag"]
+    assert [r["step"] for r in scored] == [0, 3, 6] and all(r["n"] == 2 for r in scored)
+    assert all(r["acc_norm"] in (0.0, 0.5, 1.0) for r in scored)
+    for argv in (["--stop_after_iters=4"], ["--init_from=resume"]):
+        cfg, _ = load_config(common + [f"--out_dir={tmp_path / 'split'}", *argv])
+        train.train(cfg)
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")  # same batches after resume
