@@ -44,7 +44,7 @@ import runtime
 import speedups
 from config import Config, ConfigError, apply_override, from_dict, load_config, validate
 from data.loader import Batches, DataError, load_meta
-from train import build_model, log_line, lr_at, make_optimizer
+from train import accumulate_gradients, build_model, log_line, lr_at, make_optimizer
 
 REPO_ROOT = Path(__file__).resolve().parent
 # datasets bench.py may prepare itself: made from the bundled text, no download
@@ -168,19 +168,14 @@ def train_step(model: torch.nn.Module, raw_model: torch.nn.Module,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                batches: Batches, batch: tuple, lr: float, cfg: Config,
                rt: runtime.Runtime) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """One optimizer step over grad_accum_steps micro-batches, as train.py's loop does it.
-    Returns (mean loss, gradient norm, next batch) without syncing the device."""
+    """One optimizer step over grad_accum_steps micro-batches, as train.py's loop does it but
+    without its per-step NaN check (which syncs the device). Returns (mean loss, gradient norm,
+    next batch)."""
     t = cfg.train
     for group in optimizer.param_groups:
         group["lr"] = lr
-    x, y = batch
-    loss_sum = torch.zeros((), device=rt.device)
-    for _ in range(t.grad_accum_steps):
-        with rt.autocast():
-            _, loss = model(x, y)
-        x, y = batches.next()  # fetch the next batch while the device works
-        loss_sum += loss.detach()
-        scaler.scale(loss / t.grad_accum_steps).backward()
+    loss_sum, (x, y) = accumulate_gradients(model, batches, batch, scaler, rt,
+                                            t.grad_accum_steps)
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
                                           t.grad_clip if t.grad_clip > 0 else math.inf)

@@ -13,6 +13,8 @@ Parts:
   quant   int8 weight-only attention + MLP Linears (sample.quantize): weight bytes, batch-1
           decode tokens/s and the validation loss, float vs int8, of a trained model (trains a
           small one first unless --checkpoint is given)
+  loader  batches/s read by the in-process loader and by 1 and 2 shared-memory workers
+          (data.loader_workers), beside the batches/s the baseline training row consumes
   decode  batch-1 greedy decoding with the KV cache on GPT-2 124M-shaped weights (random, the
           same ones for both), ours vs transformers' generate in one process, against the
           memory-bandwidth limit (weight bytes read per token vs measured copy bandwidth)
@@ -46,6 +48,7 @@ from data.loader import Batches, DataError, load_meta
 
 REPO_ROOT = Path(__file__).resolve().parent
 MIB = 2**20
+PARTS = ("train", "quant", "loader", "decode")
 # (label, overrides, needs CUDA)
 TRAIN_ROWS = [
     ("baseline", [], False),
@@ -54,6 +57,7 @@ TRAIN_ROWS = [
     ("checkpointing=mlp", ["--activation_checkpointing=mlp"], False),
     ("checkpointing=every:2", ["--activation_checkpointing=every:2"], False),
     ("dtype=bfloat16", ["--dtype=bfloat16"], False),
+    ("dtype+weights_dtype=bfloat16", ["--dtype=bfloat16", "--weights_dtype=bfloat16"], False),
     ("empty_cache=off", ["--empty_cache=false"], True),
     ("prefetch=on", ["--prefetch=true"], True),
 ]
@@ -255,6 +259,39 @@ def bench_quant(args, cfg: Config, rt: runtime.Runtime) -> dict:
             "params": model.num_params(False), "rows": rows}
 
 
+def bench_loader(cfg: Config, args, trainer_rows: list[dict] | None) -> dict:
+    """Batches/s the in-process loader and the shared-memory workers produce (data reading
+    alone, nothing else running), beside what the trainer consumes (the baseline train row)."""
+    from data.workers import SharedMemoryBatches
+
+    meta = load_meta(cfg.data.dataset)
+    t = cfg.train
+
+    def rate(loader, n: int = args.loader_batches) -> float:
+        loader.next()  # first batch: worker start-up is not throughput
+        t0 = time.perf_counter()
+        for _ in range(n):
+            loader.next()
+        return n / (time.perf_counter() - t0)
+
+    make = lambda: Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed)
+    rows = {"in-process": rate(make())}
+    for workers in (1, 2):
+        shared = SharedMemoryBatches(make(), meta, "train", workers)
+        try:
+            rows[f"{workers} worker(s)"] = rate(shared)
+        finally:
+            shared.close()
+    baseline = next((r for r in trainer_rows or [] if r.get("setting") == "baseline"
+                     and r["status"] == "ok"), None)
+    consumed = (baseline["tokens_per_s"] / (t.batch_size * cfg.model.block_size)
+                if baseline else None)
+    result = {"batch": [t.batch_size, cfg.model.block_size], "batches_per_s": rows,
+              "trainer_batches_per_s": consumed}
+    print(f"  loader: {result}", flush=True)
+    return result
+
+
 def bench_decode(args, rt: runtime.Runtime) -> dict:
     """Ours vs transformers' generate on the same GPT-2 124M-shaped weights, batch 1, greedy."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -316,6 +353,14 @@ def markdown(report: dict) -> str:
             lines.append(f"| {label} | {r['weight_bytes'] / MIB:,.2f} MiB | "
                          f"{r['decode_tokens_per_s']:,.0f} | {r['val_loss']:.4f} |")
         lines.append("")
+    if "loader" in report:
+        lo = report["loader"]
+        lines += [f"Batches of {lo['batch'][0]}x{lo['batch'][1]} tokens produced per second "
+                  "(reading alone):", "", "| producer | batches/s |", "|---|---:|"]
+        lines += [f"| {k} | {v:,.0f} |" for k, v in lo["batches_per_s"].items()]
+        if lo["trainer_batches_per_s"]:
+            lines.append(f"| trainer consumes (baseline row) | {lo['trainer_batches_per_s']:,.1f} |")
+        lines.append("")
     if "decode" in report:
         d = report["decode"]
         lines += [f"Batch-1 greedy decode, GPT-2 124M shape, {d['prompt_tokens']}-token prompt, "
@@ -335,7 +380,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="bench_memory.py", allow_abbrev=False,
                                 description="Memory strategies: peak memory and speed.",
                                 epilog="Other arguments are config overrides, as for train.py.")
-    p.add_argument("--part", default="train,quant,decode", help="train, quant, decode (a list)")
+    p.add_argument("--part", default=",".join(PARTS), help=f"a comma list of {', '.join(PARTS)}")
+    p.add_argument("--loader-batches", type=int, default=200, help="loader: batches timed")
     p.add_argument("--steps", type=int, default=3, help="train: steps before and after the eval")
     p.add_argument("--checkpoint", default="", help="quant: the trained model to quantize")
     p.add_argument("--quant-steps", type=int, default=300,
@@ -357,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args.worker)
     parts = [p.strip() for p in args.part.split(",") if p.strip()]
     try:
-        if not set(parts) <= {"train", "quant", "decode"} or not parts:
-            raise ConfigError(f"--part={args.part!r}: use train, quant and/or decode")
+        if not set(parts) <= set(PARTS) or not parts:
+            raise ConfigError(f"--part={args.part!r}: use a comma list of {', '.join(PARTS)}")
         device = runtime.resolve_device(load_config(rest)[0].system.device)
         if not any(a.startswith("--config") for a in rest):
             rest = ["--config", "bench_gpu" if device.type == "cuda" else "bench_cpu"] + rest
@@ -375,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         report["train"] = bench_train(rest, args.steps, rt.device)
     if "quant" in parts:
         report["quant"] = bench_quant(args, cfg, rt)
+    if "loader" in parts:
+        report["loader"] = bench_loader(cfg, args, report.get("train"))
     if "decode" in parts:
         report["decode"] = bench_decode(args, rt)
     text = markdown(report)

@@ -73,6 +73,9 @@ class DataConfig:
     pin_memory: bool = opt(False, "pinned host batches copied with non_blocking=True (CUDA)")
     prefetch: bool = opt(False, "copy each batch host->GPU on a side CUDA stream, overlapping "
                          "the step that runs meanwhile (implies pinned memory; CUDA)")
+    loader_workers: int = opt(0, "processes that read training batches into shared memory "
+                              "ahead of the trainer (data/workers.py); 0 = in the training "
+                              "process")
     hellaswag_path: str = opt("", "hellaswag_val.jsonl for train.hellaswag_interval; '' = "
                               "data/hellaswag/hellaswag_val.jsonl, downloaded if missing")
 
@@ -145,6 +148,9 @@ class SampleConfig:
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = off")
     top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off")
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
+    prompt_bucket: int = opt(64, "with --compile: a static KV cache, and prompts right-padded "
+                             "to a multiple of this many tokens, so compiled decoding sees a "
+                             "few fixed shapes and never recompiles")
     quantize: str = opt("none", "int8: int8 weight-only Linear layers for sampling (torchao): "
                         "about half the weight bytes of bf16, a quarter of float32",
                         ("none", "int8"))
@@ -374,6 +380,7 @@ def validate(cfg: Config) -> list[str]:
         "train.keep_checkpoints": t.keep_checkpoints, "model.layer_norm_eps": m.layer_norm_eps,
         "train.max_nonfinite_steps": t.max_nonfinite_steps,
         "system.dist_timeout": cfg.system.dist_timeout,
+        "sample.prompt_bucket": s.prompt_bucket,
     }
     for name, value in positive.items():
         if not value > 0:
@@ -388,6 +395,7 @@ def validate(cfg: Config) -> list[str]:
         "sample.max_new_tokens": s.max_new_tokens,
         "sample.temperature": s.temperature, "sample.top_k": s.top_k,
         "system.threads": cfg.system.threads, "system.peak_flops": cfg.system.peak_flops,
+        "data.loader_workers": cfg.data.loader_workers,
     }
     for name, value in non_negative.items():
         if value < 0:

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 import checkpoint
 import load_gpt2_weights
 import memory
 import runtime
+import speedups
 from config import Config, ConfigError, load_config
 from model import GPT
 from tokenizer import TokenizerError, from_meta
@@ -52,14 +54,50 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
+def fresh(ids: torch.Tensor) -> torch.Tensor:
+    """A copy with standard strides: a slice of the growing idx carries its row stride, a
+    changing number that compiled code would otherwise guard on (and recompile for)."""
+    return ids.clone(memory_format=torch.contiguous_format)
+
+
+def prefill(model: GPT, ids: torch.Tensor, cache, bucket: int) -> torch.Tensor:
+    """Run the prompt ids (B, L) into the cache; returns its logits (B, L, vocab). With a bucket
+    the prompt is right-padded to a multiple of it (at most block_size): the padding's keys land
+    beyond the real length, are masked out and are overwritten by the tokens that follow."""
+    if bucket <= 0:
+        return model(ids, kv_cache=cache)[0]
+    length = ids.size(1)
+    padded = min(model.config.block_size, -(-length // bucket) * bucket)
+    ids = fresh(F.pad(ids, (0, padded - length)))
+    logits, _ = model(ids, kv_cache=cache)  # (B, padded, vocab)
+    cache.set_length(length)
+    return logits[:, :length]
+
+
+def warm_up(model: GPT, prompt_length: int, max_new_tokens: int, bucket: int,
+            autocast=None) -> None:
+    """Compile every shape this generation will use before the first real token: the prompt's
+    bucket, one decode step, and the re-read of the kept half when the context overflows."""
+    block = model.config.block_size
+    lengths = {min(prompt_length, block)}
+    if prompt_length + max_new_tokens > block:
+        lengths.add(block - block // 2)
+    for length in sorted(lengths):
+        dummy = torch.zeros((1, length), dtype=torch.long,
+                            device=model.transformer.wte.weight.device)
+        generate_tokens(model, dummy, 2, temperature=0, autocast=autocast, prompt_bucket=bucket)
+
+
 @torch.no_grad()
 def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                     top_k: int = 0, top_p: float = 1.0, kv_cache: bool = True,
                     generator: torch.Generator | None = None,
                     on_token: Callable[[torch.Tensor], None] | None = None,
-                    autocast=None) -> torch.Tensor:
+                    autocast=None, prompt_bucket: int = 0) -> torch.Tensor:
     """Extend idx (B, T) by max_new_tokens tokens. The model sees tokens[start:], where start
-    jumps forward by half a context whenever the context is full."""
+    jumps forward by half a context whenever the context is full. prompt_bucket > 0 (compiled
+    models): a static KV cache, and prompts right-padded to a multiple of it, so the model only
+    ever sees a few shapes."""
     block = model.config.block_size
     keep = block - block // 2  # context kept when it overflows: the newest half
     start = max(0, idx.size(1) - block)
@@ -72,10 +110,10 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
         with ctx():
             if kv_cache:
                 if cache is None:
-                    cache = model.new_kv_cache(idx.size(0))
-                    logits, _ = model(idx[:, start:], kv_cache=cache)
+                    cache = model.new_kv_cache(idx.size(0), static=prompt_bucket > 0)
+                    logits = prefill(model, idx[:, start:], cache, prompt_bucket)
                 else:
-                    logits, _ = model(idx[:, -1:], kv_cache=cache)
+                    logits, _ = model(fresh(idx[:, -1:]), kv_cache=cache)
             else:
                 logits, _ = model(idx[:, start:])
         next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
@@ -198,6 +236,13 @@ def sample(cfg: Config, init_from: str = "") -> list[str]:
     tokenizer = from_meta(meta["tokenizer"])
     s = cfg.sample
     prompt_ids = encode_prompt(tokenizer, read_prompt(s.prompt), model.config.block_size)
+    bucket = 0
+    if cfg.system.compile and s.kv_cache:  # static cache + bucketed prompts: no recompiles
+        model, note = speedups.compile_model(model, cfg.system, rt)
+        bucket, t0 = s.prompt_bucket, time.perf_counter()
+        warm_up(model, len(prompt_ids), s.max_new_tokens, bucket, rt.autocast)
+        print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
+              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     step = f" (step {meta['step']})" if "step" in meta else ""
     print(f"sampling from {path}{step} on {rt.device}", file=sys.stderr)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.system.seed)
@@ -208,7 +253,7 @@ def sample(cfg: Config, init_from: str = "") -> list[str]:
         sys.stdout.write(tokenizer.decode(prompt_ids) if s.prompt else "")
         t0 = time.perf_counter()
         out = generate_tokens(model, idx, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                              s.kv_cache, generator, printer, rt.autocast)
+                              s.kv_cache, generator, printer, rt.autocast, bucket)
         printer.finish()
         dt = time.perf_counter() - t0
         print(f"[sample {i + 1}/{s.num_samples}: {s.max_new_tokens} tokens in {dt:.2f}s, "

@@ -24,12 +24,17 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from data.loader import DataError
 from tokenizer import GPT2Tokenizer
+
+if TYPE_CHECKING:
+    from config import Config
+    from runtime import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parent
 DEFAULT_PATH = REPO_ROOT / "data" / "hellaswag" / "hellaswag_val.jsonl"
@@ -165,9 +170,11 @@ def check_tokenizer(kind: str, what: str) -> None:
 
 
 class TrainingEval:
-    """HellaSwag inside train.py, every train.hellaswag_interval steps."""
+    """HellaSwag inside train.py, every train.hellaswag_interval steps. With several processes
+    every rank scores the whole set (the same forward calls on every rank, which FSDP's
+    collectives need) and rank 0 reports it."""
 
-    def __init__(self, cfg, meta: dict, rt):
+    def __init__(self, cfg: Config, meta: dict, rt: Runtime):
         check_tokenizer(meta["tokenizer"]["kind"], f"dataset {meta['dir']}")
         self.interval, self.max_iters = cfg.train.hellaswag_interval, cfg.train.max_iters
         self.examples = load_examples(ensure_file(cfg.data.hellaswag_path),
@@ -186,19 +193,20 @@ class TrainingEval:
         return {"acc": result["acc"], "acc_norm": result["acc_norm"], "n": result["n"]}
 
 
-def for_training(cfg, meta: dict, rt) -> TrainingEval | None:
+def for_training(cfg: Config, meta: dict, rt: Runtime) -> TrainingEval | None:
     """The in-training evaluation, or None when train.hellaswag_interval is 0."""
     return TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None
 
 
-def load_any(name: str, device: torch.device, overrides: dict) -> tuple[torch.nn.Module, str]:
-    """Our checkpoint (or run directory), or a GPT-2 that load_gpt2_weights can read."""
+def load_any(name: str, device: torch.device | str, overrides: dict
+             ) -> tuple[torch.nn.Module, str]:
+    """Our checkpoint (or run directory), or a GPT-2 that load_gpt2_weights can read; returns
+    the model and its tokenizer's kind."""
     try:
         import load_gpt2_weights as gpt2
     except ImportError:
         gpt2 = None
-    if gpt2 is not None and not Path(name, "model.safetensors").is_file() and \
-            gpt2.is_gpt2_source(name):
+    if gpt2 is not None and gpt2.is_gpt2_source(name):  # a hub id or a HF model directory
         from config import ModelConfig
         model, hf_dir = gpt2.load_hf(name, ModelConfig(**overrides))
         return model.to(device), gpt2.tokenizer_meta(model.config.vocab_size)["kind"]

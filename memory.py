@@ -117,17 +117,23 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     # float32 gradient of the logits made from it
     padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple)
     logits = tokens * (act * padded + 8 * m.vocab_size)
-    return MemoryEstimate(weights=4 * params // shards, gradients=4 * params // shards,
-                          optimizer=ADAMW_STATES * 4 * params // shards,
+    weight = 2 if cfg.system.weights_dtype == "bfloat16" else 4
+    states = ADAMW_STATES + (1 if weight == 2 else 0)  # + the float32 master copy
+    return MemoryEstimate(weights=weight * params // shards, gradients=weight * params // shards,
+                          optimizer=states * 4 * params // shards,
                           activations=activations, logits=logits, recompute=recompute)
+
+
+def size_text(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def format_estimate(e: MemoryEstimate, cfg: Config) -> str:
     parts = [("weights", e.weights), ("grads", e.gradients), ("adamw", e.optimizer),
              ("activations", e.activations), ("logits+loss", e.logits),
              ("recompute", e.recompute)]
-    body = " + ".join(f"{name} {b / GIB:.2f}" for name, b in parts if b)
-    return (f"memory estimate: {body} = {e.total / GIB:.2f} GiB per process "
+    body = " + ".join(f"{name} {size_text(b)}" for name, b in parts if b)
+    return (f"memory estimate: {body} = {size_text(e.total)} per process "
             f"(micro-batch {cfg.train.batch_size}x{cfg.model.block_size}, {cfg.system.dtype}, "
             f"checkpointing={cfg.model.activation_checkpointing})")
 
@@ -179,6 +185,27 @@ def quantize_linears(model: GPT, layers: str) -> list[str]:
     quantize_(model, Int8WeightOnlyConfig(),
               filter_fn=lambda module, name: name in chosen_set)
     return chosen
+
+
+def warm_up_training(model: torch.nn.Module, raw_model: GPT, device: torch.device, autocast,
+                     batch_size: int) -> None:
+    """system.compile: compile every variant the run will use before the first step: a training
+    forward+backward and an evaluation forward at the micro-batch shape (B, block_size). After
+    it, nothing recompiles (the shapes never change). Leaves no gradients, RNG draws or mode
+    change behind."""
+    cfg = raw_model.config
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), device=device)
+    was_training = model.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        with autocast():
+            _, loss = model(idx, idx)
+        loss.backward()
+        model.eval()
+        with torch.no_grad(), autocast():
+            model(idx, idx)
+    model.train(was_training)
+    raw_model.zero_grad(set_to_none=True)
 
 
 def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,

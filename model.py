@@ -73,6 +73,39 @@ class KVCache:
         self.pos += t
 
 
+class StaticKVCache(KVCache):
+    """A KVCache for compiled decoding: its position is a tensor, and attention reads the whole
+    (B, nh, max_len, hs) cache under a mask of the filled positions, so every decode step has the
+    same shapes and no changing Python number for torch.compile to specialise on (no
+    recompiles). The caller checks the length (it cannot be read without a device sync)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.position = torch.zeros((), dtype=torch.long, device=self.k[0].device)
+
+    def positions(self, t: int) -> torch.Tensor:
+        """(t,) positions of the next t tokens."""
+        return self.position + torch.arange(t, device=self.position.device)
+
+    def mask(self, t: int) -> torch.Tensor:
+        """(t, max_len) boolean: query i (at position+i) sees every key up to its own."""
+        keys = torch.arange(self.max_len, device=self.position.device)
+        return keys[None, :] <= self.positions(t)[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self.positions(k.size(2))
+        self.k[layer].index_copy_(2, index, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, index, v.to(self.v[layer].dtype))
+        return self.k[layer], self.v[layer]  # (B, nh, max_len, hs): the mask hides the rest
+
+    def advance(self, t: int) -> None:
+        self.position += t
+
+    def set_length(self, t: int) -> None:
+        """After a padded prefill: only the first t positions hold real tokens."""
+        self.position.fill_(t)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -104,14 +137,20 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        q_start = 0
-        if kv_cache is not None:
+        q_start, static_mask = 0, None
+        if isinstance(kv_cache, StaticKVCache):
+            static_mask = kv_cache.mask(T)  # (T, max_len)
+            k, v = kv_cache.update(self.layer, k, v)  # (B, nh, max_len, hs)
+        elif kv_cache is not None:
             q_start = kv_cache.pos
             k, v = kv_cache.update(self.layer, k, v)  # (B, nh, q_start+T, hs)
         t_k = k.size(2)
         if self.impl == "sdpa":
             dropout_p = self.dropout if self.training else 0.0
-            if q_start == 0 and self.mask_mode == "on_the_fly":
+            if static_mask is not None:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=static_mask,
+                                                   dropout_p=dropout_p)
+            elif q_start == 0 and self.mask_mode == "on_the_fly":
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
             elif T == 1:  # one new query sees every cached key
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
@@ -120,7 +159,9 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, t_k)
-            att = att.masked_fill(~self.causal_mask(q_start, T, t_k, x.device), float("-inf"))
+            mask = static_mask if static_mask is not None else self.causal_mask(q_start, T, t_k,
+                                                                                x.device)
+            att = att.masked_fill(~mask, float("-inf"))
             att = F.softmax(att.float(), dim=-1).to(q.dtype)
             att = self.attn_dropout(att)
             y = att @ v  # (B, nh, T, hs)
@@ -231,11 +272,14 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = idx.size()
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
-                             f"{self.config.block_size}; crop the input")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        if isinstance(kv_cache, StaticKVCache):  # its caller keeps within block_size
+            pos = kv_cache.positions(T)
+        else:
+            start = kv_cache.pos if kv_cache is not None else 0
+            if start + T > self.config.block_size:
+                raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
+                                 f"{self.config.block_size}; crop the input")
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         x = self.transformer.drop(x.float())  # precision policy: the residual stream is float32
         for block in self.transformer.h:
@@ -251,11 +295,12 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_kv_cache(self, batch: int, max_len: int | None = None,
-                     dtype: torch.dtype | None = None) -> KVCache:
+                     dtype: torch.dtype | None = None, static: bool = False) -> KVCache:
         cfg = self.config
         p = self.transformer.wte.weight
-        return KVCache(cfg.n_layer, batch, cfg.n_head, max_len or cfg.block_size,
-                       cfg.n_embd // cfg.n_head, p.device, dtype or p.dtype)
+        kind = StaticKVCache if static else KVCache
+        return kind(cfg.n_layer, batch, cfg.n_head, max_len or cfg.block_size,
+                    cfg.n_embd // cfg.n_head, p.device, dtype or p.dtype)
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (Linear and embedding weights) only, not biases or norms."""

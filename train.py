@@ -8,6 +8,7 @@ main(cfg): runtime setup -> data -> model -> optimizer -> one training loop -> c
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -27,6 +28,7 @@ import runtime
 import speedups
 from config import Config, ConfigError, TrainConfig, load_config
 from data.loader import Batches, DataError, check_vocab, load_meta
+from data.workers import SharedMemoryBatches
 from model import GPT
 
 DEFAULT_DATASET = "shakespeare_char"
@@ -167,6 +169,25 @@ def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: f
     return line + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
 
 
+def accumulate_gradients(model: torch.nn.Module, batches: Batches, batch: tuple, scaler:
+                         torch.amp.GradScaler, rt: runtime.Runtime, accum_steps: int,
+                         grad_sync=None) -> tuple[torch.Tensor, tuple]:
+    """Forward and backward over accum_steps micro-batches (gradients summed, each loss scaled by
+    1/accum_steps). grad_sync(last) lets data-parallel ranks all-reduce on the last micro-step
+    only. Returns (summed loss, the next batch), without syncing the device."""
+    x, y = batch
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro in range(accum_steps):
+        last = micro == accum_steps - 1
+        with grad_sync(last) if grad_sync else contextlib.nullcontext():
+            with rt.autocast():
+                _, loss = model(x, y)
+            x, y = batches.next()  # fetch the next batch while the device works
+            loss_sum += loss.detach()
+            scaler.scale(loss / accum_steps).backward()
+    return loss_sum, (x, y)
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                    raw_model: GPT, grad_clip: float, guard: runstate.NonFiniteGuard,
                    loss_sum: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -235,6 +256,8 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
     train_batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
                             rt.device, cfg.data.pin_memory, dist.rank, dist.world_size,
                             prefetch=cfg.data.prefetch)
+    if cfg.data.loader_workers:  # read ahead by worker processes, through shared memory
+        train_batches = SharedMemoryBatches(train_batches, meta, "train", cfg.data.loader_workers)
     loaders = {"train": train_batches,
                "val": Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
                               rt.device, cfg.data.pin_memory, dist.rank, dist.world_size)}
@@ -251,6 +274,8 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
                                                 (state.get("world_size", 1), dist.world_size))
     resume_notes += dist.restore_rank_rng(state, cfg.system.seed, counters.step)
     model, compile_note = speedups.compile_model(model, cfg.system, rt)
+    if cfg.system.compile:  # every shape compiled now: no recompiles (or stalls) later
+        memory.warm_up_training(model, raw_model, rt.device, rt.autocast, t.batch_size)
 
     print(f"config:\n{cfg.to_json()}")
     print(speedups.banner(speedups.settings(cfg, rt, fused_note, compile_note, batch_note,
@@ -263,7 +288,7 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
     print(f"memory: weights={weights_note} "
           f"activation_checkpointing={cfg.model.activation_checkpointing} "
           f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
-          f"prefetch={train_batches.prefetch_note}")
+          f"prefetch={train_batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
     print(memory.format_estimate(memory.estimate(cfg, dist.world_size), cfg))
     for note in resume_notes:
         print(f"note: {note}")
@@ -318,14 +343,8 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=rt.device)
-            for micro in range(t.grad_accum_steps):
-                with dist.grad_sync(micro == t.grad_accum_steps - 1):  # ranks sync on the last
-                    with rt.autocast():
-                        _, loss = model(x, y)
-                    x, y = train_batches.next()  # fetch the next batch while the device works
-                    loss_sum += loss.detach()
-                    scaler.scale(loss / t.grad_accum_steps).backward()
+            loss_sum, (x, y) = accumulate_gradients(model, train_batches, (x, y), scaler, rt,
+                                                    t.grad_accum_steps, dist.grad_sync)
             loss_sum = dist.sync_step(loss_sum, stop)  # the mean over ranks; shares a stop signal
             norm, updated = optimizer_step(optimizer, scaler, raw_model, t.grad_clip,
                                            guard, loss_sum)

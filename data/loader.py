@@ -175,18 +175,25 @@ class Batches:
         xy.record_stream(compute)  # its memory is not reused until compute is done with it
         return xy[:, :-1], xy[:, 1:]
 
-    def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, starts: np.ndarray) -> np.ndarray:
+        """(B, T+1) int64 token rows starting at `starts`."""
         T = self.block_size
-        rows = np.stack([np.asarray(self.data[s:s + T + 1], dtype=np.int64) for s in starts])
-        return self.to_tensors(rows)
+        return np.stack([np.asarray(self.data[s:s + T + 1], dtype=np.int64) for s in starts])
+
+    def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.to_tensors(self.rows(starts))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.windows(self.draw())
+
+    def draw(self) -> np.ndarray:
+        """The next batch's window starts (advances the position)."""
         # every rank draws the starts of the whole global micro-batch and keeps every
         # world_size-th: ranks read different windows, and one process with world_size times
         # the batch reads exactly the windows all of them do
         starts = self.rng.integers(0, len(self.data) - self.block_size,
                                    size=self.batch_size * self.world_size)
-        return self.windows(starts[self.rank::self.world_size])
+        return starts[self.rank::self.world_size]
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
         """Start offsets of n_batches batches drawn from their own seed: the same every call, so
@@ -272,15 +279,14 @@ class ShardBatches(Batches):
             self._order = (epoch, self._window_starts(shift, mine))
         return self._order[1]
 
-    def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, starts: np.ndarray) -> np.ndarray:
         T = self.block_size
         shard = np.searchsorted(self.offsets, starts, side="right") - 1
         local = np.asarray(starts) - self.offsets[shard]
-        rows = np.stack([np.asarray(self.shards[i][j:j + T + 1], dtype=np.int64)
+        return np.stack([np.asarray(self.shards[i][j:j + T + 1], dtype=np.int64)
                          for i, j in zip(shard, local)])  # windows never cross a shard's end
-        return self.to_tensors(rows)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self) -> np.ndarray:
         B = self.batch_size
         order = self._epoch_order(self.epoch)
         if self.cursor + B > len(order):  # the rest is less than a batch: start a new epoch
@@ -288,7 +294,7 @@ class ShardBatches(Batches):
             order = self._epoch_order(self.epoch)
         starts = order[self.cursor:self.cursor + B]
         self.cursor += B
-        return self.windows(starts)
+        return starts
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
         """n_batches batches of window starts from their own seed (the same every call), drawn

@@ -41,12 +41,15 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from data.loader import DataError, _write_atomic, token_dtype
 from tokenizer import GPT2Tokenizer
+
+if TYPE_CHECKING:
+    import datasets  # imported where used: it is slow to import and the workers never need it
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")
@@ -83,7 +86,7 @@ class Batch:
     stream_state: dict | None  # the dataset iterator's state just before texts[0]
 
 
-def open_stream(source: Source):
+def open_stream(source: Source) -> datasets.IterableDataset:
     """The documents as a datasets.IterableDataset (streamed: memory stays flat)."""
     import datasets
 
@@ -124,7 +127,7 @@ def _open_error(source: Source, e: Exception) -> str:
     return f"could not open {source.describe()}: {type(e).__name__}: {first}; {hint}"
 
 
-def read_batches(ds, text_field: str, start_doc: int, skip: int, docs_per_task: int,
+def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, skip: int, docs_per_task: int,
                  stream_state: dict | None) -> Iterator[tuple[Batch, list[str]]]:
     """Documents in batches, from document `start_doc + skip`. The iterator resumes from
     `stream_state` (saved at document start_doc) when the dataset supports it; otherwise it
@@ -273,7 +276,7 @@ class ShardWriter:
         if not path.is_file():
             stray = sorted(p.name for p in self.out.glob("*.bin"))
             if stray:
-                raise DataError(f"{self.out} holds shard files ({', '.join(stray[:3])}...) but no "
+                raise DataError(f"{self.out} holds token files ({', '.join(stray[:3])}) but no "
                                 f"{STATE_FILE}; delete them or choose another --out-dir")
             return {"settings": self.settings, "shards": {s: [] for s in SPLIT_ORDER},
                     "current": {"split": "val", "index": 0, "tokens": 0, "closing": False},

@@ -157,3 +157,15 @@ def test_command_line_on_our_checkpoints(val_file, tmp_path, capsys):
                            "--device", "cpu"])
     assert code == 2 and "uses the 'char' tokenizer; HellaSwag is scored on GPT-2 BPE models" \
         in capsys.readouterr().err
+
+
+def test_gpt2_directories_load_through_load_gpt2_weights(tmp_path):
+    import load_gpt2_weights
+    save_tiny(tmp_path / "ours", {"kind": "gpt2"}, TOK.vocab_size)
+    load_gpt2_weights.export_hf(tmp_path / "ours", tmp_path / "hf")  # a Hugging Face GPT-2 dir
+    ours, kind = hellaswag.load_any(str(tmp_path / "ours"), "cpu", {})
+    theirs, hf_kind = hellaswag.load_any(str(tmp_path / "hf"), "cpu", {"attention": "sdpa"})
+    assert kind == hf_kind == "gpt2" and theirs.config.attention == "sdpa"
+    rows = hellaswag.example_rows(EXAMPLES[0], TOK, ours.config.block_size)
+    assert torch.allclose(hellaswag.ending_losses(ours, rows, "cpu")[0],
+                          hellaswag.ending_losses(theirs, rows, "cpu")[0], atol=1e-4)

@@ -96,13 +96,17 @@ def test_estimate_matches_hand_count():
     e_half = memory.estimate(cfg, world_size=2)
     assert e_half.weights == 4 * params // 2
     assert e_half.recompute == tokens * (8 * C + 2 * 15 * C)  # LayerNorm inputs stay float32
+    cfg.system.weights_dtype = "bfloat16"  # bf16 weights and grads, + a float32 master copy
+    e_bf16 = memory.estimate(cfg, world_size=1)
+    assert (e_bf16.weights, e_bf16.gradients, e_bf16.optimizer) == (2 * params, 2 * params,
+                                                                    12 * params)
 
 
 def test_estimate_memory_flag_prints_without_training(char_dataset, tmp_path, capsys):
     code = train.main(["--config", "tiny", f"--dataset={char_dataset}",
                        f"--out_dir={tmp_path / 'run'}", "--estimate-memory"])
     out = capsys.readouterr().out
-    assert code == 0 and "memory estimate: weights" in out and "GiB per process" in out
+    assert code == 0 and "memory estimate: weights" in out and "per process" in out
     assert not (tmp_path / "run").exists()
 
 
@@ -209,3 +213,101 @@ def test_bf16_weights_train_close_to_float32(char_dataset, tmp_path):
 def test_bf16_weights_need_bf16_autocast():
     with pytest.raises(ConfigError, match="weights_dtype=bfloat16 needs --dtype=bfloat16"):
         load_config(["--config", "tiny", "--weights_dtype=bfloat16"])
+
+
+def test_static_kv_cache_with_buckets_gives_the_same_tokens():
+    import generate
+    torch.manual_seed(0)
+    for attention in ("scratch", "sdpa"):
+        model = GPT(tiny_model_config(attention=attention)).eval()  # block_size 16
+        prompt = torch.randint(0, 37, (2, 5))
+        plain = generate.generate_tokens(model, prompt, 20, temperature=0)  # overflows once
+        static = generate.generate_tokens(model, prompt, 20, temperature=0, prompt_bucket=4)
+        assert torch.equal(static, plain)
+
+
+def test_compiled_run_does_not_recompile_after_warm_up():
+    import generate
+    import runtime
+    from config import SystemConfig
+    compiles = []
+
+    def counting_backend(gm, example_inputs):  # called once per (re)compiled graph
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = GPT(tiny_model_config(dropout=0.1))  # block_size 16
+    compiled = torch.compile(model, backend=counting_backend)
+    rt = runtime.setup(SystemConfig(device="cpu"))
+    memory.warm_up_training(compiled, model, rt.device, rt.autocast, batch_size=4)
+    compiled.eval()
+    generate.warm_up(compiled, prompt_length=6, max_new_tokens=20, bucket=8)
+    warmed = len(compiles)
+    assert warmed > 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):  # training steps and an evaluation
+        compiled.train()
+        idx = torch.randint(0, 37, (4, 16))
+        compiled(idx, idx)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        compiled.eval()
+        with torch.no_grad():
+            compiled(idx, idx)
+    for length in (3, 7, 8):  # other prompts in the same bucket, with a context overflow
+        prompt = torch.randint(0, 37, (1, length))
+        generate.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
+    assert len(compiles) == warmed
+    # the plain (dynamic) cache, by contrast, recompiles as its length changes
+    generate.generate_tokens(compiled, torch.randint(0, 37, (1, 3)), 6, temperature=0)
+    assert len(compiles) > warmed
+    torch._dynamo.reset()
+
+
+def test_shared_memory_workers_read_the_in_process_batches_and_resume(char_dataset):
+    from data.workers import SharedMemoryBatches
+    meta = load_meta(str(char_dataset))
+    plain = Batches(meta, "train", 4, 16, seed=5)
+    shared = SharedMemoryBatches(Batches(meta, "train", 4, 16, seed=5), meta, "train", workers=2)
+    try:
+        for _ in range(3):
+            for a, b in zip(plain.next(), shared.next()):
+                assert torch.equal(a, b)
+        state = shared.state_dict()  # workers are already several batches ahead
+        expected = [plain.next() for _ in range(6)]
+        got = [shared.next() for _ in range(6)]
+        shared.load_state_dict(state)  # back to where the state was taken
+        again = [shared.next() for _ in range(6)]
+        for e, g, a in zip(expected, got, again):
+            assert torch.equal(e[0], g[0]) and torch.equal(e[0], a[0])
+            assert torch.equal(e[1], g[1]) and torch.equal(e[1], a[1])
+    finally:
+        shared.close()
+    assert not any(p.is_alive() for p in shared.procs)
+
+
+def test_training_with_loader_workers_matches_in_process(char_dataset, tmp_path):
+    finals = []
+    for workers in (0, 2):
+        cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}",
+                              f"--out_dir={tmp_path / str(workers)}", "--device=cpu",
+                              "--max_iters=8", "--eval_interval=8", "--save_checkpoints=false",
+                              f"--loader_workers={workers}"])
+        finals.append(train.train(cfg)["final"])
+    assert finals[0] == finals[1]
+
+
+def test_checkpointing_composes_with_fsdp2(char_dataset, tmp_path):
+    """2 FSDP2 processes recomputing every block train exactly as one plain process."""
+    from test_distributed import (RUN, assert_same_trajectory, output, run_one, torchrun,
+                                  trajectory)
+    run_one(char_dataset, tmp_path / "single", "--batch_size=4", "--max_iters=2",
+            "--save_checkpoints=false")
+    out = tmp_path / "fsdp"
+    proc = torchrun("train.py", *RUN, f"--dataset={char_dataset}", f"--out_dir={out}",
+                    "--batch_size=2", "--parallel=fsdp", "--max_iters=2",
+                    "--activation_checkpointing=all", "--save_checkpoints=false")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert "activation_checkpointing=all" in proc.stdout
+    assert_same_trajectory(trajectory(out), trajectory(tmp_path / "single"))

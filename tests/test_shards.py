@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +153,25 @@ def test_interrupted_run_resumes_to_identical_shards(corpus, reference, tmp_path
     assert run(corpus[1], tmp_path, workers=1)["run"]["tokens"] == 0  # done: nothing to redo
 
 
+def test_ctrl_c_commits_the_batch_then_stops(corpus, reference, tmp_path, monkeypatch):
+    encode = shards.encode_batch
+    calls = []
+
+    def interrupted_in_fourth_batch(texts):
+        calls.append(len(texts))
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+        return encode(texts)
+    monkeypatch.setattr(shards, "encode_batch", interrupted_in_fourth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        run(corpus[1], tmp_path, workers=1, commit_tokens=10**9)  # no periodic commits
+    state = json.loads((tmp_path / "prepare_state.json").read_text())
+    assert len(calls) == 4 and state["pos"]["doc"] == sum(calls)  # batch 4 written, committed
+    monkeypatch.undo()
+    assert run(corpus[1], tmp_path, workers=1)["documents"] == len(corpus[0])
+    assert shard_bytes(tmp_path) == shard_bytes(reference)
+
+
 def test_saved_dataset_and_max_tokens(corpus, reference, tmp_path):
     import datasets
     docs, files = corpus
@@ -182,7 +203,7 @@ def test_preparation_errors(corpus, tmp_path):
         run([str(tmp_path / "no_such_file.jsonl")], tmp_path / "e")
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "train_000000.bin").write_bytes(b"xx")
-    with pytest.raises(DataError, match="holds shard files .* but no prepare_state.json"):
+    with pytest.raises(DataError, match="holds token files .* but no prepare_state.json"):
         run(files, tmp_path / "f")
 
 

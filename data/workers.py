@@ -1,0 +1,132 @@
+"""data.loader_workers: batches read by worker processes into shared memory, ahead of the trainer.
+
+The training process keeps drawing every batch's window starts from the loader's own random
+stream (so the batches, and a checkpoint's data position, are exactly the in-process loader's);
+workers only do the reading: gathering the (B, T+1) token rows from the memory-mapped files into
+a slot of a shared-memory ring. The trainer takes a finished slot without any pickling or pipe
+transfer (one memcpy out of the slot, so the slot can be refilled while the batch is in use).
+Workers import numpy only, so they start in well under a second.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import multiprocessing as mp
+import queue
+import weakref
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from data.loader import Batches, DataError
+
+WAIT_S = 1.0  # how often a waiting trainer checks that the workers are alive
+
+
+def _reader(meta: dict, split: str, block_size: int):
+    """An object with the loader's rows(starts) for this split, without torch."""
+    reader = Batches.__new__(Batches, meta)
+    if "shards" in meta:
+        from data.loader import open_shards
+        reader.shards = open_shards(meta, split)
+        reader.lengths = np.array([len(m) for m in reader.shards], dtype=np.int64)
+        reader.offsets = np.concatenate([[0], np.cumsum(reader.lengths)])
+    else:
+        from data.loader import open_split
+        reader.data = open_split(meta, split, block_size)
+    reader.block_size = block_size
+    return reader
+
+
+def _work(meta: dict, split: str, block_size: int, shm_name: str, shape: tuple,
+          tasks: mp.Queue, done: mp.Queue) -> None:
+    """Worker loop: (slot, starts) in, rows written into the slot, slot number out."""
+    shm = shared_memory.SharedMemory(name=shm_name)
+    ring = np.ndarray(shape, dtype=np.int64, buffer=shm.buf)  # (slots, B, T+1)
+    reader = _reader(meta, split, block_size)
+    try:
+        while (task := tasks.get()) is not None:
+            slot, starts = task
+            ring[slot] = reader.rows(starts)
+            done.put(slot)
+    finally:
+        del ring
+        shm.close()
+
+
+def _shutdown(procs: list, tasks: mp.Queue, shm: shared_memory.SharedMemory) -> None:
+    for _ in procs:
+        tasks.put(None)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()
+    shm.close()
+    shm.unlink()
+
+
+class SharedMemoryBatches:
+    """The loader `batches`, with `workers` processes reading `depth` batches ahead of next()."""
+
+    def __init__(self, batches: Batches, meta: dict, split: str, workers: int, depth: int = 0):
+        self.batches = batches
+        self.depth = depth or 2 * workers
+        shape = (self.depth, batches.batch_size, batches.block_size + 1)
+        self.shm = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 8)
+        self.ring = np.ndarray(shape, dtype=np.int64, buffer=self.shm.buf)
+        ctx = mp.get_context("spawn")  # no fork of a process holding torch's threads
+        self.tasks, self.done = ctx.Queue(), ctx.Queue()
+        self.procs = [ctx.Process(target=_work, daemon=True,
+                                  args=(meta, split, batches.block_size, self.shm.name, shape,
+                                        self.tasks, self.done)) for _ in range(workers)]
+        for p in self.procs:
+            p.start()
+        self._close = weakref.finalize(self, _shutdown, self.procs, self.tasks, self.shm)
+        self.pending: collections.deque = collections.deque()  # (slot, loader state before it)
+        self.finished: set[int] = set()
+        for slot in range(self.depth):
+            self._request(slot)
+
+    def __getattr__(self, name: str):  # windows, fixed, prefetch_note, ...: the loader's own
+        return getattr(self.__dict__["batches"], name)
+
+    def _request(self, slot: int) -> None:
+        state = copy.deepcopy(self.batches.state_dict())
+        self.tasks.put((slot, self.batches.draw()))
+        self.pending.append((slot, state))
+
+    def _wait(self, slot: int) -> None:
+        while slot not in self.finished:
+            try:
+                self.finished.add(self.done.get(timeout=WAIT_S))
+            except queue.Empty:
+                dead = [p.exitcode for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise DataError(f"a data loader worker died (exit code {dead[0]}); run "
+                                    "with --loader_workers=0 to see the error in-process") from None
+
+    def next(self):
+        slot, _ = self.pending[0]
+        self._wait(slot)
+        self.pending.popleft()
+        self.finished.discard(slot)
+        rows = self.ring[slot].copy()  # the trainer's own copy: the slot is refilled now
+        self._request(slot)
+        return self.batches.to_tensors(rows)
+
+    def state_dict(self) -> dict:
+        """The position before the oldest batch not yet handed out: a resumed run reads it
+        again, exactly as the in-process loader would."""
+        return self.pending[0][1]
+
+    def load_state_dict(self, state: dict) -> None:
+        for slot, _ in self.pending:  # let the workers finish what they were given
+            self._wait(slot)
+        self.pending.clear()
+        self.finished.clear()
+        self.batches.load_state_dict(state)
+        for slot in range(self.depth):
+            self._request(slot)
+
+    def close(self) -> None:
+        self._close()
