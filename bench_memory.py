@@ -31,6 +31,7 @@ import copy
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -231,9 +232,12 @@ def trained_model(args, cfg: Config, rt: runtime.Runtime):
     cfg.system.compile = False
     print(f"  quant: training {args.quant_steps} steps to have a model to quantize ...",
           flush=True)
-    with contextlib.redirect_stdout(sys.stderr):
-        train.train(cfg)
-    model, stored, _ = checkpoint.load_model(out, rt.device)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            train.train(cfg)
+        model, stored, _ = checkpoint.load_model(out, rt.device)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     return model, stored
 
 

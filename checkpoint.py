@@ -179,6 +179,12 @@ def load_weights(model: GPT, ckpt: Path) -> None:
     load_state(model, state, str(ckpt))
 
 
+def mismatch_parts(missing: list, unexpected: list, shapes: list) -> list[str]:
+    """The pieces of a 'weights do not fit' error: every missing, unexpected, mis-shaped name."""
+    named = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes))
+    return [f"{what} {names}" for what, names in named if names]
+
+
 def load_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
     expected = model_state(model)
     missing = sorted(set(expected) - set(state))
@@ -186,13 +192,7 @@ def load_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
     shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
                     for k, v in expected.items() if k in state and state[k].shape != v.shape)
     if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected}")
-        if shapes:
-            parts.append(f"mis-shaped {shapes}")
+        parts = mismatch_parts(missing, unexpected, shapes)
         raise CheckpointError(f"weights in {source} do not fit the model ("
                               + "; ".join(parts) + "); the checkpoint is from another "
                               "architecture: use the config it was trained with")

@@ -214,13 +214,7 @@ def _hf_shape(ours: torch.Tensor, hf_name: str, vocab_size: int) -> tuple[int, .
 
 def _mapping_error(source: str, missing: list, unexpected: list, shapes: list,
                    head_note: str) -> GPT2WeightsError:
-    parts = []
-    if missing:
-        parts.append(f"missing {missing}")
-    if unexpected:
-        parts.append(f"unexpected {unexpected}")
-    if shapes:
-        parts.append(f"mis-shaped {shapes}")
+    parts = checkpoint.mismatch_parts(missing, unexpected, shapes)
     if head_note:
         parts.append(head_note)
     return GPT2WeightsError(f"weights in {source} do not match its config.json ("
