@@ -325,11 +325,18 @@ def bench_decode(args, rt: runtime.Runtime) -> dict:
     hf_rate = new / (time.perf_counter() - t0)
     weight = memory.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4  # wpe: 1 row
     bandwidth = copy_bandwidth(rt.device)
+    memory.quantize_linears(ours, args.quantize_layers)
+    int8_rate, int8_tokens = decode_rate(ours, prompt, new, rt)
+    int8_weight = memory.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4
     result = {"params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
               "ours_tokens_per_s": our_rate, "hf_tokens_per_s": hf_rate,
+              "int8_tokens_per_s": int8_rate, "int8_weight_bytes_per_token": int8_weight,
+              "int8_layers": args.quantize_layers,
+              "int8_same_tokens": int(torch.eq(int8_tokens, our_tokens).sum()) - prompt.numel(),
               "same_tokens": bool(torch.equal(our_tokens, hf_tokens)),
-              "hf_missing_keys": [k for k in missing if not k.endswith("attn.bias")],
+              "hf_missing_keys": [k for k in missing  # buffers, and the head HF ties itself
+                                  if not k.endswith("attn.bias") and k != "lm_head.weight"],
               "prompt_tokens": args.prompt_tokens, "new_tokens": new}
     print(f"  decode: {result}", flush=True)
     return result
@@ -363,7 +370,8 @@ def markdown(report: dict) -> str:
                   "(reading alone):", "", "| producer | batches/s |", "|---|---:|"]
         lines += [f"| {k} | {v:,.0f} |" for k, v in lo["batches_per_s"].items()]
         if lo["trainer_batches_per_s"]:
-            lines.append(f"| trainer consumes (baseline row) | {lo['trainer_batches_per_s']:,.1f} |")
+            consumed = lo["trainer_batches_per_s"]
+            lines.append(f"| trainer consumes (baseline row) | {consumed:,.1f} |")
         lines.append("")
     if "decode" in report:
         d = report["decode"]
@@ -374,6 +382,13 @@ def markdown(report: dict) -> str:
         for label, key in (("ours (KV cache)", "ours_tokens_per_s"),
                            ("transformers generate", "hf_tokens_per_s")):
             lines.append(f"| {label} | {d[key]:,.1f} | {100 * d[key] / limit:.0f}% |")
+        if "int8_tokens_per_s" in d:
+            int8_limit = d["copy_bandwidth"] / d["int8_weight_bytes_per_token"]
+            int8_mib = d["int8_weight_bytes_per_token"] / MIB
+            lines.append(f"| ours, int8 {d['int8_layers']} ({int8_mib:,.0f} MiB/token; {d['int8_same_tokens']}/{d['new_tokens']} greedy tokens "
+                         f"as float) | {d['int8_tokens_per_s']:,.1f} | "
+                         f"{100 * d['int8_tokens_per_s'] / int8_limit:.0f}% of its own "
+                         f"{int8_limit:,.1f} |")
         lines.append(f"| limit: {d['copy_bandwidth'] / 1e9:.1f} GB/s copy bandwidth / "
                      f"{d['weight_bytes_per_token'] / MIB:,.0f} MiB of weights per token | "
                      f"{limit:,.1f} | 100% |")

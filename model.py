@@ -92,7 +92,8 @@ class StaticKVCache(KVCache):
         keys = torch.arange(self.max_len, device=self.position.device)
         return keys[None, :] <= self.positions(t)[:, None]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         index = self.positions(k.size(2))
         self.k[layer].index_copy_(2, index, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(2, index, v.to(self.v[layer].dtype))

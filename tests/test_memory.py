@@ -77,7 +77,8 @@ def test_estimate_matches_hand_count():
     m.attention, m.norm, m.gelu, m.dropout = "sdpa", "native", "native", 0.0
     cfg.train.batch_size, cfg.system.dtype = 3, "float32"
     C, V, T, B, L = 4, 10, 8, 3, 2
-    per_block = 2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C)
+    per_block = (2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C)  # LayerNorms, attention
+                 + (4 * C * C + 4 * C) + (4 * C * C + C))  # MLP
     params = V * C + T * C + L * per_block + 2 * C
     assert params == sum(p.numel() for p in GPT(m).parameters())
     e = memory.estimate(cfg)
@@ -111,6 +112,7 @@ def test_estimate_memory_flag_prints_without_training(char_dataset, tmp_path, ca
 
 
 def test_int8_quantizes_only_the_chosen_layers_and_stays_close():
+    pytest.importorskip("torchao")
     torch.manual_seed(0)
     cfg = tiny_model_config(n_embd=32, n_layer=2)
     model = GPT(cfg).eval()
@@ -311,3 +313,17 @@ def test_checkpointing_composes_with_fsdp2(char_dataset, tmp_path):
     assert proc.returncode == 0, output(proc)[-4000:]
     assert "activation_checkpointing=all" in proc.stdout
     assert_same_trajectory(trajectory(out), trajectory(tmp_path / "single"))
+
+
+def test_bf16_weights_resume_exactly(char_dataset, tmp_path):
+    """The float32 masters travel in the checkpoint: stop + resume equals one straight run."""
+    def run(out, *extra):
+        cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}",
+                              f"--out_dir={out}", "--device=cpu", "--max_iters=6",
+                              "--eval_interval=3", "--dtype=bfloat16",
+                              "--weights_dtype=bfloat16", *extra])
+        return train.train(cfg)
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "stopped", "--stop_after_iters=3")
+    resumed = run(tmp_path / "stopped", "--init_from=resume")
+    assert resumed["final"] == straight["final"]
