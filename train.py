@@ -236,6 +236,36 @@ def train(cfg: Config) -> dict:
     return summary
 
 
+def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed.Dist
+                 ) -> tuple[Batches, dict[str, Batches], dict[str, list]]:
+    """The training batches (this rank's share, optionally prefetched or read ahead by worker
+    processes), both splits' loaders, and the fixed evaluation batches."""
+    t = cfg.train
+    train_batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
+                            rt.device, cfg.data.pin_memory, dist.rank, dist.world_size,
+                            prefetch=cfg.data.prefetch)
+    if cfg.data.loader_workers:  # read ahead by worker processes, through shared memory
+        train_batches = SharedMemoryBatches(train_batches, meta, "train", cfg.data.loader_workers)
+    loaders = {"train": train_batches,
+               "val": Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
+                              rt.device, cfg.data.pin_memory, dist.rank, dist.world_size)}
+    eval_sets = {split: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
+                 for i, (split, b) in enumerate(loaders.items())}
+    return train_batches, loaders, eval_sets
+
+
+def print_model_and_memory(cfg: Config, dist: distributed.Dist, raw_model: GPT,
+                           source: Path | None, weights_note: str, train_batches) -> None:
+    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters without embeddings, "
+          f"{raw_model.num_params(False) / 1e6:.2f}M with"
+          + (f" | from {source}" if source else ""))
+    print(f"memory: weights={weights_note} "
+          f"activation_checkpointing={cfg.model.activation_checkpointing} "
+          f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
+          f"prefetch={train_batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
+    print(memory.format_estimate(memory.estimate(cfg, dist.world_size), cfg))
+
+
 def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
     rt = runtime.setup(dist.system(cfg.system))
     with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
@@ -253,16 +283,7 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
     model = dist.wrap(raw_model, cfg, rt)  # DDP or FSDP2 with several processes
     optimizer, fused_note = make_optimizer(raw_model, cfg, rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    train_batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
-                            rt.device, cfg.data.pin_memory, dist.rank, dist.world_size,
-                            prefetch=cfg.data.prefetch)
-    if cfg.data.loader_workers:  # read ahead by worker processes, through shared memory
-        train_batches = SharedMemoryBatches(train_batches, meta, "train", cfg.data.loader_workers)
-    loaders = {"train": train_batches,
-               "val": Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
-                              rt.device, cfg.data.pin_memory, dist.rank, dist.world_size)}
-    eval_sets = {split: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
-                 for i, (split, b) in enumerate(loaders.items())}
+    train_batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
     hellaswag_eval = hellaswag.for_training(cfg, meta, rt)  # None unless hellaswag_interval
     counters, next_batch, resume_notes, state = runstate.Counters(), None, [], None
     if t.init_from == "resume":
@@ -281,17 +302,10 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
     print(speedups.banner(speedups.settings(cfg, rt, fused_note, compile_note, batch_note,
                                             kernels), rt.notes))
     print(dist.describe(cfg) + (f"  [{accum_note}]" if accum_note else ""))
-    tokens_per_step = t.batch_size * cfg.model.block_size * t.grad_accum_steps * dist.world_size
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters without embeddings, "
-          f"{raw_model.num_params(False) / 1e6:.2f}M with"
-          + (f" | from {source}" if source else ""))
-    print(f"memory: weights={weights_note} "
-          f"activation_checkpointing={cfg.model.activation_checkpointing} "
-          f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
-          f"prefetch={train_batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
-    print(memory.format_estimate(memory.estimate(cfg, dist.world_size), cfg))
+    print_model_and_memory(cfg, dist, raw_model, source, weights_note, train_batches)
     for note in resume_notes:
         print(f"note: {note}")
+    tokens_per_step = t.batch_size * cfg.model.block_size * t.grad_accum_steps * dist.world_size
     peak = runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size
     flops_per_step = raw_model.flops_per_token() * tokens_per_step
     run = runlog.RunLog(cfg, counters.step, resumed=t.init_from == "resume",
