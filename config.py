@@ -7,10 +7,12 @@ line overrides both:
 
 `--section.key=value` always works; `--key=value` works when the key names one field only.
 Values are coerced from the field's type, unknown keys name their source and close matches, and
-validation collects every problem before raising once.
+validation collects every problem before raising once. `--help` lists every key with the value
+that config and those overrides resolve to.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -472,68 +474,132 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
-def help_text(prog: str, extra: dict[str, str] | None = None) -> str:
-    owners = _all_keys()
-    lines = [f"usage: python {prog} [--config NAME] [--section.key=value | --key=value ...]", "",
-             f"--config NAME   configs/NAME.toml or a path (default: {DEFAULT_CONFIG})"]
-    for flag, text in (extra or {}).items():
-        lines.append(f"{flag:<15} {text}")
-    lines.append("")
-    defaults = Config()
-    for section, cls in SECTIONS.items():
-        lines.append(f"[{section}]")
-        for f in dataclasses.fields(cls):
-            value = getattr(getattr(defaults, section), f.name)
-            bare = "" if len(owners[f.name]) == 1 else " (use the section prefix)"
-            text = f.metadata.get("help", "")
-            choices = f.metadata.get("choices")
-            if choices:
-                text += f" [{' | '.join(choices)}]"
-            lines.append(f"  --{section}.{f.name}={value!r}  {text}{bare}")
-        lines.append("")
-    return "\n".join(lines)
+@dataclass
+class CommandLine:
+    """argv split into its parts; `problems` collects what could not be parsed."""
+
+    config_name: str = DEFAULT_CONFIG
+    overrides: list[tuple[str, str]] = field(default_factory=list)
+    flags: dict[str, str] = field(default_factory=dict)
+    wants_help: bool = False
+    problems: list[str] = field(default_factory=list)
 
 
-def load_config(argv: list[str], prog: str = "train.py",
-                extra_flags: dict[str, str] | None = None) -> tuple[Config, dict[str, str]]:
-    """Parse argv into a validated Config.
-
-    `extra_flags` are script-specific switches (e.g. {"--estimate-memory": "..."}) that take no
-    value; they are returned as a dict of the ones present. Raises ConfigError listing every
-    problem; SystemExit(0) after printing help for -h/--help.
-    """
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text(prog, extra_flags))
-        raise SystemExit(0)
-    extra_flags = extra_flags or {}
-    config_name = DEFAULT_CONFIG
-    overrides: list[tuple[str, str]] = []
-    flags_seen: dict[str, str] = {}
-    problems: list[str] = []
+def parse_command_line(argv: list[str], extra_flags: dict[str, str]) -> CommandLine:
+    line = CommandLine()
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg in ("-h", "--help"):
+            line.wants_help = True
+            i += 1
+            continue
         if arg in extra_flags:
-            flags_seen[arg] = "1"
+            line.flags[arg] = "1"
             i += 1
             continue
         if not arg.startswith("--") or len(arg) <= 2:
-            problems.append(f"unexpected argument {arg!r}; overrides look like --key=value")
+            line.problems.append(f"unexpected argument {arg!r}; overrides look like --key=value")
             i += 1
             continue
         key, value, consumed = split_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
         i += 2 if consumed else 1
         if key == "config":
-            config_name = value
+            line.config_name = value
         else:
-            overrides.append((key, value))
-    cfg = Config()
-    apply_toml(cfg, resolve_config_path(config_name), problems)
-    for key, value in overrides:
+            line.overrides.append((key, value))
+    return line
+
+
+def resolve_command_line(line: CommandLine) -> tuple[Config, Config]:
+    """(the config file over the defaults, that plus the command line), validated; raises
+    ConfigError listing every problem."""
+    problems = list(line.problems)
+    from_file = Config()
+    apply_toml(from_file, resolve_config_path(line.config_name), problems)
+    cfg = copy.deepcopy(from_file)
+    for key, value in line.overrides:
         apply_override(cfg, key, value, problems)
     problems += validate(cfg)
+    if len(problems) == 1:  # one problem, one line
+        raise ConfigError(f"invalid config: {problems[0]}")
     if problems:
-        if len(problems) == 1:  # one problem, one line
-            raise ConfigError(f"invalid config: {problems[0]}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-    return cfg, flags_seen
+    return from_file, cfg
+
+
+def _config_label(name: str) -> str:
+    path = resolve_config_path(name).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def _help_header(prog: str, line: CommandLine, extra: dict[str, str]) -> list[str]:
+    count = len(line.overrides)
+    overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
+    name = Path(line.config_name).stem
+    options = {"--config NAME": f"configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
+               **extra, "-h, --help": "this list, for the config and overrides given with it"}
+    width = max(len(flag) for flag in options)
+    return [f"usage: python {prog} [--config NAME] [--section.key=value | --key=value ...]", "",
+            f"config: {line.config_name} ({_config_label(line.config_name)}){overrides}",
+            "Each key shows the value this command line resolves to; where that is not the "
+            "built-in default,",
+            f"it says where it was set: (config {name}; default ...) or "
+            "(command line; default ...).", "",
+            *(f"  {flag:<{width}}  {text}" for flag, text in options.items()), ""]
+
+
+def _section_help(section: str, cfg: Config, from_file: Config, config_name: str) -> list[str]:
+    owners = _all_keys()
+    default = SECTIONS[section]()
+    lines = [f"[{section}]"]
+    for f in dataclasses.fields(default):
+        value = getattr(getattr(cfg, section), f.name)
+        text = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            text += f" [{' | '.join(f.metadata['choices'])}]"
+        if len(owners[f.name]) > 1:
+            text += " (use the section prefix)"
+        setting = f"--{section}.{f.name}={value!r}"
+        if value != getattr(default, f.name):
+            came_from = (f"config {Path(config_name).stem}"
+                         if value == getattr(getattr(from_file, section), f.name)
+                         else "command line")
+            setting += f" ({came_from}; default {getattr(default, f.name)!r})"
+        lines.append(f"  {setting:<32}  {text}")
+    return lines + [""]
+
+
+def help_text(prog: str, argv: list[str] | tuple[str, ...] = (),
+              extra: dict[str, str] | None = None, lead: tuple[str, ...] = ()) -> str:
+    """Every key with the value this command line resolves to, marked where it is not the
+    dataclass default. Sections named in `lead` come first (generate.py: "sample"). Raises
+    ConfigError, as a run would, when the config or an override is wrong."""
+    unknown = [s for s in lead if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"lead names unknown sections {unknown}; sections are {list(SECTIONS)}")
+    extra = extra or {}
+    line = parse_command_line(list(argv), extra)
+    from_file, cfg = resolve_command_line(line)
+    lines = _help_header(prog, line, extra)
+    for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
+        lines += _section_help(section, cfg, from_file, line.config_name)
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str], prog: str = "train.py",
+                extra_flags: dict[str, str] | None = None,
+                lead: tuple[str, ...] = ()) -> tuple[Config, dict[str, str]]:
+    """Parse argv into a validated Config.
+
+    `extra_flags` are script-specific switches (e.g. {"--estimate-memory": "..."}) that take no
+    value; they are returned as a dict of the ones present. Raises ConfigError listing every
+    problem; with -h/--help prints help_text for the rest of argv (`lead`: the sections it lists
+    first) and raises SystemExit(0).
+    """
+    extra_flags = extra_flags or {}
+    line = parse_command_line(argv, extra_flags)
+    if line.wants_help:
+        print(help_text(prog, argv, extra_flags, lead))
+        raise SystemExit(0)
+    return resolve_command_line(line)[1], line.flags

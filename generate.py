@@ -170,7 +170,8 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
 
 
 INIT_FROM_FLAG = {"--init-from SRC": "sample from gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
-                  "hf:ORG/NAME | a local HF directory | one of our checkpoints"}
+                  "hf:ORG/NAME | a local HF directory | one of our checkpoints; not given: "
+                  "sample.checkpoint, else the latest checkpoint in train.out_dir"}
 
 
 def pop_init_from(argv: list[str]) -> tuple[str, list[str]]:
@@ -267,7 +268,8 @@ def sample(cfg: Config, init_from: str = "") -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     try:
         init_from, argv = pop_init_from(sys.argv[1:] if argv is None else argv)
-        cfg, _ = load_config(argv, prog="generate.py", extra_flags=INIT_FROM_FLAG)
+        cfg, _ = load_config(argv, prog="generate.py", extra_flags=INIT_FROM_FLAG,
+                             lead=("sample",))
         sample(cfg, init_from)
     except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)

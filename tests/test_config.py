@@ -1,9 +1,13 @@
 """Config loading, overrides, coercion and the errors a user sees."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 
-from config import (CONFIGS_DIR, Config, ConfigError, from_dict, help_text, load_config,
+from config import (CONFIGS_DIR, REPO_ROOT, Config, ConfigError, from_dict, help_text, load_config,
                     validate)
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
@@ -120,12 +124,87 @@ def test_round_trip_through_dict():
     assert from_dict(cfg.to_dict()) == cfg
 
 
-def test_help_lists_keys_with_defaults(capsys):
-    text = help_text("train.py")
-    for key in ("--train.learning_rate=0.001", "--model.attention='scratch'", "--sample.top_p=1.0",
-                "--system.device='auto'"):
-        assert key in text
+def run_script(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def value_of(text: str, key: str) -> str:
+    """The value the help shows for a dotted key, e.g. value_of(text, 'model.n_layer') -> '4'."""
+    match = re.search(rf"--{re.escape(key)}=(\S+)", text)
+    assert match, f"{key} missing from help"
+    return match.group(1)
+
+
+def test_train_help_shows_the_default_configs_values():
+    result = run_script("train.py", "--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "shakespeare_char" in text.split("[model]")[0]  # the header names the config
+    assert value_of(text, "model.n_layer") == "4"
+    assert value_of(text, "model.block_size") == "128"
+    assert value_of(text, "train.learning_rate") == "0.004"
+    n_layer_line = next(line for line in text.splitlines() if "--model.n_layer=" in line)
+    assert "default 6" in n_layer_line  # marked as differing from the dataclass default
+    bias_line = next(line for line in text.splitlines() if "--model.bias=" in line)
+    assert "default" not in bias_line  # unchanged values carry no mark
+    assert "--estimate-memory" in text
+
+
+def test_train_help_for_another_config():
+    result = run_script("train.py", "--config", "gpt2_124m", "--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "gpt2_124m" in text.split("[model]")[0]
+    assert value_of(text, "model.n_layer") == "12"
+    assert value_of(text, "model.block_size") == "1024"
+    assert value_of(text, "model.vocab_size") == "50257"
+
+
+def test_generate_help_leads_with_sample_keys():
+    result = run_script("generate.py", "--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "shakespeare_char" in text.split("[sample]")[0]
+    sample_keys = [text.index(f"--sample.{k}=") for k in
+                   ("prompt", "checkpoint", "max_new_tokens", "temperature", "top_k", "top_p",
+                    "kv_cache")]
+    later = [text.index(f"--{k}=") for k in ("model.n_layer", "model.attention",
+                                             "train.out_dir", "system.device")]
+    assert max(sample_keys) < min(later)
+    assert text.index("--init-from") < min(sample_keys)
+    assert value_of(text, "model.n_layer") == "4"
+
+
+def test_help_reflects_overrides_and_marks_where_set():
+    text = help_text("train.py", ["--config", "tiny", "--n_layer=3", "--top_k", "7"])
+    assert "tiny" in text.split("[model]")[0]
+    lines = text.splitlines()
+    n_layer = next(line for line in lines if "--model.n_layer=" in line)
+    n_head = next(line for line in lines if "--model.n_head=" in line)
+    assert value_of(text, "model.n_layer") == "3" and "command line" in n_layer
+    assert value_of(text, "model.n_head") == "2" and "config tiny" in n_head
+    assert value_of(text, "sample.top_k") == "7"
+
+
+def test_help_from_load_config_exits_zero(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        load_config(["--help"])
+        load_config(["--config", "tiny", "-h"], extra_flags={"--estimate-memory": "estimate"})
     assert exit_info.value.code == 0
-    assert "--train.max_iters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert value_of(out, "model.n_layer") == "2" and "--estimate-memory" in out
+
+
+def test_help_with_a_bad_config_reports_the_error():
+    with pytest.raises(ConfigError, match="did you mean n_layer"):
+        load_config(["--config", "tiny", "--n_layr=3", "--help"])
+    with pytest.raises(ConfigError, match="no config named 'nope'"):
+        load_config(["--help", "--config", "nope"])
+    result = run_script("train.py", "--help", "--n_layer=0")
+    assert result.returncode == 2
+    assert "model.n_layer must be > 0" in result.stderr and "[model]" not in result.stdout
+
+
+def test_help_lead_must_name_sections():
+    with pytest.raises(ValueError, match="unknown sections"):
+        help_text("generate.py", lead=("sampling",))
