@@ -75,6 +75,51 @@ def launch_env() -> tuple[int, int, int]:
     return rank, local, world
 
 
+ACCELERATE_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def apply_launcher_flags(cfg: Config) -> list[str]:
+    """Honour what `accelerate launch` passes its processes through the environment, so its
+    flags are never silently ignored: --mixed_precision bf16/fp16 sets system.dtype, --dynamo_backend
+    inductor turns on system.compile (with --dynamo_mode), --use_fsdp selects parallel=fsdp,
+    --cpu the CPU. What this code cannot do (fp8, DeepSpeed, other dynamo backends) and flags
+    that contradict the config are refused. Returns notes for the start-up banner."""
+    env, system, notes = os.environ, cfg.system, []
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if precision in ACCELERATE_PRECISION:
+        wanted = ACCELERATE_PRECISION[precision]
+        if system.dtype not in ("float32", wanted):
+            raise runtime.SetupError(f"accelerate launch --mixed_precision={precision} asks for "
+                                     f"{wanted} but the config says dtype={system.dtype}; pass "
+                                     "the same precision to both, or drop one")
+        if system.dtype != wanted:
+            system.dtype = wanted
+            notes.append(f"accelerate --mixed_precision={precision}: dtype={wanted}")
+    elif precision != "no":
+        raise runtime.SetupError(f"accelerate launch --mixed_precision={precision} is not "
+                                 "supported here; use bf16, fp16 or no (the config's --dtype)")
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    if backend == "inductor":
+        system.compile = True
+        mode = env.get("ACCELERATE_DYNAMO_MODE", "default")
+        system.compile_mode = mode if mode in ("default", "reduce-overhead", "max-autotune",
+                                               "max-autotune-no-cudagraphs") else "default"
+        notes.append(f"accelerate --dynamo_backend=inductor: compile=on ({system.compile_mode})")
+    elif backend != "no":
+        raise runtime.SetupError(f"accelerate launch --dynamo_backend={backend} is not supported "
+                                 "here; use inductor (= --compile=true) or no")
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise runtime.SetupError("accelerate launch --use_deepspeed is not supported here; use "
+                                 "--parallel=ddp or --parallel=fsdp (FSDP2)")
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and system.parallel != "fsdp":
+        system.parallel = "fsdp"
+        notes.append("accelerate --use_fsdp: parallel=fsdp (FSDP2)")
+    if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" and system.device != "cpu":
+        system.device = "cpu"
+        notes.append("accelerate --cpu: device=cpu")
+    return notes
+
+
 def rank_device(system: SystemConfig, local_rank: int, world: int) -> tuple[str, str]:
     """The device this rank trains on and a note for the log: GPU LOCAL_RANK of this node with
     --device=auto or cuda, else the CPU."""
@@ -141,8 +186,9 @@ class Dist:
                 f"({t.batch_size} micro-batch x {t.grad_accum_steps} accumulation x "
                 f"{self.world_size} process{'es' if self.enabled else ''})")
         if not self.enabled:
-            return text + ("  [parallel=fsdp needs several processes (torchrun): one plain "
-                           "process here]" if cfg.system.parallel == "fsdp" else "")
+            notes = self.notes + (["parallel=fsdp needs several processes (torchrun): one plain "
+                                   "process here"] if cfg.system.parallel == "fsdp" else [])
+            return text + (f"  [{'; '.join(notes)}]" if notes else "")
         nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         layout = (f"distributed: {self.parallel} over {self.world_size} processes on {nodes} "
                   f"node(s) | backend {self.backend} | timeout {self.timeout_s:g}s")
@@ -477,9 +523,10 @@ def auto_micro_batch(d: Dist, cfg: Config, model: torch.nn.Module, rt: runtime.R
 def init(cfg: Config) -> Dist:
     """Join the job the launcher started (or return a one-process Dist)."""
     rank, local_rank, world = launch_env()
+    launcher_notes = apply_launcher_flags(cfg)
     system = cfg.system
     if world == 1:
-        return Dist()
+        return Dist(notes=launcher_notes)
     device, note = rank_device(system, local_rank, world)
     cuda = device.startswith("cuda")
     if system.parallel == "fsdp" and system.dtype == "float16":
@@ -493,7 +540,7 @@ def init(cfg: Config) -> Dist:
                                   **({"device_id": torch.device(device)} if cuda else {}))
     d = Dist(rank=rank, local_rank=local_rank, world_size=world, parallel=system.parallel,
              backend=backend, device=device, timeout_s=system.dist_timeout,
-             notes=[note] if note else [],
+             notes=launcher_notes + ([note] if note else []),
              comm_device=torch.device(device) if cuda else torch.device("cpu"))
     if rank != 0:  # one log: rank 0's
         d._stdout, sys.stdout = sys.stdout, open(os.devnull, "w")

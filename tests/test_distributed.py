@@ -70,9 +70,12 @@ def trajectory(out_dir) -> list[dict]:
 
 
 def assert_same_trajectory(got: list[dict], want: list[dict]) -> None:
+    """The same logged rows (kind, step) with the same numbers to float tolerance."""
     assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in want]
     for g, w in zip(got, want):
-        assert g == pytest.approx(w, rel=1e-5, abs=1e-6), (g, w)
+        numbers = {k: v for k, v in g.items() if k != "kind"}
+        assert numbers.keys() == w.keys() - {"kind"}, (g, w)
+        assert numbers == pytest.approx({k: w[k] for k in numbers}, rel=1e-5, abs=1e-6), (g, w)
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:
@@ -124,20 +127,65 @@ def test_two_processes_train_as_one_and_resume_in_one(parallel, char_dataset, si
     assert_same_checkpoint(out / "ckpt_0000004", single / "ckpt_0000004")
 
 
-def test_accelerate_launch_runs_the_same_script(char_dataset, single, tmp_path):
-    """accelerate is not in requirements.txt: this runs where it is installed."""
-    pytest.importorskip("accelerate")
+def accelerate_launch(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """`accelerate launch` of 2 CPU processes, with no accelerate config file."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))  # no accelerate config file
-    out = tmp_path / "run"
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-           "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
-           "--dynamo_backend=no", "train.py", *RUN, f"--dataset={char_dataset}",
-           f"--out_dir={out}", "--batch_size=2", "--stop_after_iters=2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+           "--num_processes=2", "--num_machines=1", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_accelerate_launch_runs_the_same_script(char_dataset, single, tmp_path):
+    out = tmp_path / "run"
+    proc = accelerate_launch("--mixed_precision=no", "--dynamo_backend=no", "train.py", *RUN,
+                             f"--dataset={char_dataset}", f"--out_dir={out}", "--batch_size=2",
+                             "--stop_after_iters=2", tmp_path=tmp_path)
     assert proc.returncode == 0, output(proc)[-4000:]
     assert "distributed: ddp over 2 processes" in proc.stdout
     assert_same_trajectory(trajectory(out), trajectory(single)[:4])
+
+
+def test_accelerate_mixed_precision_is_honoured(char_dataset, tmp_path):
+    out = tmp_path / "run"
+    proc = accelerate_launch("--mixed_precision=bf16", "train.py", *RUN,
+                             f"--dataset={char_dataset}", f"--out_dir={out}", "--batch_size=2",
+                             "--max_iters=1", "--eval_iters=1", tmp_path=tmp_path)
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert "accelerate --mixed_precision=bf16: dtype=bfloat16" in proc.stdout
+    assert json.loads((out / "ckpt_0000001" / "config.json").read_text())["system"]["dtype"] \
+        == "bfloat16"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ACCELERATE_MIXED_PRECISION": "fp8"}, "--mixed_precision=fp8 is not supported"),
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, "asks for bfloat16 but the config says "
+                                             "dtype=float16"),
+    ({"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}, "--dynamo_backend=aot_eager is not supported"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "--use_deepspeed is not supported"),
+])
+def test_accelerate_flags_this_code_cannot_honour_are_refused(env, message, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg, _ = load_config(["--config", "tiny", "--dtype=float16"])
+    with pytest.raises(runtime.SetupError, match=message):
+        distributed.apply_launcher_flags(cfg)
+
+
+def test_accelerate_flags_set_the_config(monkeypatch):
+    for key, value in {"ACCELERATE_MIXED_PRECISION": "fp16", "ACCELERATE_DYNAMO_BACKEND":
+                       "INDUCTOR", "ACCELERATE_DYNAMO_MODE": "max-autotune",
+                       "ACCELERATE_USE_CPU": "True"}.items():
+        monkeypatch.setenv(key, value)
+    cfg, _ = load_config(["--config", "tiny", "--device=auto"])
+    notes = distributed.apply_launcher_flags(cfg)
+    assert (cfg.system.dtype, cfg.system.compile, cfg.system.compile_mode, cfg.system.device) \
+        == ("float16", True, "max-autotune", "cpu")
+    assert len(notes) == 3
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate's default: the config's
+    cfg, _ = load_config(["--config", "tiny", "--dtype=bfloat16"])
+    distributed.apply_launcher_flags(cfg)
+    assert cfg.system.dtype == "bfloat16"
 
 
 # rank 1 fails at its 5th batch (in step 4): it raises, or it hangs and dies only when killed
