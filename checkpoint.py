@@ -7,31 +7,48 @@ A checkpoint is a directory `out_dir/ckpt_0001000/` holding
     train_state.pt      optimizer, RNG and data-loader state for resuming (torch.save of plain
                         tensors and containers; read back with torch.load(weights_only=True))
 It is written into a hidden temporary directory and renamed into place, so a crash mid-save
-never leaves a half-written checkpoint where a loader would find it.
+never leaves a half-written checkpoint where a loader would find it, and a full disk ends in one
+error line (bytes needed, bytes free) with the previous checkpoint intact. Directories and files
+get the modes the umask gives (0755 / 0644 under umask 022), so teammates can read them.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import re
+import secrets
 import shutil
-import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import config as config_mod
+from memory import size_text
 from model import GPT
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)$")
 TIED = "lm_head.weight"
+DISK_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+# a full disk as writers that do not raise OSError report it: safetensors' Rust I/O error text,
+# and torch.save's stream writer, which checks the stream and its position but not errno
+DISK_FULL_TEXT = {"No space left on device": errno.ENOSPC, "os error 28": errno.ENOSPC,
+                  "Disk quota exceeded": errno.EDQUOT, "os error 122": errno.EDQUOT}
+TORCH_WRITE_FAILED = ("file write failed", "unexpected pos", "iostream error")
+BYTES_PER_TENSOR = 128  # its name, header or zip record, alignment
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt or does not fit the model."""
+    """A checkpoint that is missing, corrupt, does not fit the model, or cannot be written."""
+
+
+class DiskFullError(CheckpointError):
+    """Not enough space (or quota) to write; nothing partial was left behind."""
 
 
 def model_state(model: GPT) -> dict[str, torch.Tensor]:
@@ -39,7 +56,14 @@ def model_state(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != TIED}
 
 
-def _fsync_dir(path: Path) -> None:
+def sync_files(directory: Path) -> None:
+    """fsync every file in directory, so a rename publishes complete files."""
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def sync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -50,6 +74,116 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_out_dir(out_dir: str | Path, flag: str = "--out_dir") -> None:
+    """Refuse, before any work, an output directory that cannot be one: it, or a folder above
+    it, exists and is a file."""
+    path = Path(out_dir).absolute()
+    for p in (path, *path.parents):
+        if p.is_dir():
+            return
+        if os.path.lexists(p):
+            kind = "a file" if p.is_file() else "a broken link" if p.is_symlink() else \
+                "a special file"
+            problem = f"exists and is {kind}" if p == path else f"cannot be created: {p} is {kind}"
+            raise CheckpointError(f"{flag.lstrip('-')} {path} {problem}, not a directory; pass "
+                                  f"{flag}=<a new or existing directory>")
+
+
+def new_hidden_dir(parent: Path, prefix: str) -> Path:
+    """A new directory parent/<prefix><random>, with the mode the umask gives (tempfile.mkdtemp
+    makes 0700, which nobody else can read once it is renamed into place)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def umask_mode(path: Path) -> None:
+    """Give a file the mode open() would give it (0644 under umask 022): safetensors writes its
+    files 0600."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def bytes_to_write(*objects) -> int:
+    """About how many bytes storing these takes: every tensor's data (in nested dicts, lists and
+    tuples) plus a little per tensor, and the length of strings and bytes."""
+    total = 0
+    for obj in objects:
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size() + BYTES_PER_TENSOR
+        elif isinstance(obj, dict):
+            total += bytes_to_write(*obj.values())
+        elif isinstance(obj, (list, tuple)):
+            total += bytes_to_write(*obj)
+        elif isinstance(obj, (str, bytes)):
+            total += len(obj)
+    return total
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on path's filesystem, or None when it does not say (some network mounts
+    report a size of 0)."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return None
+    return usage.free if usage.total > 0 else None
+
+
+def _bytes_text(n: int) -> str:
+    return f"{n:,} bytes" + (f" ({size_text(n)})" if n >= 2**20 else "")
+
+
+def disk_full_cause(e: BaseException) -> str | None:
+    """Why a write failed, when the failure is a full disk (or quota); None for anything else."""
+    if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+        return DISK_FULL_ERRNOS[e.errno]
+    text = str(e)
+    for marker, code in DISK_FULL_TEXT.items():
+        if marker in text:
+            return DISK_FULL_ERRNOS[code]
+    if isinstance(e, RuntimeError) and any(marker in text for marker in TORCH_WRITE_FAILED):
+        return "the write failed, most likely because the disk is full"
+    return None
+
+
+def _disk_full(what: str, cause: str, needed: int, parent: Path, flag: str,
+               note: str) -> DiskFullError:
+    free = _free_bytes(parent)
+    room = f" and {_bytes_text(free)} are free there" if free is not None else ""
+    return DiskFullError(f"cannot write {what}: {cause}: it needs about {_bytes_text(needed)}"
+                         f"{room}; free some space, or pass {flag}=<a directory on a disk with "
+                         f"room>{note}")
+
+
+@contextmanager
+def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
+                note: str = "") -> Iterator[Path]:
+    """A new hidden directory in parent to write `what` (about `needed` bytes) into before it is
+    moved into place. Refused up front when the filesystem has less free; on any failure the
+    directory goes, and a full disk (or quota) becomes one DiskFullError line naming `what`,
+    the bytes needed and free, and `note`."""
+    free = _free_bytes(parent)
+    if free is not None and free < needed:
+        raise _disk_full(what, "not enough free space", needed, parent, flag, note)
+    tmp = None
+    try:
+        tmp = new_hidden_dir(parent, prefix)
+        yield tmp
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = disk_full_cause(e)
+        if cause is None:
+            raise
+        raise _disk_full(what, cause, needed, parent, flag, note) from None
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -69,9 +203,11 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, meta: dict,
          train_state: dict | None = None, keep: int = 0,
-         weights: dict[str, torch.Tensor] | None = None) -> Path:
+         weights: dict[str, torch.Tensor] | None = None, out_flag: str = "--out_dir") -> Path:
     """Write a checkpoint atomically and keep only the newest `keep` (0 = keep all). `weights`,
-    when given, are stored instead of model_state(model) (FSDP gathers them from its shards)."""
+    when given, are stored instead of model_state(model) (FSDP gathers them from its shards).
+    out_flag is the option that chose out_dir, for the errors (a file there, a full disk)."""
+    check_out_dir(out_dir, out_flag)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     recover(out)
@@ -82,16 +218,18 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
                               f"tensor(s) ({', '.join(bad[:3])}); the last good checkpoint is "
                               f"{latest_checkpoint(out)}")
     final = out / f"ckpt_{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=out))
-    try:
+    config_text, meta_text = cfg.to_json(), json.dumps({"step": step, **meta}, indent=1)
+    latest = latest_checkpoint(out)
+    note = f"; the last complete checkpoint, {latest}, is intact" if latest else ""
+    needed = bytes_to_write(weights, train_state, config_text, meta_text)
+    with staging_dir(out, ".tmp_ckpt_", f"checkpoint {final}", needed, out_flag, note) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(cfg.to_json())
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
+        umask_mode(tmp / "model.safetensors")
+        (tmp / "config.json").write_text(config_text)
+        (tmp / "meta.json").write_text(meta_text)
         if train_state is not None:
             torch.save(train_state, tmp / "train_state.pt")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        sync_files(tmp)
         if final.exists():  # same step saved again (e.g. eval + end): replace it
             old = out / f".old_{final.name}"
             shutil.rmtree(old, ignore_errors=True)
@@ -100,10 +238,7 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        sync_dir(out)
     if keep > 0:
         for old in list_checkpoints(out)[:-keep]:
             _remove(old)

@@ -343,7 +343,7 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def write_hf_tokenizer(out: Path, model_max_length: int) -> list[str]:
+def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
     """GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer_config.json), derived from the
     bundled ranks, so AutoTokenizer and pipelines work on the export with no download."""
     from tiktoken.load import load_tiktoken_bpe
@@ -357,34 +357,40 @@ def write_hf_tokenizer(out: Path, model_max_length: int) -> list[str]:
     eot = "<|endoftext|>"
     config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": eot, "eos_token": eot,
               "unk_token": eot, "add_prefix_space": False, "model_max_length": model_max_length}
-    _write_atomic(out / "vocab.json", json.dumps(vocab, ensure_ascii=False).encode())
-    _write_atomic(out / "merges.txt", ("#version: 0.2\n" + merges).encode())
-    _write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2).encode())
-    return ["vocab.json", "merges.txt", "tokenizer_config.json"]
-
-
-def _write_atomic(path: Path, payload: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return {"vocab.json": json.dumps(vocab, ensure_ascii=False).encode(),
+            "merges.txt": ("#version: 0.2\n" + merges).encode(),
+            "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
 def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
     """A directory AutoModelForCausalLM.from_pretrained loads: config.json + model.safetensors,
-    and GPT-2's tokenizer files when the model uses GPT-2's BPE. Each file is written atomically."""
+    and GPT-2's tokenizer files when the model uses GPT-2's BPE. All are written into a hidden
+    directory and moved into place once complete, so a failure (a full disk) leaves out as it
+    was: a new out is renamed into place whole, an existing one gets each file replaced."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".model.safetensors.tmp"
-    save_file(ours_to_hf(model), str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    _write_atomic(out / "config.json", json.dumps(hf_config(model.config), indent=2).encode())
-    written = ["config.json", "model.safetensors"]
+    checkpoint.check_out_dir(out, "--out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = ours_to_hf(model)
+    files = {"config.json": json.dumps(hf_config(model.config), indent=2).encode()}
     if gpt2_tokenizer:
-        written += write_hf_tokenizer(out, model.config.block_size)
-    return written
+        files.update(hf_tokenizer_files(model.config.block_size))
+    needed = checkpoint.bytes_to_write(tensors, *files.values())
+    staging = out if out.is_dir() else out.parent  # the same filesystem: renames work
+    with checkpoint.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
+                                "--out") as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        checkpoint.umask_mode(tmp / "model.safetensors")
+        for name, payload in files.items():
+            (tmp / name).write_bytes(payload)
+        checkpoint.sync_files(tmp)
+        if out.is_dir():
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+            tmp.rmdir()
+        else:
+            os.rename(tmp, out)
+        checkpoint.sync_dir(staging)
+    return ["config.json", "model.safetensors", *list(files)[1:]]
 
 
 def export_hf(ckpt_path: str | Path, out: str | Path) -> tuple[GPT, Path, list[str]]:
@@ -440,7 +446,7 @@ def import_checkpoint(model: GPT, source: str, hf_dir: Path, out: str | Path) ->
     cfg.train.out_dir, cfg.train.init_from = str(out), source
     meta = {"source": f"{source} ({hf_dir})", "tokenizer": tokenizer_meta(model.config.vocab_size),
             "losses": {}, "tokens_seen": 0}
-    return checkpoint.save(out, 0, model, cfg, meta)
+    return checkpoint.save(out, 0, model, cfg, meta, out_flag="--out")
 
 
 def describe(model: GPT) -> str:
@@ -485,6 +491,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.out:  # a file there: say so before loading anything
+            checkpoint.check_out_dir(args.out, "--out")
         if args.export:
             model, out, files = export_hf(args.export, args.out)
             print(f"exported {checkpoint.resolve(args.export)} ({describe(model)}) to {out}: "

@@ -230,6 +230,7 @@ def resolve_init(t: TrainConfig) -> None:
 def train(cfg: Config) -> dict:
     """Run training as configured, as one process or as one rank of a torchrun / accelerate
     launch job (distributed.py); returns a summary (final losses, steps, time, checkpoint)."""
+    checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
     dist = distributed.init(cfg)
     summary = train_rank(cfg, dist)
     dist.close()
@@ -418,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing saved since the last checkpoint", file=sys.stderr)
         return 130
+    except OSError as e:  # a full disk outside a checkpoint save (those say more): metrics, data
+        cause = checkpoint.disk_full_cause(e)
+        if cause is None:
+            raise
+        print(f"{where}error: {cause} writing {e.filename or cfg.train.out_dir}; free some "
+              "space there, or pass --out_dir=<a directory on a disk with room>", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         if not distributed.collective_failed(e):
             raise
