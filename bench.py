@@ -5,6 +5,7 @@ one plot.
     python bench.py --only all                        # each flag alone against the baseline
     python bench.py --order attention,compile,dtype=float16    # your own chain and values
     python bench.py --config gpt2_124m --batch_size=8 # any config and override, as for train.py
+    python bench.py --time-budget 150                 # rows not reached in 150 s are skipped
 
 The baseline is the reference path: every flag of the order at its reference value. Each row is
 a fresh process (clean peak memory; no compile cache, TF32 or allocator state carried over) that
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -311,6 +313,7 @@ def measure_ceiling(spec: dict) -> dict:
     else:
         dtypes = [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else [])
         n, iters = 2048, 5
+    n = spec.get("matmul_n") or n
     measured = {str(d).removeprefix("torch."): matmul_flops(n, d, device, iters, spec["clock"])
                 for d in dtypes}
     best = max(measured, key=measured.get)
@@ -333,8 +336,16 @@ def worker(spec_path: str) -> int:
     return 0 if result["status"] != "failed" else 1
 
 
-def run_worker(spec: dict, workdir: Path, label: str) -> dict:
-    """Run one row (or the ceiling) in a fresh Python process, streaming its output."""
+def relay(stream, tail: collections.deque) -> None:
+    for line in stream:
+        print("    " + line, end="", flush=True)
+        if line.strip():
+            tail.append(line.strip())
+
+
+def run_worker(spec: dict, workdir: Path, label: str, timeout: float | None = None) -> dict:
+    """Run one row (or the ceiling) in a fresh Python process, streaming its output; stop it
+    after timeout seconds (what is left of --time-budget)."""
     spec_path, result_path = workdir / f"{label}.spec.json", workdir / f"{label}.result.json"
     spec["result"] = str(result_path)
     spec_path.write_text(json.dumps(spec))
@@ -343,11 +354,17 @@ def run_worker(spec: dict, workdir: Path, label: str) -> dict:
                              str(spec_path)], cwd=REPO_ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tail: collections.deque[str] = collections.deque(maxlen=5)
-    for line in proc.stdout:
-        print("    " + line, end="", flush=True)
-        if line.strip():
-            tail.append(line.strip())
-    rc = proc.wait()
+    reader = threading.Thread(target=relay, args=(proc.stdout, tail), daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=None if timeout is None else max(timeout, 1.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join(timeout=5)
+        return {"status": "failed",
+                "error": f"stopped after {max(timeout, 1.0):.0f} s: the --time-budget ran out"}
+    reader.join()
     if result_path.is_file():
         return json.loads(result_path.read_text())
     last = tail[-1] if tail else "no output"
@@ -563,11 +580,16 @@ def run_all(rows: list[dict], cfg: Config, opts: argparse.Namespace, only: bool,
     machine lands on different rows in different passes)."""
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results: list[dict] = []
+    deadline = time.monotonic() + opts.time_budget if opts.time_budget else None
+
+    def left() -> float | None:
+        return None if deadline is None else deadline - time.monotonic()
+
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         workdir = Path(tmp)
         print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
-        ceiling = run_worker({"kind": "ceiling", "config": cfg.to_dict(), "clock": opts.clock},
-                             workdir, "ceiling")
+        ceiling = run_worker({"kind": "ceiling", "config": cfg.to_dict(), "clock": opts.clock,
+                              "matmul_n": opts.ceiling_size}, workdir, "ceiling", left())
         for repeat in range(opts.repeat):
             for i, row in enumerate(rows):
                 if repeat and results[i]["status"] != "ok":
@@ -579,7 +601,15 @@ def run_all(rows: list[dict], cfg: Config, opts: argparse.Namespace, only: bool,
                         "warmup": opts.warmup_steps, "measure": opts.measure_steps,
                         "clock": opts.clock,
                         "previous": prev if prev and "settings" in prev else None}
-                result = run_worker(spec, workdir, f"row{i}")
+                if left() is not None and left() <= 0:
+                    if repeat:
+                        continue  # a later pass only adds samples
+                    print(f"    skipped: the --time-budget of {opts.time_budget:g} s ran out",
+                          flush=True)
+                    result = {"status": "skipped", "reason": f"the --time-budget of "
+                              f"{opts.time_budget:g} s ran out before this row"}
+                else:
+                    result = run_worker(spec, workdir, f"row{i}", left())
                 if repeat:
                     merge_pass(results[i], result)
                     continue
@@ -595,7 +625,8 @@ def run_all(rows: list[dict], cfg: Config, opts: argparse.Namespace, only: bool,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "load_average": [load_start, os.getloadavg()[0]] if load_start is not None else None,
             "command": command, "warmup": opts.warmup_steps, "measure": opts.measure_steps,
-            "repeat": opts.repeat, "clock": opts.clock, "ceiling": ceiling,
+            "repeat": opts.repeat, "clock": opts.clock, "time_budget": opts.time_budget,
+            "ceiling": ceiling,
             "config": cfg.to_dict(), "rows": results}
 
 
@@ -619,6 +650,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--clock", default="wall", choices=("wall", "process"),
                    help="time steps by the wall clock, or by this process's CPU time (CPU "
                         "with --threads=1 only: steadier when other jobs share the cores)")
+    p.add_argument("--time-budget", type=float, default=0, metavar="SECONDS",
+                   help="stop after this many seconds in all: a row still running is stopped "
+                        "(reported failed), rows not started are reported skipped; the table "
+                        "and files are written either way (default: no limit)")
+    p.add_argument("--ceiling-size", type=int, default=0, metavar="N",
+                   help="size of the N^3 matmul that measures the ceiling (default: 8192 on "
+                        "CUDA, 2048 elsewhere)")
     p.add_argument("--results", default="bench_results", help="folder for the outputs")
     p.add_argument("--name", default="", help="output file stem (default: the device)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -636,6 +674,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.warmup_steps < 0 or args.measure_steps < 1 or args.repeat < 1:
             raise BenchError("--warmup-steps must be >= 0, --measure-steps and --repeat >= 1")
+        if args.time_budget < 0 or args.ceiling_size < 0:
+            raise BenchError("--time-budget and --ceiling-size must be >= 0 (0: no limit, "
+                             "the default size)")
         cfg = load_bench_config(rest)
         if args.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
             raise BenchError("--clock=process times this process's CPU time: it needs "

@@ -5,6 +5,7 @@
     python bench_memory.py --part train --config gpt2_124m --batch_size=4
     python bench_memory.py --part quant --checkpoint out/shakespeare_char
     python bench_memory.py --part decode          # ours vs transformers' generate, GPT-2 124M
+    python bench_memory.py --part train --rows baseline,checkpointing=all --time-budget 60
 
 Parts:
   train   one row per setting (activation checkpointing modes, bfloat16 autocast, empty_cache and
@@ -17,7 +18,9 @@ Parts:
           (data.loader_workers), beside the batches/s the baseline training row consumes
   decode  batch-1 greedy decoding with the KV cache on GPT-2 124M-shaped weights (random, the
           same ones for both), ours vs transformers' generate in one process, against the
-          memory-bandwidth limit (weight bytes read per token vs measured copy bandwidth)
+          memory-bandwidth limit (weight bytes read per token vs measured copy bandwidth);
+          the transformers row needs transformers and the int8 row torchao: without them they
+          are reported skipped (--decode-model tiny: a 2-layer model of the same vocabulary)
 
 Peak memory is CUDA max allocated/reserved, or on CPU the process's peak RSS above its RSS after
 start-up (the allocator's high-water mark, rougher). Results go to bench_results/memory_NAME.json
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -62,6 +66,11 @@ TRAIN_ROWS = [
     ("empty_cache=off", ["--empty_cache=false"], True),
     ("prefetch=on", ["--prefetch=true"], True),
 ]
+# --decode-model: the shape of the random weights decoded (the same vocabulary, 50257)
+DECODE_SHAPES = {
+    "gpt2": dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
+    "tiny": dict(block_size=128, vocab_size=50257, n_layer=2, n_head=2, n_embd=64),
+}
 
 
 def rss_now() -> int:
@@ -137,16 +146,22 @@ def train_row(cfg: Config, steps: int) -> dict:
     return result
 
 
-def run_in_process(kind: str, spec: dict) -> dict:
-    """One row in a fresh Python process: its own peak memory, nothing cached from before."""
+def run_in_process(kind: str, spec: dict, timeout: float | None = None) -> dict:
+    """One row in a fresh Python process: its own peak memory, nothing cached from before.
+    Stopped after timeout seconds (what is left of --time-budget)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps({"kind": kind, **spec}))
         # large CPU buffers straight from mmap, so freed tensors leave the RSS at once and the
         # peak RSS follows live tensors (glibc otherwise keeps freed memory in its heap)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        proc = subprocess.run([sys.executable, __file__, "--worker", str(path)], cwd=REPO_ROOT,
-                              capture_output=True, text=True, env=env)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--worker", str(path)],
+                                  cwd=REPO_ROOT, capture_output=True, text=True, env=env,
+                                  timeout=None if timeout is None else max(timeout, 1.0))
+        except subprocess.TimeoutExpired:
+            return {"status": "failed",
+                    "reason": f"stopped after {max(timeout, 1.0):.0f} s: the --time-budget ran out"}
         out = Path(tmp) / "result.json"
         if proc.returncode != 0 or not out.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -165,15 +180,34 @@ def worker(spec_path: str) -> int:
     return 0
 
 
-def bench_train(argv: list[str], steps: int, device: torch.device) -> list[dict]:
+def train_rows(chosen: str) -> list[tuple[str, list[str], bool]]:
+    """TRAIN_ROWS, or the ones --rows names (a comma list of their labels)."""
+    if not chosen:
+        return TRAIN_ROWS
+    labels = [label for label, _, _ in TRAIN_ROWS]
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
+    unknown = [n for n in names if n not in labels]
+    if unknown or not names:
+        raise ConfigError(f"--rows={chosen!r}: {unknown or 'nothing'} is not a row; use a comma "
+                          f"list of {', '.join(labels)}")
+    return [row for row in TRAIN_ROWS if row[0] in names]
+
+
+def bench_train(argv: list[str], steps: int, device: torch.device,
+                rows_wanted: list[tuple[str, list[str], bool]] = TRAIN_ROWS,
+                time_left: Callable[[], float | None] = lambda: None) -> list[dict]:
     rows = []
-    for label, overrides, needs_cuda in TRAIN_ROWS:
+    for label, overrides, needs_cuda in rows_wanted:
+        left = time_left()
         if needs_cuda and device.type != "cuda":
             rows.append({"setting": label, "status": "needs CUDA"})
-            continue
-        cfg, _ = load_config(argv + overrides, prog="bench_memory.py")
-        result = run_in_process("train", {"config": cfg.to_dict(), "steps": steps})
-        rows.append({"setting": label, **result})
+        elif left is not None and left <= 0:
+            rows.append({"setting": label, "status": "skipped",
+                         "reason": "the --time-budget ran out before this row"})
+        else:
+            cfg, _ = load_config(argv + overrides, prog="bench_memory.py")
+            result = run_in_process("train", {"config": cfg.to_dict(), "steps": steps}, left)
+            rows.append({"setting": label, **result})
         print(f"  train {label}: {row_text(rows[-1])}", flush=True)
     return rows
 
@@ -296,48 +330,71 @@ def bench_loader(cfg: Config, args, trainer_rows: list[dict] | None) -> dict:
     return result
 
 
-def bench_decode(args, rt: runtime.Runtime) -> dict:
-    """Ours vs transformers' generate on the same GPT-2 124M-shaped weights, batch 1, greedy."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def hf_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int,
+              rt: runtime.Runtime) -> dict:
+    """transformers' GPT2LMHeadModel.generate on our weights, batch 1, greedy, with its cache."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as e:
+        print(f"  decode transformers: skipped: transformers is not installed ({e})", flush=True)
+        return {"hf_skipped": "transformers is not installed"}
     import load_gpt2_weights
-    from config import ModelConfig
-    from model import GPT
 
-    torch.manual_seed(0)
-    m = ModelConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
-                    attention="sdpa", causal_mask="on_the_fly", norm="native", gelu="native")
-    ours = GPT(m).to(rt.device).eval()
-    hf = GPT2LMHeadModel(GPT2Config(**load_gpt2_weights.hf_config(m)))
-    missing, unexpected = hf.load_state_dict(load_gpt2_weights.ours_to_hf(ours), strict=False)
+    hf = GPT2LMHeadModel(GPT2Config(**load_gpt2_weights.hf_config(ours.config)))
+    missing, _ = hf.load_state_dict(load_gpt2_weights.ours_to_hf(ours), strict=False)
     hf = hf.to(rt.device).eval()
-    prompt = torch.randint(0, m.vocab_size, (1, args.prompt_tokens), device=rt.device)
-    new = args.decode_tokens
-    our_rate, our_tokens = decode_rate(ours, prompt, new, rt)
     kwargs = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, use_cache=True,
                   pad_token_id=0, attention_mask=torch.ones_like(prompt))
     with torch.no_grad():
         hf.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
         rt.synchronize()
         t0 = time.perf_counter()
-        hf_tokens = hf.generate(prompt, **kwargs)
+        tokens = hf.generate(prompt, **kwargs)
         rt.synchronize()
-    hf_rate = new / (time.perf_counter() - t0)
+    return {"hf_tokens_per_s": new / (time.perf_counter() - t0), "hf_tokens": tokens,
+            "hf_missing_keys": [k for k in missing  # buffers, and the head HF ties itself
+                                if not k.endswith("attn.bias") and k != "lm_head.weight"]}
+
+
+def int8_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int, rt: runtime.Runtime,
+                layers: str, our_tokens: torch.Tensor) -> dict:
+    """Our decoding again with the chosen block Linears in int8 (torchao); changes `ours`."""
+    try:
+        memory.quantize_linears(ours, layers)
+    except ConfigError as e:  # the layer names were checked at start: torchao is missing
+        print(f"  decode int8: skipped: {e}", flush=True)
+        return {"int8_skipped": str(e), "int8_layers": layers}
+    rate, tokens = decode_rate(ours, prompt, new, rt)
+    return {"int8_tokens_per_s": rate, "int8_layers": layers,
+            "int8_weight_bytes_per_token": memory.weight_bytes(ours)
+            - ours.transformer.wpe.weight.numel() * 4,
+            "int8_same_tokens": int(torch.eq(tokens, our_tokens).sum()) - prompt.numel()}
+
+
+def bench_decode(args, rt: runtime.Runtime) -> dict:
+    """Ours vs transformers' generate on the same GPT-2 124M-shaped weights, batch 1, greedy."""
+    from config import ModelConfig
+    from model import GPT
+
+    torch.manual_seed(0)
+    m = ModelConfig(**DECODE_SHAPES[args.decode_model], attention="sdpa",
+                    causal_mask="on_the_fly", norm="native", gelu="native")
+    ours = GPT(m).to(rt.device).eval()
+    prompt = torch.randint(0, m.vocab_size, (1, args.prompt_tokens), device=rt.device)
+    new = min(args.decode_tokens, m.block_size - args.prompt_tokens)
+    our_rate, our_tokens = decode_rate(ours, prompt, new, rt)
     weight = memory.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4  # wpe: 1 row
     bandwidth = copy_bandwidth(rt.device)
-    memory.quantize_linears(ours, args.quantize_layers)
-    int8_rate, int8_tokens = decode_rate(ours, prompt, new, rt)
-    int8_weight = memory.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4
-    result = {"params": ours.num_params(False), "weight_bytes_per_token": weight,
+    hf = hf_decode(ours, prompt, new, rt)
+    hf_tokens = hf.pop("hf_tokens", None)
+    result = {"model": args.decode_model, "device": rt.device.type,
+              "params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
-              "ours_tokens_per_s": our_rate, "hf_tokens_per_s": hf_rate,
-              "int8_tokens_per_s": int8_rate, "int8_weight_bytes_per_token": int8_weight,
-              "int8_layers": args.quantize_layers,
-              "int8_same_tokens": int(torch.eq(int8_tokens, our_tokens).sum()) - prompt.numel(),
-              "same_tokens": bool(torch.equal(our_tokens, hf_tokens)),
-              "hf_missing_keys": [k for k in missing  # buffers, and the head HF ties itself
-                                  if not k.endswith("attn.bias") and k != "lm_head.weight"],
+              "ours_tokens_per_s": our_rate, **hf,
+              "same_tokens": None if hf_tokens is None else bool(torch.equal(our_tokens,
+                                                                             hf_tokens)),
               "prompt_tokens": args.prompt_tokens, "new_tokens": new}
+    result.update(int8_decode(ours, prompt, new, rt, args.quantize_layers, our_tokens))
     print(f"  decode: {result}", flush=True)
     return result
 
@@ -349,7 +406,8 @@ def markdown(report: dict) -> str:
                   "|---|---:|---:|---:|"]
         for row in report["train"]:
             if row["status"] != "ok":
-                lines.append(f"| {row['setting']} | {row['status']} | | |")
+                why = f": {row['reason']}" if row.get("reason") else ""
+                lines.append(f"| {row['setting']} | {row['status']}{why} | | |")
                 continue
             lines.append(f"| {row['setting']} | {row['tokens_per_s']:,.0f} | "
                          f"{row['step_peak'] / MIB:,.0f} ({row['estimate_step'] / MIB:,.0f}) | "
@@ -375,13 +433,21 @@ def markdown(report: dict) -> str:
         lines.append("")
     if "decode" in report:
         d = report["decode"]
-        lines += [f"Batch-1 greedy decode, GPT-2 124M shape, {d['prompt_tokens']}-token prompt, "
+        shape = "GPT-2 124M shape" if d.get("model", "gpt2") == "gpt2" else \
+            f"{d['params'] / 1e6:.1f}M-parameter '{d['model']}' shape"
+        lines += [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
                   f"{d['new_tokens']} new tokens (same tokens from both: {d['same_tokens']}):", "",
                   "| implementation | tokens/s | share of the bandwidth limit |", "|---|---:|---:|"]
         limit = d["bandwidth_limit_tokens_per_s"]
         for label, key in (("ours (KV cache)", "ours_tokens_per_s"),
                            ("transformers generate", "hf_tokens_per_s")):
-            lines.append(f"| {label} | {d[key]:,.1f} | {100 * d[key] / limit:.0f}% |")
+            if key in d:
+                lines.append(f"| {label} | {d[key]:,.1f} | {100 * d[key] / limit:.0f}% |")
+        if "hf_skipped" in d:
+            lines.append(f"| transformers generate | skipped: {d['hf_skipped']} | |")
+        if "int8_skipped" in d:
+            lines.append(f"| ours, int8 {d.get('int8_layers', '')} | skipped: "
+                         f"{d['int8_skipped']} | |")
         if "int8_tokens_per_s" in d:
             int8_limit = d["copy_bandwidth"] / d["int8_weight_bytes_per_token"]
             int8_mib = d["int8_weight_bytes_per_token"] / MIB
@@ -408,6 +474,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--quantize-layers", default="attn,mlp", help="quant: sample.quantize_layers")
     p.add_argument("--eval-batches", type=int, default=20, help="quant: val batches of 8")
     p.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode run")
+    p.add_argument("--decode-model", default="gpt2", choices=sorted(DECODE_SHAPES),
+                   help="decode: the shape of the random weights (gpt2: GPT-2 124M)")
+    p.add_argument("--rows", default="", metavar="LABEL,...",
+                   help="train: only these rows (" + ", ".join(r[0] for r in TRAIN_ROWS) + ")")
+    p.add_argument("--time-budget", type=float, default=0, metavar="SECONDS",
+                   help="train: stop a row still running after this many seconds in all and "
+                        "skip the rest (default: no limit)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="decode: prompt length")
     p.add_argument("--results", default="bench_results", help="output folder")
     p.add_argument("--name", default="", help="output file stem after memory_ (default: device)")
@@ -424,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not set(parts) <= set(PARTS) or not parts:
             raise ConfigError(f"--part={args.part!r}: use a comma list of {', '.join(PARTS)}")
+        rows_wanted = train_rows(args.rows)
+        memory.quantize_targets(args.quantize_layers)
         device = runtime.resolve_device(load_config(rest)[0].system.device)
         if not any(a.startswith("--config") for a in rest):
             rest = ["--config", "bench_gpu" if device.type == "cuda" else "bench_cpu"] + rest
@@ -436,8 +511,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = {"hardware": runtime.device_name(rt), "command": "python bench_memory.py "
               + shlex.join(argv), "config": cfg.to_dict()}
+    deadline = time.monotonic() + args.time_budget if args.time_budget else None
+
+    def time_left() -> float | None:
+        return None if deadline is None else deadline - time.monotonic()
+
     if "train" in parts:
-        report["train"] = bench_train(rest, args.steps, rt.device)
+        report["train"] = bench_train(rest, args.steps, rt.device, rows_wanted, time_left)
     if "quant" in parts:
         report["quant"] = bench_quant(args, cfg, rt)
     if "loader" in parts:

@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny configs and a char dataset prepared once per session in a temp dir."""
+"""Shared fixtures: tiny configs, a char dataset prepared once per session in a temp dir, and the
+devices a test runs on.
+
+Device-aware tests take a `device` argument through `@on_each_device`: "cpu" always, and "cuda"
+marked `cuda`. Tests that only exist on CUDA carry `@pytest.mark.cuda` themselves. Without a CUDA
+device every `cuda` test is skipped with the reason below, so the CPU suite costs nothing more;
+on a GPU, `python -m pytest -m cuda` runs exactly them (scripts/gpu_check.sh does).
+"""
 from __future__ import annotations
 
 import sys
@@ -12,6 +19,26 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from config import ModelConfig  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+NO_CUDA = "needs a CUDA device and torch.cuda.is_available() is False here " \
+          "(bash scripts/gpu_check.sh runs these on a GPU)"
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+on_each_device = pytest.mark.parametrize("device", DEVICES)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs on a CUDA device (select with -m cuda); "
+                                       "skipped where there is none")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason=NO_CUDA)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +57,18 @@ def tiny_model_config(**overrides) -> ModelConfig:
     return cfg
 
 
+def cuda_matmul_tf32(enabled: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
+    """Same seed for every test; on CUDA, full float32 matmuls (TF32 off) unless a test switches
+    TF32 on itself, and never carried over into the next test."""
     torch.manual_seed(0)
+    if HAS_CUDA:
+        cuda_matmul_tf32(False)
     yield
+    if HAS_CUDA:
+        cuda_matmul_tf32(False)

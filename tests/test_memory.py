@@ -1,5 +1,6 @@
 """Memory strategies: activation checkpointing, the memory estimate, int8 partial quantization,
-the prefetching loader, and empty_cache at phase boundaries only."""
+the prefetching loader, empty_cache at phase boundaries only, and compiling without recompiles.
+The ones that act on CUDA run on the CPU and, where there is one, on CUDA (marked `cuda`)."""
 from __future__ import annotations
 
 import pytest
@@ -8,19 +9,20 @@ import torch
 import memory
 import train
 from config import Config, ConfigError, checkpoint_plan, load_config
-from conftest import tiny_model_config
+from conftest import on_each_device, tiny_model_config
 from data.loader import Batches, load_meta
 from model import GPT
 
 MODES = ["all", "attention", "mlp", "every:2", "blocks:0,2"]
 
 
-def grads_and_saved_bytes(spec: str, dropout: float) -> tuple[dict, float, int]:
+def grads_and_saved_bytes(spec: str, dropout: float,
+                          device: str = "cpu") -> tuple[dict, float, int]:
     """Gradients and loss of one forward/backward, and the bytes autograd kept for backward."""
     torch.manual_seed(0)
     cfg = tiny_model_config(n_layer=3, dropout=dropout, activation_checkpointing=spec)
-    model = GPT(cfg).train()
-    idx = torch.randint(0, cfg.vocab_size, (3, cfg.block_size))
+    model = GPT(cfg).to(device).train()
+    idx = torch.randint(0, cfg.vocab_size, (3, cfg.block_size)).to(device)
     saved = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -37,12 +39,17 @@ def grads_and_saved_bytes(spec: str, dropout: float) -> tuple[dict, float, int]:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("spec", MODES)
-def test_checkpointing_gives_identical_gradients_and_keeps_less(spec, dropout):
-    plain, plain_loss, plain_kept = grads_and_saved_bytes("none", dropout)
-    grads, loss, kept = grads_and_saved_bytes(spec, dropout)
-    assert loss == plain_loss
+@on_each_device
+def test_checkpointing_gives_identical_gradients_and_keeps_less(spec, dropout, device):
+    """The recomputed forward replays the same kernels and dropout masks (the RNG state is
+    restored): the same loss and gradients, bit for bit on the CPU; on CUDA to float32 rounding,
+    since its backward kernels may add up in another order."""
+    plain, plain_loss, plain_kept = grads_and_saved_bytes("none", dropout, device)
+    grads, loss, kept = grads_and_saved_bytes(spec, dropout, device)
+    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-5, atol=1e-6)
+    assert loss == pytest.approx(plain_loss, rel=tol["rtol"], abs=tol["atol"])
     for name, g in plain.items():
-        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(grads[name], g, **tol, msg=name)
     assert kept < plain_kept  # the recomputed parts' activations were not stored
 
 
@@ -111,12 +118,13 @@ def test_estimate_memory_flag_prints_without_training(char_dataset, tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
-def test_int8_quantizes_only_the_chosen_layers_and_stays_close():
-    pytest.importorskip("torchao")
+@on_each_device
+def test_int8_quantizes_only_the_chosen_layers_and_stays_close(device):
+    pytest.importorskip("torchao", reason="sample.quantize=int8 needs torchao (not installed)")
     torch.manual_seed(0)
     cfg = tiny_model_config(n_embd=32, n_layer=2)
-    model = GPT(cfg).eval()
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    model = GPT(cfg).to(device).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size)).to(device)
     with torch.no_grad():
         ref = model(idx)[0]
     biases = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
@@ -144,14 +152,54 @@ def test_quantize_layers_bad_name():
         memory.quantize_targets("attn,lm_head")
 
 
-def test_prefetch_loader_reads_the_same_batches(char_dataset):
+@on_each_device
+def test_prefetch_loader_reads_the_same_batches(char_dataset, device):
+    """data.prefetch: on CUDA the copy runs on a side stream and the compute stream waits for
+    it, so work queued right after next() already sees the batch; elsewhere a plain copy."""
     meta = load_meta(str(char_dataset))
-    plain = Batches(meta, "train", 4, 16, seed=3)
-    fetched = Batches(meta, "train", 4, 16, seed=3, prefetch=True)
-    assert fetched.prefetch_note.startswith("off (needs CUDA")  # this CPU-only test machine
+    plain = Batches(meta, "train", 4, 16, seed=3, device=device)
+    fetched = Batches(meta, "train", 4, 16, seed=3, device=device, prefetch=True)
+    if device == "cuda":
+        assert fetched.copy_stream is not None and fetched.pin_memory
+        assert fetched.prefetch_note == "on (side CUDA stream)"
+    else:
+        assert fetched.copy_stream is None
+        assert fetched.prefetch_note.startswith("off (needs CUDA")
+    weights = torch.randn(64, 64, device=device)
     for _ in range(3):
-        for a, b in zip(plain.next(), fetched.next()):
-            assert torch.equal(a, b)
+        expected = plain.next()
+        busy = weights @ weights  # keeps the compute stream busy while the copy is issued
+        x, y = fetched.next()
+        checks = [(x == expected[0]).all(), (y == expected[1]).all()]  # queued on compute
+        assert all(bool(c) for c in checks)
+        assert x.device.type == device and busy.shape == (64, 64)
+
+
+@pytest.mark.cuda
+def test_empty_cache_returns_what_an_evaluation_left_cached(char_dataset):
+    """system.empty_cache: after an evaluation at a bigger batch, the blocks its activations used
+    stay reserved by the caching allocator until release_cached hands them back; the model's
+    own memory stays allocated. With the switch off it does nothing."""
+    import runtime
+    from config import SystemConfig
+    device = torch.device("cuda")
+    rt = runtime.setup(SystemConfig(device="cuda"))
+    meta = load_meta(str(char_dataset))
+    model = GPT(tiny_model_config(vocab_size=65, block_size=128, n_embd=64, n_head=4)).to(device)
+    val = Batches(meta, "val", 64, 128, seed=1, device=device)  # scores: (64, 4, 128, 128)
+    train.evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    assert reserved - allocated > 16 * 2**20  # the evaluation's blocks, free but still held
+    assert memory.release_cached(device, enabled=False) is False
+    assert torch.cuda.memory_reserved() == reserved
+    assert memory.release_cached(device, enabled=True) is True
+    assert torch.cuda.memory_reserved() < reserved - 16 * 2**20
+    assert torch.cuda.memory_allocated() == allocated
+
+
+def test_empty_cache_is_a_no_op_off_cuda():
+    assert memory.release_cached(torch.device("cpu"), enabled=True) is False
 
 
 def test_empty_cache_only_at_phase_boundaries(char_dataset, tmp_path, monkeypatch):
@@ -217,18 +265,20 @@ def test_bf16_weights_need_bf16_autocast():
         load_config(["--config", "tiny", "--weights_dtype=bfloat16"])
 
 
-def test_static_kv_cache_with_buckets_gives_the_same_tokens():
+@on_each_device
+def test_static_kv_cache_with_buckets_gives_the_same_tokens(device):
     import generate
     torch.manual_seed(0)
     for attention in ("scratch", "sdpa"):
-        model = GPT(tiny_model_config(attention=attention)).eval()  # block_size 16
-        prompt = torch.randint(0, 37, (2, 5))
+        model = GPT(tiny_model_config(attention=attention)).to(device).eval()  # block_size 16
+        prompt = torch.randint(0, 37, (2, 5)).to(device)
         plain = generate.generate_tokens(model, prompt, 20, temperature=0)  # overflows once
         static = generate.generate_tokens(model, prompt, 20, temperature=0, prompt_bucket=4)
         assert torch.equal(static, plain)
 
 
-def test_compiled_run_does_not_recompile_after_warm_up():
+@on_each_device
+def test_compiled_run_does_not_recompile_after_warm_up(device):
     import generate
     import runtime
     from config import SystemConfig
@@ -239,9 +289,9 @@ def test_compiled_run_does_not_recompile_after_warm_up():
         return gm.forward
 
     torch._dynamo.reset()
-    model = GPT(tiny_model_config(dropout=0.1))  # block_size 16
+    model = GPT(tiny_model_config(dropout=0.1)).to(device)  # block_size 16
     compiled = torch.compile(model, backend=counting_backend)
-    rt = runtime.setup(SystemConfig(device="cpu"))
+    rt = runtime.setup(SystemConfig(device=device))
     memory.warm_up_training(compiled, model, rt.device, rt.autocast, batch_size=4)
     compiled.eval()
     generate.warm_up(compiled, prompt_length=6, max_new_tokens=20, bucket=8)
@@ -250,7 +300,7 @@ def test_compiled_run_does_not_recompile_after_warm_up():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):  # training steps and an evaluation
         compiled.train()
-        idx = torch.randint(0, 37, (4, 16))
+        idx = torch.randint(0, 37, (4, 16), device=device)
         compiled(idx, idx)[1].backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -258,11 +308,12 @@ def test_compiled_run_does_not_recompile_after_warm_up():
         with torch.no_grad():
             compiled(idx, idx)
     for length in (3, 7, 8):  # other prompts in the same bucket, with a context overflow
-        prompt = torch.randint(0, 37, (1, length))
+        prompt = torch.randint(0, 37, (1, length), device=device)
         generate.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
     assert len(compiles) == warmed
     # the plain (dynamic) cache, by contrast, recompiles as its length changes
-    generate.generate_tokens(compiled, torch.randint(0, 37, (1, 3)), 6, temperature=0)
+    generate.generate_tokens(compiled, torch.randint(0, 37, (1, 3), device=device), 6,
+                             temperature=0)
     assert len(compiles) > warmed
     torch._dynamo.reset()
 

@@ -1,4 +1,6 @@
-"""The model: shapes, init, loss, and every implementation switch against the reference path."""
+"""The model: shapes, init, loss, and every implementation switch against the reference path,
+on the CPU and, where there is one, on CUDA (float32 with TF32 off: the same reference, only the
+tolerances differ)."""
 from __future__ import annotations
 
 import math
@@ -6,8 +8,13 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_model_config
+from conftest import on_each_device, tiny_model_config
 from model import GPT, IGNORE_INDEX, gelu_tanh, padded_vocab_size
+
+# float32 on both; CUDA kernels (cuBLAS, the memory-efficient SDPA kernel) sum in other orders
+LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
+LOSS_TOL = {"cpu": dict(atol=1e-6, rtol=1e-6), "cuda": dict(atol=1e-5, rtol=1e-5)}
+GRAD_TOL = {"cpu": dict(atol=1e-5, rtol=1e-4), "cuda": dict(atol=1e-4, rtol=1e-3)}
 
 
 def same_weights(reference: GPT, cfg) -> GPT:
@@ -16,12 +23,12 @@ def same_weights(reference: GPT, cfg) -> GPT:
     return other
 
 
-def batch(cfg, B=3, T=None, seed=1):
-    g = torch.Generator().manual_seed(seed)
+def batch(cfg, B=3, T=None, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same tokens on every device
     T = T or cfg.block_size
     x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    return x, y
+    return x.to(device), y.to(device)
 
 
 def test_shapes_and_loss_at_init_near_uniform():
@@ -86,20 +93,21 @@ def test_ignore_index_skips_targets():
     {"gelu": "native"},
     {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native", "gelu": "native"},
 ])
-def test_fast_paths_match_reference(change):
+@on_each_device
+def test_fast_paths_match_reference(change, device):
     """Same weights, same inputs: logits, loss and gradients equal to the reference path."""
     cfg = tiny_model_config()
-    reference = GPT(cfg)
-    fast = same_weights(reference, tiny_model_config(**change))
-    x, y = batch(cfg)
+    reference = GPT(cfg).to(device)
+    fast = same_weights(reference, tiny_model_config(**change)).to(device)
+    x, y = batch(cfg, device=device)
     ref_logits, ref_loss = reference(x, y)
     fast_logits, fast_loss = fast(x, y)
-    torch.testing.assert_close(fast_logits, ref_logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fast_loss, ref_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fast_logits, ref_logits, **LOGITS_TOL[device])
+    torch.testing.assert_close(fast_loss, ref_loss, **LOSS_TOL[device])
     ref_loss.backward()
     fast_loss.backward()
     for (name, p_ref), (_, p_fast) in zip(reference.named_parameters(), fast.named_parameters()):
-        torch.testing.assert_close(p_fast.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(p_fast.grad, p_ref.grad, **GRAD_TOL[device], msg=name)
 
 
 def test_scratch_gelu_and_layernorm_formulas():
@@ -109,7 +117,8 @@ def test_scratch_gelu_and_layernorm_formulas():
     assert (gelu_tanh(x) - torch.nn.functional.gelu(x)).abs().max() > 1e-5
 
 
-def test_padded_vocab_matches_unpadded():
+@on_each_device
+def test_padded_vocab_matches_unpadded(device):
     cfg = tiny_model_config(vocab_size=37)
     reference = GPT(cfg)
     padded = GPT(tiny_model_config(vocab_size=37, vocab_pad_multiple=64))
@@ -123,26 +132,29 @@ def test_padded_vocab_matches_unpadded():
                 own[k][37:].normal_(std=5.0)  # large junk rows must still never win
             else:
                 own[k].copy_(v)
-    x, y = batch(cfg)
+    reference, padded = reference.to(device), padded.to(device)
+    x, y = batch(cfg, device=device)
     ref_logits, ref_loss = reference(x, y)
     pad_logits, pad_loss = padded(x, y)
     assert pad_logits.shape[-1] == 37
-    torch.testing.assert_close(pad_logits, ref_logits)
-    torch.testing.assert_close(pad_loss, ref_loss)
+    tol = {} if device == "cpu" else LOGITS_TOL[device]  # CPU: assert_close's float32 defaults
+    torch.testing.assert_close(pad_logits, ref_logits, **tol)
+    torch.testing.assert_close(pad_loss, ref_loss, **tol)
 
 
 @pytest.mark.parametrize("attention,mask", [("scratch", "buffer"), ("sdpa", "buffer"),
                                             ("sdpa", "on_the_fly"), ("scratch", "on_the_fly")])
-def test_kv_cache_matches_full_forward(attention, mask):
+@on_each_device
+def test_kv_cache_matches_full_forward(attention, mask, device):
     cfg = tiny_model_config(attention=attention, causal_mask=mask)
-    model = GPT(cfg).eval()
-    x, _ = batch(cfg, B=2)
+    model = GPT(cfg).to(device).eval()
+    x, _ = batch(cfg, B=2, device=device)
     full, _ = model(x)
     cache = model.new_kv_cache(2)
     prefix, _ = model(x[:, :5], kv_cache=cache)  # a multi-token prefill ...
     steps = [model(x[:, t:t + 1], kv_cache=cache)[0] for t in range(5, cfg.block_size)]
     cached = torch.cat([prefix] + steps, dim=1)  # ... then one token at a time
-    torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached, full, **LOGITS_TOL[device])
     assert cache.pos == cfg.block_size
 
 

@@ -1,12 +1,17 @@
-"""The speedup flags not covered in test_model.py: fused AdamW, torch.compile, autocast precision,
-the auto micro-batch search, the SDPA kernel report, the banner and peak memory.
+"""The speedup flags not covered in test_model.py: fused AdamW, torch.compile, autocast precision
+and the gradient scaler, TF32, pinned memory, the auto micro-batch search, which SDPA kernel runs,
+the banner and peak memory. Each runs on the CPU and, where there is one, on CUDA against the
+same reference; what exists only on CUDA (TF32, the Flash kernel, the auto micro-batch search,
+CUDA peak memory) is tested there alone (marked `cuda`, skipped elsewhere).
 
 (Mask buffer vs on the fly, scratch vs SDPA attention, scratch vs native LayerNorm/GELU and padded
 vs unpadded vocab are checked against the reference in test_model.py.)
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import shutil
 import sys
 
@@ -17,59 +22,81 @@ import bench
 import runtime
 import speedups
 from config import Config, SystemConfig
-from conftest import tiny_model_config
+from conftest import on_each_device, tiny_model_config
+from data.loader import Batches, load_meta
 from model import GPT
 
+HAS_CXX = bool(os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++")))
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-def tiny_batch(cfg, B=4, seed=1):
-    g = torch.Generator().manual_seed(seed)
+
+def tiny_batch(cfg, B=4, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same tokens on every device
     x = torch.randint(0, cfg.vocab_size, (B, cfg.block_size), generator=g)
     y = torch.randint(0, cfg.vocab_size, (B, cfg.block_size), generator=g)
-    return x, y
+    return x.to(device), y.to(device)
+
+
+def device_runtime(device: str = "cpu", dtype: str = "float32", **system) -> runtime.Runtime:
+    return runtime.setup(SystemConfig(device=device, dtype=dtype, **system))
 
 
 def cpu_runtime(dtype: str = "float32") -> runtime.Runtime:
-    return runtime.setup(SystemConfig(device="cpu", dtype=dtype))
+    return device_runtime("cpu", dtype)
 
 
-def test_fused_adamw_matches_the_per_parameter_loop():
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| over the whole tensor (float32 norms)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@on_each_device
+def test_fused_adamw_matches_the_per_parameter_loop(device):
     """Same weights, same gradients, five steps: fused=True lands on the same parameters."""
     import train
     cfg = Config()
     cfg.model = tiny_model_config()
-    reference = GPT(cfg.model)
+    reference = GPT(cfg.model).to(device)
     fused = GPT(cfg.model)
     fused.load_state_dict(reference.state_dict())
-    opt_ref, note_ref = train.make_optimizer(reference, cfg, torch.device("cpu"))
+    fused.to(device)
+    start = [p.detach().clone() for p in reference.parameters()]
+    opt_ref, note_ref = train.make_optimizer(reference, cfg, torch.device(device))
     cfg.train.fused_adamw = True
-    opt_fused, note_fused = train.make_optimizer(fused, cfg, torch.device("cpu"))
+    opt_fused, note_fused = train.make_optimizer(fused, cfg, torch.device(device))
     assert (note_ref, note_fused) == ("off", "on")
     assert opt_fused.defaults["fused"] and not opt_ref.defaults["foreach"]
     for step in range(5):
-        x, y = tiny_batch(cfg.model, seed=step)
+        x, y = tiny_batch(cfg.model, seed=step, device=device)
         for model, opt in ((reference, opt_ref), (fused, opt_fused)):
             _, loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    start = GPT(cfg.model)  # the update really moved the weights
-    assert not torch.allclose(start.lm_head.weight, reference.lm_head.weight)
+    moved = [not torch.allclose(a, p) for a, p in zip(start, reference.parameters())]
+    assert all(moved)  # the updates really changed every parameter
+    tol = dict(atol=1e-6, rtol=1e-5) if device == "cpu" else dict(atol=1e-5, rtol=1e-4)
     for (name, p_ref), (_, p_fused) in zip(reference.named_parameters(),
                                            fused.named_parameters()):
-        torch.testing.assert_close(p_fused, p_ref, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(p_fused, p_ref, **tol, msg=name)
 
 
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
-                    reason="torch.compile on CPU needs a C++ compiler")
-def test_compiled_matches_eager():
+@on_each_device
+def test_compiled_matches_eager(device):
     """Forward only: compiling the backward too would double the suite's longest test."""
+    if device == "cpu" and not HAS_CXX:
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    if device == "cuda" and not HAS_TRITON:
+        pytest.skip("torch.compile on CUDA needs Triton (pip install triton)")
     cfg = tiny_model_config(n_layer=1, attention="sdpa", causal_mask="on_the_fly")
-    eager = GPT(cfg)
+    rt = device_runtime(device)
+    eager = GPT(cfg).to(device)
     twin = GPT(cfg)
     twin.load_state_dict(eager.state_dict())
-    compiled, note = speedups.compile_model(twin, SystemConfig(compile=True), cpu_runtime())
+    twin.to(device)
+    compiled, note = speedups.compile_model(twin, SystemConfig(compile=True), rt)
     assert note == "default" and compiled is not twin
-    x, y = tiny_batch(cfg)
+    x, y = tiny_batch(cfg, device=device)
     logits, loss = eager(x, y)
     c_logits, c_loss = compiled(x, y)
     torch.testing.assert_close(c_loss, loss, atol=1e-5, rtol=1e-5)
@@ -77,12 +104,13 @@ def test_compiled_matches_eager():
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("bfloat16", 2e-2), ("float16", 5e-3)])
-def test_autocast_loss_close_to_float32(dtype, tolerance):
+@on_each_device
+def test_autocast_loss_close_to_float32(dtype, tolerance, device):
     cfg = tiny_model_config(n_embd=32, vocab_size=65)
-    model = GPT(cfg)
-    x, y = tiny_batch(cfg)
+    model = GPT(cfg).to(device)
+    x, y = tiny_batch(cfg, device=device)
     _, loss32 = model(x, y)
-    rt = cpu_runtime(dtype)
+    rt = device_runtime(device, dtype)
     with rt.autocast():
         logits, loss = model(x, y)
     assert logits.dtype == runtime.DTYPES[dtype]  # the matmuls really ran in low precision
@@ -91,7 +119,8 @@ def test_autocast_loss_close_to_float32(dtype, tolerance):
     assert abs(loss.item() - loss32.item()) < tolerance * loss32.item()
 
 
-def test_float16_training_step_with_grad_scaler():
+@on_each_device
+def test_float16_training_step_with_grad_scaler(device):
     """float16 scales the loss before backward and unscales before the update: the step lands
     close to the float32 one."""
     cfg = Config()
@@ -100,12 +129,12 @@ def test_float16_training_step_with_grad_scaler():
     models, losses = {}, {}
     for dtype in ("float32", "float16"):
         torch.manual_seed(0)
-        model = GPT(cfg.model)
-        rt = cpu_runtime(dtype)
+        model = GPT(cfg.model).to(device)
+        rt = device_runtime(device, dtype)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10,
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10,
                                       enabled=rt.dtype == torch.float16)
-        x, y = tiny_batch(cfg.model)
+        x, y = tiny_batch(cfg.model, device=device)
         with rt.autocast():
             _, loss = model(x, y)
         scaler.scale(loss).backward()
@@ -113,11 +142,85 @@ def test_float16_training_step_with_grad_scaler():
             assert model.lm_head.weight.grad.abs().max() > 10
         scaler.step(opt)
         scaler.update()
+        if dtype == "float16":  # no overflow: the step was taken and the scale kept
+            assert scaler.get_scale() == 2.0**10
         models[dtype], losses[dtype] = model, loss.item()
     assert math.isfinite(losses["float16"])
     for (name, p), (_, q) in zip(models["float32"].named_parameters(),
                                  models["float16"].named_parameters()):
         torch.testing.assert_close(q, p, atol=2e-3, rtol=1e-2, msg=name)
+
+
+@on_each_device
+def test_grad_scaler_skips_an_overflowing_float16_step(device):
+    """A loss scale so large that the float16 gradients overflow: the update is skipped (the
+    weights stay as they were) and the scale halves, which is what train.optimizer_step relies
+    on when it calls scaler.update() after a skipped step."""
+    cfg = tiny_model_config(n_embd=32)
+    model = GPT(cfg).to(device)
+    before = [p.detach().clone() for p in model.parameters()]
+    rt = device_runtime(device, "float16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**40)
+    x, y = tiny_batch(cfg, device=device)
+    with rt.autocast():
+        _, loss = model(x, y)
+    scaler.scale(loss).backward()  # ~2**40 / 64 per logit: past float16's 65504
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**39
+    for name, (p0, p) in zip([n for n, _ in model.named_parameters()],
+                             zip(before, model.parameters())):
+        assert torch.equal(p0, p), name
+
+
+@pytest.mark.cuda
+def test_tf32_switch_acts_on_cuda_matmuls():
+    """system.tf32, read in runtime.setup: off keeps float32 matmuls exact to float32 rounding;
+    on lets cuBLAS round the inputs to TF32 (10-bit mantissa): close to float32, not equal."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip(f"TF32 needs an Ampere or newer GPU, not {torch.cuda.get_device_name()}")
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(1024, 1024, generator=g).cuda() for _ in range(2))
+    exact = a.double() @ b.double()
+    rt = device_runtime("cuda", tf32=False)
+    assert not rt.tf32 and not torch.backends.cuda.matmul.allow_tf32
+    full = a @ b
+    rt = device_runtime("cuda", tf32=True)
+    assert rt.tf32 and torch.backends.cuda.matmul.allow_tf32
+    fast = a @ b
+    full_error = (full.double() - exact).abs().max().item()
+    fast_error = (fast.double() - exact).abs().max().item()
+    assert fast_error > 10 * full_error  # TF32 really ran
+    assert relative_error(fast, full) < 1e-2  # and stayed close
+    cfg = tiny_model_config(n_embd=64, vocab_size=65)
+    model = GPT(cfg).cuda()
+    x, y = tiny_batch(cfg, device="cuda")
+    _, loss_tf32 = model(x, y)
+    device_runtime("cuda", tf32=False)
+    _, loss32 = model(x, y)
+    assert loss_tf32.item() == pytest.approx(loss32.item(), rel=1e-3)
+
+
+@on_each_device
+def test_pinned_batches_equal_the_plain_ones(char_dataset, device):
+    """data.pin_memory: rows in page-locked host memory copied with non_blocking=True are the
+    batches the plain loader reads; off CUDA the flag falls back to the plain copy and says so."""
+    meta = load_meta(str(char_dataset))
+    plain = Batches(meta, "train", 4, 16, seed=3)  # CPU tensors, no pinning
+    pinned = Batches(meta, "train", 4, 16, seed=3, device=device, pin_memory=True)
+    assert pinned.pin_memory == (device == "cuda")
+    for _ in range(3):
+        x, y = pinned.next()
+        assert x.device.type == device
+        # .cpu() is queued on the stream behind the non-blocking copy: it sees the copied rows
+        for a, b in zip(plain.next(), (x, y)):
+            assert torch.equal(a, b.cpu())
+    cfg = Config()
+    cfg.model = tiny_model_config()
+    cfg.data.pin_memory = True
+    values = speedups.settings(cfg, device_runtime(device), "off", "off", "8x1")
+    assert values["pin_memory"] == ("on" if device == "cuda" else "off (needs CUDA)")
 
 
 def test_micro_batch_search_finds_largest_divisor_in_few_trials():
@@ -133,13 +236,14 @@ def test_micro_batch_search_finds_largest_divisor_in_few_trials():
     assert speedups.split_global_batch(64, lambda b: False) is None
 
 
-def test_gradient_accumulation_keeps_the_global_batch():
+@on_each_device
+def test_gradient_accumulation_keeps_the_global_batch(device):
     """4 micro-batches of 2 then one update == one micro-batch of 8: what batch_size_auto relies
     on to change the micro-batch without changing the training."""
     cfg = Config()
     cfg.model = tiny_model_config()
-    x, y = tiny_batch(cfg.model, B=8)
-    rt = cpu_runtime()
+    x, y = tiny_batch(cfg.model, B=8, device=device)
+    rt = device_runtime(device)
 
     class Feed:  # hands out the micro-batches in order, as Batches.next() would
         def __init__(self, chunks):
@@ -151,19 +255,20 @@ def test_gradient_accumulation_keeps_the_global_batch():
     results = []
     for micro, accum in ((8, 1), (2, 4)):
         torch.manual_seed(0)
-        model = GPT(cfg.model)
+        model = GPT(cfg.model).to(device)
         cfg.train.batch_size, cfg.train.grad_accum_steps = micro, accum
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        scaler = torch.amp.GradScaler(device, enabled=False)
         chunks = list(zip(x.split(micro), y.split(micro)))
         loss, norm, _ = bench.train_step(model, model, opt, scaler, Feed(chunks[1:]), chunks[0],
                                          1e-2, cfg, rt)
         results.append((loss, norm, model))
     (loss_a, norm_a, a), (loss_b, norm_b, b) = results
-    torch.testing.assert_close(loss_b, loss_a)
-    torch.testing.assert_close(norm_b, norm_a)
+    tol = dict(atol=1e-6, rtol=1e-5) if device == "cpu" else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(loss_b, loss_a, **tol)
+    torch.testing.assert_close(norm_b, norm_a, **tol)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(q, p, **tol, msg=name)
 
 
 def test_auto_micro_batch_off_cuda_says_what_it_kept():
@@ -178,6 +283,35 @@ def test_auto_micro_batch_off_cuda_says_what_it_kept():
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 3)
 
 
+@pytest.mark.cuda
+def test_auto_micro_batch_finds_the_largest_size_that_fits(monkeypatch):
+    """train.batch_size_auto on CUDA: with room for all of it, the whole global batch in one
+    micro-batch; with room for 8 sequences (what a trial step at 8 reserved, +10%), 8 x 8."""
+    cfg = Config()
+    cfg.model = tiny_model_config(vocab_size=4096, block_size=256, n_embd=64)  # ~12 MiB/sequence
+    rt = device_runtime("cuda")
+    model = GPT(cfg.model).to(rt.device)
+    cfg.train.batch_size, cfg.train.grad_accum_steps = 4, 16
+    assert speedups.auto_micro_batch(cfg, model, rt) == "4x16"  # the flag is off: kept
+    cfg.train.batch_size_auto = True
+    assert speedups.auto_micro_batch(cfg, model, rt) == "64x1 (auto, of 64 per step)"
+    assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (64, 1)
+    assert all(p.grad is None for p in model.parameters())  # the trials leave no gradients
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    speedups._trial_step(model, rt, 8)
+    need = torch.cuda.max_memory_reserved()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    # auto_micro_batch's budget is MEMORY_HEADROOM x (free + reserved): make it 1.1 x need
+    monkeypatch.setattr(speedups, "MEMORY_HEADROOM",
+                        1.1 * need / (free + torch.cuda.memory_reserved()))
+    cfg.train.batch_size, cfg.train.grad_accum_steps = 4, 16
+    assert speedups.auto_micro_batch(cfg, model, rt) == "8x8 (auto, of 64 per step)"
+    assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 8)
+
+
 @pytest.mark.parametrize("attention,mask,expected", [
     ("sdpa", "on_the_fly", ["flash (cpu)"]),
     ("sdpa", "buffer", ["flash (cpu)"]),  # on CPU the flash kernel takes a boolean mask too
@@ -189,6 +323,63 @@ def test_attention_kernel_report(attention, mask, expected):
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no trace
     x, y = tiny_batch(model.config)
     assert speedups.attention_kernels(lambda: model(x, y)[1].backward()) == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,mask,flash", [
+    ("bfloat16", "on_the_fly", True),
+    ("float16", "on_the_fly", True),
+    ("float32", "on_the_fly", False),  # the Flash kernel takes 16-bit inputs only
+    ("bfloat16", "buffer", False),  # and no mask tensor: is_causal=True is what lets it run
+])
+def test_sdpa_picks_flash_on_cuda_for_16_bit_causal_attention(dtype, mask, flash):
+    if os.environ.get("TORCH_CUDNN_SDPA_PREFERRED") == "1":
+        pytest.skip("TORCH_CUDNN_SDPA_PREFERRED=1 puts the cuDNN kernel ahead of Flash")
+    cfg = tiny_model_config(n_embd=128, n_head=2, block_size=64, attention="sdpa",
+                            causal_mask=mask)  # head size 64, as GPT-2's
+    model = GPT(cfg).cuda()
+    kernels = speedups.probe_attention(model, device_runtime("cuda", dtype), micro_batch=2)
+    assert kernels, "no scaled_dot_product_attention kernel was recorded"
+    assert ("flash" in kernels) == flash, kernels
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@on_each_device
+def test_flash_kernel_matches_the_math_kernel_and_the_reference(dtype, device):
+    """Forced onto the Flash kernel (no silent fallback: sdpa_kernel raises if it cannot run), a
+    training forward+backward gives the math kernel's loss, logits and gradients to 16-bit
+    precision, and the loss of the float32 scratch-attention reference. (The CPU has a Flash
+    kernel of its own.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = tiny_model_config(n_embd=128, n_head=2, block_size=64, attention="sdpa",
+                            causal_mask="on_the_fly")
+    model = GPT(cfg).to(device)
+    reference = GPT(tiny_model_config(n_embd=128, n_head=2, block_size=64)).to(device)
+    reference.load_state_dict(model.state_dict())
+    rt = device_runtime(device, dtype)
+    x, y = tiny_batch(cfg, device=device)
+
+    def run(backend):
+        model.zero_grad(set_to_none=True)
+        with sdpa_kernel(backend):
+            with rt.autocast():
+                logits, loss = model(x, y)
+            loss.backward()
+        return logits.float(), loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    out = {}
+    kernels = speedups.attention_kernels(lambda: out.update(flash=run(SDPBackend.FLASH_ATTENTION)))
+    assert kernels == (["flash"] if device == "cuda" else ["flash (cpu)"])
+    out["math"] = run(SDPBackend.MATH)
+    (f_logits, f_loss, f_grads), (m_logits, m_loss, m_grads) = out["flash"], out["math"]
+    assert relative_error(f_logits, m_logits) < 2e-2
+    assert f_loss == pytest.approx(m_loss, rel=5e-3)
+    everything = [torch.cat([g.flatten() for g in grads]) for grads in (f_grads, m_grads)]
+    assert relative_error(*everything) < 3e-2
+    for name, g_flash, g_math in zip([n for n, _ in model.named_parameters()], f_grads, m_grads):
+        assert relative_error(g_flash, g_math) < 1e-1, name  # each tensor, 16-bit rounding
+    _, ref_loss = reference(x, y)  # float32, scratch attention
+    assert f_loss == pytest.approx(ref_loss.item(), rel=2e-2)
 
 
 def test_banner_names_every_flag_and_each_fallback():
@@ -233,3 +424,18 @@ def test_cpu_peak_memory_tracks_and_resets():
     assert peak >= before + 200 * 2**20
     speedups.reset_peak_memory(device)
     assert speedups.peak_memory(device)["rss"] < peak - 100 * 2**20
+
+
+@pytest.mark.cuda
+def test_cuda_peak_memory_tracks_and_resets():
+    device = torch.device("cuda")
+    speedups.reset_peak_memory(device)
+    before = speedups.peak_memory(device)
+    assert set(before) == {"allocated", "reserved"}
+    big = torch.ones(64 * 2**20, device=device)  # 256 MiB
+    del big
+    peak = speedups.peak_memory(device)
+    assert peak["allocated"] >= before["allocated"] + 256 * 2**20
+    assert peak["reserved"] >= peak["allocated"]
+    speedups.reset_peak_memory(device)
+    assert speedups.peak_memory(device)["allocated"] < peak["allocated"] - 200 * 2**20

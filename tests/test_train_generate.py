@@ -1,4 +1,5 @@
-"""Tiny end-to-end runs: train -> checkpoint -> generate, and the sampler's behaviour."""
+"""Tiny end-to-end runs: train -> checkpoint -> generate, and the sampler's behaviour; on CUDA,
+where there is one, the same run with the CUDA speedups on, and KV-cache decoding there."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import checkpoint
 import generate
 import train
 from config import load_config
-from conftest import tiny_model_config
+from conftest import on_each_device, tiny_model_config
 from model import GPT
 
 
@@ -104,13 +105,14 @@ def test_long_prompt_is_cropped_and_empty_prompt_starts_at_newline(trained, caps
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0),
                                                      (0.8, 5, 1.0), (1.0, 0, 0.9)])
-def test_kv_cache_gives_same_tokens(temperature, top_k, top_p):
+@on_each_device
+def test_kv_cache_gives_same_tokens(temperature, top_k, top_p, device):
     """Past the context length too, where the window shifts and the cache is rebuilt."""
-    model = GPT(tiny_model_config(vocab_size=37, block_size=16)).eval()
-    prompt = torch.randint(0, 37, (2, 5))
+    model = GPT(tiny_model_config(vocab_size=37, block_size=16)).to(device).eval()
+    prompt = torch.randint(0, 37, (2, 5)).to(device)
     outs = []
     for use_cache in (True, False):
-        g = torch.Generator().manual_seed(11)
+        g = torch.Generator(device=device).manual_seed(11)
         outs.append(generate.generate_tokens(model, prompt, 40, temperature, top_k, top_p,
                                              use_cache, g))
     assert outs[0].shape == (2, 45)
@@ -159,3 +161,32 @@ def test_finetune_from_checkpoint_with_shorter_context(trained, char_dataset, tm
     model, stored, _ = checkpoint.load_model(tmp_path / "ft")
     assert stored.model.block_size == 16 and model.transformer.wpe.weight.shape[0] == 16
     assert summary["final"]["val"] < 3.5  # starts from the trained weights, not from scratch
+
+
+@pytest.mark.cuda
+def test_cuda_run_with_its_speedups_learns_like_the_cpu_reference(char_dataset, tmp_path, capsys):
+    """The tiny run on CUDA with bfloat16 autocast, TF32, SDPA (Flash), fused AdamW, pinned
+    memory and the prefetch stream: the banner says each is on, the loss falls as on the CPU's
+    float32 reference path, and the checkpoint samples on CUDA."""
+    common = ["--max_iters=40", "--eval_interval=40", "--save_checkpoints=true"]
+    reference = train.train(tiny_cfg(char_dataset, tmp_path / "cpu", *common))
+    cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}",
+                          f"--out_dir={tmp_path / 'cuda'}", "--device=cuda", *common,
+                          "--dtype=bfloat16", "--tf32=true", "--attention=sdpa",
+                          "--causal_mask=on_the_fly", "--norm=native", "--gelu=native",
+                          "--fused_adamw=true", "--pin_memory=true", "--prefetch=true"])
+    capsys.readouterr()
+    fast = train.train(cfg)
+    out = capsys.readouterr().out
+    banner = next(line for line in out.splitlines() if line.startswith("speedups:"))
+    for part in ("device=cuda", "tf32=on", "fused_adamw=on", "pin_memory=on",
+                 "dtype=bfloat16", "attention=sdpa [flash]"):
+        assert part in banner, (part, banner)
+    assert "prefetch=on (side CUDA stream)" in out
+    assert fast["final"]["val"] < 3.6  # learned, from ln(65) = 4.17
+    assert fast["final"]["val"] == pytest.approx(reference["final"]["val"], rel=0.05)
+    model, _, _ = checkpoint.load_model(tmp_path / "cuda", torch.device("cuda"))
+    assert next(model.parameters()).is_cuda
+    rc = generate.main([f"--checkpoint={tmp_path / 'cuda'}", "--prompt", "ROMEO:",
+                        "--max_new_tokens=20", "--seed=3", "--device=cuda"])
+    assert rc == 0 and capsys.readouterr().out.startswith("ROMEO:")

@@ -1,0 +1,139 @@
+"""scripts/gpu_check.sh's CPU pass, run as on the H200 it is written for: torchao, datasets and
+wandb hidden from Python (that machine's python3 has none of them), every part at tiny size, each
+CUDA-only part skipped with a line saying why, the result files in the folder given and in $OUT.
+Also the time budgets of bench.py and bench_memory.py that the script relies on."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+import bench_memory
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+# A sitecustomize.py that makes packages unfindable, as if they were not installed: `import X`
+# raises ModuleNotFoundError and importlib.util.find_spec("X") is None (what transformers checks).
+HIDE = '''import importlib.machinery
+
+HIDDEN = {names!r}
+_find_spec = importlib.machinery.PathFinder.find_spec.__func__
+
+
+def _find_unless_hidden(cls, name, path=None, target=None):
+    if name.partition(".")[0] in HIDDEN:
+        return None
+    return _find_spec(cls, name, path, target)
+
+
+importlib.machinery.PathFinder.find_spec = classmethod(_find_unless_hidden)
+'''
+
+
+def run_script(tmp: Path, hidden: set[str], *args: str, **env_extra: str):
+    site = tmp / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(HIDE.format(names=sorted(hidden)))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GPU_CHECK_") and k not in ("OUT", "PYTHONPATH")}
+    env.update(PYTHON=sys.executable, PYTHONPATH=str(site), **env_extra)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def cpu_pass(tmp_path_factory, char_dataset):
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    proc = run_script(tmp, {"torchao", "datasets", "wandb"}, "--cpu", "--results",
+                      str(tmp / "results"), OUT=str(tmp / "out"),
+                      GPU_CHECK_TESTS="tests/test_model.py",
+                      GPU_CHECK_DATASET=str(char_dataset))
+    return proc, tmp
+
+
+def test_cpu_pass_exits_0_and_writes_its_results(cpu_pass):
+    proc, tmp = cpu_pass
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    names = ["gpu_check_cpu-check.md", "gpu_check_cpu-check.json", "gpu_check_cpu-check.log",
+             "gpu_check_cpu-check_env.json", "gpu_check_cpu-check_tests.xml",
+             "gpu_check_cpu-check_bench.json", "gpu_check_cpu-check_bench.md",
+             "memory_cpu-check_decode.json", "memory_cpu-check_train.json"]
+    for name in names:
+        assert (tmp / "results" / name).is_file(), name
+        assert (tmp / "out" / "bench_results" / name).is_file(), name  # copied to $OUT
+    summary = json.loads((tmp / "results" / "gpu_check_cpu-check.json").read_text())
+    status = {p["part"]: p["status"] for p in summary["parts"]}
+    assert status == {"env": "ok", "tests": "skipped", "decode": "ok", "memory": "ok",
+                      "bench": "ok"}
+    tests = summary["tests"]
+    assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # collected, all skipped
+    assert {"datasets", "torchao", "wandb"} <= set(summary["env"]["missing"])  # hidden
+    assert summary["bench"]["baseline_tokens_per_s"] > 0
+    assert summary["decode"]["ours_tokens_per_s"] > 0
+    assert summary["decode"]["int8_tokens_per_s"] is None  # torchao is hidden
+    assert summary["decode"]["hf_tokens_per_s"] > 0  # transformers is not
+    assert [r["setting"] for r in summary["memory"]] == ["baseline"]
+    page = (tmp / "results" / "gpu_check_cpu-check.md").read_text()
+    for heading in ("## CUDA tests", "## bench.py chain", "## Decoding",
+                    "## Memory estimate vs measured peak"):
+        assert heading in page, heading
+    assert "SKIP tests: no CUDA device" in (tmp / "results" / "gpu_check_cpu-check.log").read_text()
+
+
+def test_cpu_pass_says_what_it_skipped_and_why(cpu_pass):
+    out = cpu_pass[0].stdout
+    for line in ("missing torchao: the int8 tests skip and the int8 decode row is skipped",
+                 "missing datasets: not used by this check",
+                 "SKIP the GPU sizes (GPT-2 124M at context 1024)",
+                 "SKIP tests: no CUDA device: the -m cuda selection was collected and every test "
+                 "in it skipped",
+                 "decode int8: skipped: sample.quantize=int8 needs torchao: pip install torchao",
+                 "train empty_cache=off: needs CUDA",
+                 "train prefetch=on: needs CUDA",
+                 "skipped: changes nothing here: tf32 needs CUDA: off"):
+        assert line in out, line
+
+
+def test_without_pytest_the_cuda_tests_are_skipped_with_the_fix(tmp_path):
+    proc = run_script(tmp_path, {"pytest"}, "--cpu", "--results", str(tmp_path / "results"),
+                      GPU_CHECK_PARTS="tests")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "missing pytest: the CUDA tests are skipped" in proc.stdout
+    assert f"SKIP tests: pytest is not installed for {sys.executable}" in proc.stdout
+    for part in ("decode", "memory", "bench"):
+        assert f"SKIP {part}: not in GPU_CHECK_PARTS=tests" in proc.stdout
+    page = (tmp_path / "results" / "gpu_check_cpu-check.md").read_text()
+    assert "No report from pytest: pytest is not installed" in page
+
+
+def test_bench_time_budget_stops_and_still_writes_the_table(char_dataset, tmp_path, capsys):
+    code = bench.main(["--config", "tiny", f"--dataset={char_dataset}", "--device=cpu",
+                       "--order", "tf32", "--time-budget", "0.001", "--results", str(tmp_path),
+                       "--name", "t"])
+    assert code == 1  # no row measured
+    report = json.loads((tmp_path / "t.json").read_text())
+    if report["ceiling"]["status"] != "ok":  # given 1 s at least: stopped unless it was done
+        assert "stopped after 1 s: the --time-budget ran out" in report["ceiling"]["error"]
+    assert [r["status"] for r in report["rows"]] == ["skipped", "skipped"]
+    assert "the --time-budget of 0.001 s ran out before this row" in report["rows"][0]["reason"]
+    assert "skipped: the --time-budget" in (tmp_path / "t.md").read_text()
+
+
+def test_bench_memory_rows_and_time_budget(char_dataset, tmp_path, capsys):
+    code = bench_memory.main(["--part", "train", "--rows", "baseline,prefetch=on",
+                              "--time-budget", "0.001", f"--dataset={char_dataset}",
+                              "--device=cpu", "--results", str(tmp_path), "--name", "t"])
+    assert code == 0
+    baseline, prefetch = json.loads((tmp_path / "memory_t.json").read_text())["train"]
+    # not started, or (if the budget had not quite run out) given 1 s and stopped
+    assert (baseline["status"], prefetch["status"]) in [("skipped", "needs CUDA"),
+                                                        ("failed", "needs CUDA")]
+    assert "the --time-budget ran out" in baseline["reason"]
+    assert "the --time-budget ran out" in (tmp_path / "memory_t.md").read_text()
+    assert bench_memory.main(["--part", "train", "--rows", "baseline,nope", "--device=cpu"]) == 2
+    assert "['nope'] is not a row" in capsys.readouterr().err
