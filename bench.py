@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-import runtime
-import speedups
+from engine import runtime
+from engine import speedups
 from config import Config, ConfigError, apply_override, from_dict, load_config, validate
 from data.loader import Batches, DataError, load_meta
 from train import accumulate_gradients, build_model, log_line, lr_at, make_optimizer
@@ -666,7 +666,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--memory" in argv:  # the memory strategies' benchmark: bench_memory.py
-        import bench_memory
+        from engine import bench_memory
         return bench_memory.main([a for a in argv if a != "--memory"])
     args, rest = parse_args(argv)
     if args.worker:

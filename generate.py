@@ -22,14 +22,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-import checkpoint
+from engine import checkpoint
 import load_gpt2_weights
-import memory
-import runtime
-import speedups
+from engine import memory
+from engine import runtime
+from engine import speedups
 from config import Config, ConfigError, load_config
 from model import GPT
-from tokenizer import TokenizerError, from_meta
+from engine.tokenizer import TokenizerError, from_meta
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

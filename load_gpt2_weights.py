@@ -30,10 +30,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import checkpoint
+from engine import checkpoint
 from config import Config, ModelConfig
 from model import GPT
-from tokenizer import GPT2_EOT, GPT2_RANKS, GPT2_RANKS_SHA256, GPT2Tokenizer
+from engine.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2_RANKS_SHA256, GPT2Tokenizer
 
 GPT2_MODEL_IDS = {
     "gpt2": "openai-community/gpt2",

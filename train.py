@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import distributed
-import hellaswag
+from engine import checkpoint
+from engine import distributed
+from engine import hellaswag
 import load_gpt2_weights
-import memory
-import runlog
-import runstate
-import runtime
-import speedups
+from engine import memory
+from engine import runlog
+from engine import resume
+from engine import runtime
+from engine import speedups
 from config import Config, ConfigError, TrainConfig, load_config
 from data.loader import Batches, DataError, check_vocab, load_meta
 from data.workers import SharedMemoryBatches
@@ -189,7 +189,7 @@ def accumulate_gradients(model: torch.nn.Module, batches: Batches, batch: tuple,
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                   raw_model: GPT, grad_clip: float, guard: runstate.NonFiniteGuard,
+                   raw_model: GPT, grad_clip: float, guard: resume.NonFiniteGuard,
                    loss_sum: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Unscale and clip the gradients, then update, unless the loss or the gradient norm is not
     finite: that step is skipped (the guard counts it). Returns (grad norm, updated)."""
@@ -206,7 +206,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScale
 
 
 def report_skip(run: runlog.RunLog, step: int, loss: torch.Tensor, norm: torch.Tensor,
-                guard: runstate.NonFiniteGuard) -> None:
+                guard: resume.NonFiniteGuard) -> None:
     loss_value, norm_value = loss.item(), norm.item()
     print(f"step {step:5d} | skipped: loss {loss_value:.4g}, norm {norm_value:.4g} "
           f"({guard.in_a_row} non-finite in a row; the run stops at {guard.limit})")
@@ -286,13 +286,13 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     train_batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
     hellaswag_eval = hellaswag.for_training(cfg, meta, rt)  # None unless hellaswag_interval
-    counters, next_batch, resume_notes, state = runstate.Counters(), None, [], None
+    counters, next_batch, resume_notes, state = resume.Counters(), None, [], None
     if t.init_from == "resume":
         state = checkpoint.load_train_state(source)
-        counters, next_batch, resume_notes = runstate.restore_train_state(
+        counters, next_batch, resume_notes = resume.restore_train_state(
             state, dist.optimizer(raw_model, optimizer), scaler, train_batches, rt.device,
             str(source))
-        resume_notes += runstate.config_changes(checkpoint.read_config(source), cfg,
+        resume_notes += resume.config_changes(checkpoint.read_config(source), cfg,
                                                 (state.get("world_size", 1), dist.world_size))
     resume_notes += dist.restore_rank_rng(state, cfg.system.seed, counters.step)
     model, compile_note = speedups.compile_model(model, cfg.system, rt)
@@ -338,7 +338,7 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
     model.train()
     x, y = next_batch or train_batches.next()
     start_step = step = counters.step
-    guard = runstate.NonFiniteGuard(t.max_nonfinite_steps)
+    guard = resume.NonFiniteGuard(t.max_nonfinite_steps)
     # SIGINT/SIGTERM: save at the next step, exit (every rank at the same step)
     with distributed.stop_request(dist) as stop, run:
         while True:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from data.loader import DataError, _write_atomic, token_dtype
-from tokenizer import GPT2Tokenizer
+from engine.tokenizer import GPT2Tokenizer
 
 if TYPE_CHECKING:
     import datasets  # imported where used: it is slow to import and the workers never need it

@@ -178,7 +178,7 @@ part_decode() {
     else
         args+=(--decode-model gpt2 --decode-tokens 64)
     fi
-    limited "$PYTHON" bench_memory.py "${args[@]}"
+    limited "$PYTHON" -m engine.bench_memory "${args[@]}"
     finish decode $?
 }
 
@@ -192,7 +192,7 @@ part_memory() {
     else  # GPT-2 124M (configs/bench_gpu.toml), 8 x 1024 tokens, the CUDA-only rows included
         args+=(--batch_size=8 --rows baseline,checkpointing=all,checkpointing=attention,dtype=bfloat16,dtype+weights_dtype=bfloat16,empty_cache=off,prefetch=on)
     fi
-    limited "$PYTHON" bench_memory.py "${args[@]}"
+    limited "$PYTHON" -m engine.bench_memory "${args[@]}"
     finish memory $?
 }
 

@@ -16,9 +16,9 @@ import torch
 from safetensors import SafetensorError
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import checkpoint
+from engine import checkpoint
 import load_gpt2_weights as gpt2
-import runlog
+from engine import runlog
 import train
 from config import Config
 from conftest import tiny_model_config

@@ -9,7 +9,7 @@ import torch
 
 from data.loader import Batches, DataError, check_vocab, load_meta, write_dataset
 from data.shakespeare_char.prepare import SOURCE
-from tokenizer import CharTokenizer, TokenizerError
+from engine.tokenizer import CharTokenizer, TokenizerError
 
 
 def test_char_round_trip_whole_corpus(char_dataset):

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load_file
 
-import checkpoint
-import distributed
-import runstate
-import runtime
+from engine import checkpoint
+from engine import distributed
+from engine import resume
+from engine import runtime
 import train
 from config import Config, ConfigError, SystemConfig, TrainConfig, load_config
 from data.loader import Batches, load_meta
@@ -192,7 +192,8 @@ def test_accelerate_flags_set_the_config(monkeypatch):
 FAULTY_RANK = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    import distributed, train
+    import train
+    from engine import distributed
     from data import loader
 
     if os.environ["RANK"] == "1":
@@ -256,11 +257,11 @@ def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     saved = Batches(meta, "train", 4, 16, seed=1)
     x, y = saved.next()  # the next global batch, as two processes save it
-    state = runstate.capture_train_state(optimizer, scaler, saved, (x, y), runstate.Counters(),
+    state = resume.capture_train_state(optimizer, scaler, saved, (x, y), resume.Counters(),
                                          torch.device("cpu"))
     for rank in range(2):
         batches = Batches(meta, "train", 2, 16, seed=1, rank=rank, world_size=2)
-        _, (xr, yr), notes = runstate.restore_train_state(state, optimizer, scaler, batches,
+        _, (xr, yr), notes = resume.restore_train_state(state, optimizer, scaler, batches,
                                                           torch.device("cpu"), "ckpt")
         assert torch.equal(xr, x[rank::2]) and torch.equal(yr, y[rank::2]) and notes == []
 
@@ -323,7 +324,7 @@ def test_a_stop_signal_waits_for_the_shared_step_boundary():
     other = distributed.SyncedStop()
     other.request("stop_after_iters")  # the same step on every rank: at once
     assert other and other.reason == "stop_after_iters"
-    assert isinstance(distributed.stop_request(distributed.Dist()), runstate.StopRequest)
+    assert isinstance(distributed.stop_request(distributed.Dist()), resume.StopRequest)
     assert not isinstance(distributed.stop_request(distributed.Dist()), distributed.SyncedStop)
 
 

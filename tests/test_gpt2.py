@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-import checkpoint
+from engine import checkpoint
 import generate
 import load_gpt2_weights as gpt2
 import train
 from config import ConfigError, ModelConfig, load_config
 from data.loader import DataError
-from tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
+from engine.tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
 
 # Odd head counts, n_positions != 1024, vocabularies that are not multiples of 64.
 SHAPES = {

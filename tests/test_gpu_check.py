@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import bench
-import bench_memory
+from engine import bench_memory
 from conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"

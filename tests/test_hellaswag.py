@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-import checkpoint
-import hellaswag
+from engine import checkpoint
+from engine import hellaswag
 from config import Config
 from conftest import tiny_model_config
 from model import GPT
-from tokenizer import GPT2Tokenizer
+from engine.tokenizer import GPT2Tokenizer
 
 TOK = GPT2Tokenizer()
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
+from engine import checkpoint
 import generate
-import runlog
-import runstate
+from engine import runlog
+from engine import resume
 import train
 from config import load_config
 from model import GPT
@@ -109,10 +109,10 @@ def uninterrupted(char_dataset, tmp_path_factory):
 
 
 def test_every_rng_round_trips_through_a_safe_load(tmp_path):
-    state = runstate.rng_state(torch.device("cpu"))
+    state = resume.rng_state(torch.device("cpu"))
     torch.save(state, tmp_path / "rng.pt")
     draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
-    runstate.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True),
+    resume.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True),
                                torch.device("cpu"))
     assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == draws
 
@@ -191,7 +191,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
     import os, sys, time, shutil
     import torch
     sys.path.insert(0, sys.argv[1])
-    import checkpoint
+    from engine import checkpoint
     from config import Config, ModelConfig
     from model import GPT
 
@@ -395,7 +395,7 @@ def test_nan_weights_are_never_saved(char_dataset, tmp_path, monkeypatch, capsys
     assert "weights hold NaN/inf: not saved" in capsys.readouterr().out
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000002"]
     model, _, _ = checkpoint.load_model(out)
-    assert runstate.weights_finite(model)
+    assert resume.weights_finite(model)
     model.transformer.ln_f.weight.data[0] = math.nan
     with pytest.raises(checkpoint.CheckpointError, match="refusing to save step 9: NaN/inf in 1 "
                                                          "weight tensor.*transformer.ln_f.weight"):
@@ -468,7 +468,7 @@ def test_wandb_failure_is_one_clear_line(char_dataset, tmp_path, monkeypatch, ca
 
 def other_alphabet_dataset(tmp_path) -> Path:
     from data.loader import write_dataset
-    from tokenizer import CharTokenizer
+    from engine.tokenizer import CharTokenizer
     tok = CharTokenizer.from_text("abcdefghij \n")
     ids = tok.encode("abc defg hij\n" * 40)
     write_dataset(tmp_path / "letters", tok, ids, ids)

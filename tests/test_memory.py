@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import memory
+from engine import memory
 import train
 from config import Config, ConfigError, checkpoint_plan, load_config
 from conftest import on_each_device, tiny_model_config
@@ -180,7 +180,7 @@ def test_empty_cache_returns_what_an_evaluation_left_cached(char_dataset):
     """system.empty_cache: after an evaluation at a bigger batch, the blocks its activations used
     stay reserved by the caching allocator until release_cached hands them back; the model's
     own memory stays allocated. With the switch off it does nothing."""
-    import runtime
+    from engine import runtime
     from config import SystemConfig
     device = torch.device("cuda")
     rt = runtime.setup(SystemConfig(device="cuda"))
@@ -280,7 +280,7 @@ def test_static_kv_cache_with_buckets_gives_the_same_tokens(device):
 @on_each_device
 def test_compiled_run_does_not_recompile_after_warm_up(device):
     import generate
-    import runtime
+    from engine import runtime
     from config import SystemConfig
     compiles = []
 

@@ -14,7 +14,7 @@ import torch
 import data.shards as shards
 from data.loader import Batches, DataError, ShardBatches, load_meta
 from data.shards import Source, prepare
-from tokenizer import GPT2Tokenizer
+from engine.tokenizer import GPT2Tokenizer
 
 SHARD, VAL = 1500, 2000  # tokens per shard, val tokens: a few shards per split
 EOT = "<|endoftext|>"

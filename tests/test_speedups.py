@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import bench
-import runtime
-import speedups
+from engine import runtime
+from engine import speedups
 from config import Config, SystemConfig
 from conftest import on_each_device, tiny_model_config
 from data.loader import Batches, load_meta

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-import checkpoint
+from engine import checkpoint
 import generate
 import train
 from config import load_config
@@ -46,7 +46,7 @@ def test_checkpoint_reproduces_final_eval(trained, char_dataset):
     model, stored, meta = checkpoint.load_model(out)
     assert stored == cfg  # the resolved config is stored
     assert meta["step"] == 60 and meta["tokenizer"]["kind"] == "char"
-    import runtime
+    from engine import runtime
     from data.loader import Batches, load_meta
     data_meta = load_meta(str(char_dataset))
     loaders = {s: Batches(data_meta, s, cfg.train.batch_size, cfg.model.block_size, 0)
@@ -95,7 +95,7 @@ def test_generate_rejects_prompt_outside_vocabulary(trained, capsys):
 def test_long_prompt_is_cropped_and_empty_prompt_starts_at_newline(trained, capsys):
     _, _, out = trained
     model, _, meta = checkpoint.load_model(out)
-    from tokenizer import from_meta
+    from engine.tokenizer import from_meta
     tok = from_meta(meta["tokenizer"])
     ids = generate.encode_prompt(tok, "To be or not to be " * 5, model.config.block_size)
     assert len(ids) == model.config.block_size

@@ -12,7 +12,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from data.loader import write_dataset  # noqa: E402
-from tokenizer import CharTokenizer  # noqa: E402
+from engine.tokenizer import CharTokenizer  # noqa: E402
 
 SOURCE = REPO_ROOT / "data" / "tinyshakespeare.txt"
 OUT_DIR = Path(__file__).resolve().parent

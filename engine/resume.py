@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError
+from engine.checkpoint import CheckpointError
 from config import Config
 
 STATE_FORMAT = 2  # bump when the layout of train_state.pt changes

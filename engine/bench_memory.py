@@ -45,13 +45,13 @@ from typing import Callable
 
 import torch
 
-import memory
-import runtime
-import speedups
+from engine import memory
+from engine import runtime
+from engine import speedups
 from config import Config, ConfigError, from_dict, load_config
 from data.loader import Batches, DataError, load_meta
 
-REPO_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 PARTS = ("train", "quant", "loader", "decode")
 # (label, overrides, needs CUDA)
@@ -156,7 +156,7 @@ def run_in_process(kind: str, spec: dict, timeout: float | None = None) -> dict:
         # peak RSS follows live tensors (glibc otherwise keeps freed memory in its heap)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
         try:
-            proc = subprocess.run([sys.executable, __file__, "--worker", str(path)],
+            proc = subprocess.run([sys.executable, "-m", "engine.bench_memory", "--worker", str(path)],
                                   cwd=REPO_ROOT, capture_output=True, text=True, env=env,
                                   timeout=None if timeout is None else max(timeout, 1.0))
         except subprocess.TimeoutExpired:
@@ -252,7 +252,7 @@ def copy_bandwidth(device: torch.device, mib: int = 256) -> float:
 
 def trained_model(args, cfg: Config, rt: runtime.Runtime):
     """The checkpoint to score, or a small model trained here for args.quant_steps steps."""
-    import checkpoint
+    from engine import checkpoint
     import train
 
     if args.checkpoint:

@@ -42,13 +42,13 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-import checkpoint
-import runstate
-import runtime
-import speedups
+from engine import checkpoint
+from engine import resume
+from engine import runtime
+from engine import speedups
 from config import Config, ConfigError, SystemConfig, TrainConfig
 
-SIGNALS = tuple(s.name for s in runstate.StopRequest.SIGNALS)  # ("SIGINT", "SIGTERM")
+SIGNALS = tuple(s.name for s in resume.StopRequest.SIGNALS)  # ("SIGINT", "SIGTERM")
 
 
 def launch_env() -> tuple[int, int, int]:
@@ -253,7 +253,7 @@ class Dist:
         total = self._all_reduce(torch.tensor([losses[k] for k in losses], dtype=torch.float64))
         return {k: float(v) / self.world_size for k, v in zip(losses, total.tolist())}
 
-    def sync_step(self, loss_sum: torch.Tensor, stop: runstate.StopRequest) -> torch.Tensor:
+    def sync_step(self, loss_sum: torch.Tensor, stop: resume.StopRequest) -> torch.Tensor:
         """The global batch's loss (every rank's mean), and a stop signal received by any rank
         made every rank's: one small all-reduce per step, so all ranks skip a non-finite step
         together and stop at the same step boundary."""
@@ -345,12 +345,12 @@ class Dist:
     def capture_train_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                             scaler: torch.amp.GradScaler, batches,
                             next_batch: tuple[torch.Tensor, torch.Tensor],
-                            counters: runstate.Counters, device: torch.device) -> dict | None:
+                            counters: resume.Counters, device: torch.device) -> dict | None:
         """runstate's train state, with what the other ranks hold added on rank 0: the next
         global batch and every rank's RNG. Every rank must call it; None on ranks > 0."""
         x, y = (self.gather_rows(t) for t in next_batch)
         rank_rng = self.gather_rng(device) if self.enabled else None
-        state = runstate.capture_train_state(self.optimizer(model, optimizer), scaler, batches,
+        state = resume.capture_train_state(self.optimizer(model, optimizer), scaler, batches,
                                              (x, y), counters, device)
         if not self.is_main:
             return None
@@ -457,7 +457,7 @@ class FullStateOptimizer:
                                  options=StateDictOptions(full_state_dict=True))
 
 
-class SyncedStop(runstate.StopRequest):
+class SyncedStop(resume.StopRequest):
     """StopRequest for several processes. A signal reaches the ranks at different moments (or
     only one of them), so here it is only marked pending; Dist.sync_step shares it and every
     rank stops at the same step boundary, saves together and exits."""
@@ -476,8 +476,8 @@ class SyncedStop(runstate.StopRequest):
         super().request(reason)
 
 
-def stop_request(d: Dist) -> runstate.StopRequest:
-    return SyncedStop() if d.enabled else runstate.StopRequest()
+def stop_request(d: Dist) -> resume.StopRequest:
+    return SyncedStop() if d.enabled else resume.StopRequest()
 
 
 def set_global_batch(t: TrainConfig, block_size: int, world_size: int) -> str:

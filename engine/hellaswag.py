@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from data.loader import DataError
-from tokenizer import GPT2Tokenizer
+from engine.tokenizer import GPT2Tokenizer
 
 if TYPE_CHECKING:
     from config import Config
-    from runtime import Runtime
+    from engine.runtime import Runtime
 
-REPO_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PATH = REPO_ROOT / "data" / "hellaswag" / "hellaswag_val.jsonl"
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10_042
@@ -210,7 +210,7 @@ def load_any(name: str, device: torch.device | str, overrides: dict
         from config import ModelConfig
         model, hf_dir = gpt2.load_hf(name, ModelConfig(**overrides))
         return model.to(device), gpt2.tokenizer_meta(model.config.vocab_size)["kind"]
-    import checkpoint
+    from engine import checkpoint
     model, _, meta = checkpoint.load_model(name, device, overrides)
     return model, meta.get("tokenizer", {}).get("kind", "unknown")
 
@@ -232,8 +232,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import checkpoint
-    import runtime
+    from engine import checkpoint
+    from engine import runtime
     from config import SystemConfig
 
     args = parse_args(argv)

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from config import Config
-from runstate import Counters
-from runtime import SetupError
+from engine.resume import Counters
+from engine.runtime import SetupError
 
 CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu",
                "train", "val")

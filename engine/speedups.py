@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import runtime
+from engine import runtime
 from config import Config, SystemConfig
 from model import GPT
 

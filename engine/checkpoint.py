@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import config as config_mod
-from memory import size_text
+from engine.memory import size_text
 from model import GPT
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)$")
