@@ -24,7 +24,6 @@ import copy
 import difflib
 import importlib
 import json
-import math
 import os
 import platform
 import re
@@ -46,7 +45,10 @@ from engine import runtime
 from engine import speedups
 from config import Config, ConfigError, apply_override, from_dict, load_config, validate
 from data.loader import Batches, DataError, load_meta
-from train import accumulate_gradients, build_model, log_line, lr_at, make_optimizer
+from engine.optim import lr_at, make_optimizer
+from engine.runlog import log_line
+from engine.sources import build_model
+from engine.step import train_step
 
 REPO_ROOT = Path(__file__).resolve().parent
 # datasets bench.py may prepare itself: made from the bundled text, no download
@@ -166,27 +168,6 @@ def ensure_dataset(cfg: Config) -> dict:
     return load_meta(cfg.data.dataset)
 
 
-def train_step(model: torch.nn.Module, raw_model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               batches: Batches, batch: tuple, lr: float, cfg: Config,
-               rt: runtime.Runtime) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """One optimizer step over grad_accum_steps micro-batches, as train.py's loop does it but
-    without its per-step NaN check (which syncs the device). Returns (mean loss, gradient norm,
-    next batch)."""
-    t = cfg.train
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss_sum, (x, y) = accumulate_gradients(model, batches, batch, scaler, rt,
-                                            t.grad_accum_steps)
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                          t.grad_clip if t.grad_clip > 0 else math.inf)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum / t.grad_accum_steps, norm, (x, y)
-
-
 def resolve_auto_dtype(cfg: Config) -> None:
     if cfg.system.dtype != "auto":
         return
@@ -212,8 +193,10 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
     times, losses, first_step_s = [], [], 0.0
 
     def step(i: int):
-        return train_step(parts["model"], parts["raw_model"], parts["optimizer"],
-                          parts["scaler"], parts["batches"], batch, lr_at(i, cfg), cfg, rt)
+        r = train_step(parts["model"], parts["raw_model"], parts["optimizer"], parts["scaler"],
+                       parts["batches"], batch, rt, lr_at(i, cfg), t.grad_accum_steps,
+                       t.grad_clip)
+        return r.loss_sum / t.grad_accum_steps, r.norm, r.next_batch
 
     for i in range(warmup + measure):
         if i == warmup:

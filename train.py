@@ -8,8 +8,6 @@ main(cfg): runtime setup -> data -> model -> optimizer -> one training loop -> c
 """
 from __future__ import annotations
 
-import contextlib
-import math
 import signal
 import sys
 import time
@@ -20,190 +18,19 @@ import torch
 from engine import checkpoint
 from engine import distributed
 from engine import hellaswag
-import load_gpt2_weights
 from engine import memory
 from engine import runlog
 from engine import resume
 from engine import runtime
 from engine import speedups
 from config import Config, ConfigError, TrainConfig, load_config
-from data.loader import Batches, DataError, check_vocab, load_meta
+from data.loader import Batches, DataError
 from data.workers import SharedMemoryBatches
+from engine.optim import lr_at, make_optimizer
+from engine.runlog import log_line
+from engine.sources import build_model, dataset_meta
+from engine.step import evaluate, train_step
 from model import GPT
-
-DEFAULT_DATASET = "shakespeare_char"
-# model-section keys that fix the weights' shapes; the others (attention, norm, ...) are free to
-# change when starting from a checkpoint
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "vocab_pad_multiple",
-              "layer_norm_eps")
-
-
-def dataset_meta(cfg: Config) -> dict:
-    """The dataset's metadata; the default dataset is prepared on first use."""
-    try:
-        return load_meta(cfg.data.dataset)
-    except DataError:
-        if cfg.data.dataset != DEFAULT_DATASET:
-            raise
-    from data.shakespeare_char.prepare import prepare
-    print(f"preparing the default dataset ({DEFAULT_DATASET}) ...")
-    prepare()
-    return load_meta(cfg.data.dataset)
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup to the peak, then cosine (or constant) decay to min_lr_ratio * peak."""
-    t = cfg.train
-    peak = t.learning_rate
-    if step < t.warmup_iters:
-        return peak * (step + 1) / t.warmup_iters
-    if t.lr_schedule == "constant" or t.max_iters <= t.warmup_iters:
-        return peak
-    progress = min(1.0, (step - t.warmup_iters) / (t.max_iters - t.warmup_iters))
-    min_lr = peak * t.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
-
-
-def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path | None]:
-    """A fresh model, or one whose weights (and shape) come from a checkpoint."""
-    source = None
-    init = cfg.train.init_from
-    if init == "resume":
-        source = checkpoint.latest_checkpoint(cfg.train.out_dir)
-        if source is None:
-            raise checkpoint.CheckpointError(f"init_from=resume but {cfg.train.out_dir} has no "
-                                             "checkpoint; use init_from=scratch to start")
-    elif load_gpt2_weights.is_gpt2_source(init):
-        return gpt2_model(cfg, meta, device)
-    elif init != "scratch":
-        source = checkpoint.resolve(init)
-    if source is not None:
-        checkpoint.check_tokenizer(source, meta)
-        stored = checkpoint.read_config(source).model
-        for key in SHAPE_KEYS:
-            setattr(cfg.model, key, getattr(stored, key))
-        if cfg.model.block_size > stored.block_size:
-            raise ConfigError(f"block_size {cfg.model.block_size} is larger than the "
-                              f"checkpoint's context {stored.block_size}; use a block_size "
-                              f"<= {stored.block_size}")
-    elif cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = meta["vocab_size"]
-    check_vocab(meta, cfg.model.vocab_size)
-    if source is None:
-        return GPT(cfg.model).to(device), None
-    stored_block = checkpoint.read_config(source).model.block_size
-    block = cfg.model.block_size
-    cfg.model.block_size = stored_block
-    model = GPT(cfg.model)
-    checkpoint.load_weights(model, source)
-    if block < stored_block:
-        crop_block_size(model, block)
-    return model.to(device), source
-
-
-def crop_block_size(model: GPT, block_size: int) -> None:
-    """Shorten the context (e.g. 1024 -> 256) by keeping the first position embeddings."""
-    model.config.block_size = block_size
-    wpe = model.transformer.wpe
-    wpe.weight = torch.nn.Parameter(wpe.weight.data[:block_size].clone())
-    wpe.num_embeddings = block_size
-    for block in model.transformer.h:
-        if hasattr(block.attn, "mask"):
-            block.attn.mask = block.attn.mask[:block_size, :block_size]
-
-
-def gpt2_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path]:
-    """A Hugging Face GPT-2 (hub id or local directory) as the starting point: its shape comes
-    from its config.json, the context is cropped to cfg.model.block_size when that is shorter."""
-    block = cfg.model.block_size
-    model, hf_dir = load_gpt2_weights.load_hf(cfg.train.init_from, cfg.model)
-    kind = load_gpt2_weights.tokenizer_meta(cfg.model.vocab_size)["kind"]
-    check_vocab(meta, cfg.model.vocab_size, kind if kind == "gpt2" else None)
-    if block > model.config.block_size:
-        raise ConfigError(f"block_size {block} is larger than {cfg.train.init_from}'s context "
-                          f"{model.config.block_size}; use a block_size <= "
-                          f"{model.config.block_size}")
-    if block < model.config.block_size:
-        crop_block_size(model, block)
-    return model.to(device), hf_dir
-
-
-def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> tuple[torch.optim.AdamW, str]:
-    t = cfg.train
-    groups = model.optimizer_groups(t.weight_decay)
-    kwargs = dict(lr=t.learning_rate, betas=(t.beta1, t.beta2))
-    if next(model.parameters()).dtype == torch.bfloat16:  # system.weights_dtype=bfloat16
-        return memory.MasterWeights(groups, torch.optim.AdamW, foreach=False, **kwargs), "off"
-    if t.fused_adamw:
-        try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs), "on"
-        except (RuntimeError, ValueError) as e:
-            note = f"off (fused AdamW unsupported on {device.type}: {e})"
-            return torch.optim.AdamW(groups, **kwargs), note
-    return torch.optim.AdamW(groups, foreach=False, **kwargs), "off"
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loaders: dict[str, Batches], eval_sets: dict[str, list],
-             rt: runtime.Runtime) -> dict[str, float]:
-    """Mean loss per split over fixed batches (the same ones at every evaluation)."""
-    was_training = model.training
-    model.eval()
-    out = {}
-    for split, starts_list in eval_sets.items():
-        losses = []
-        for starts in starts_list:
-            x, y = loaders[split].windows(starts)
-            with rt.autocast():
-                _, loss = model(x, y)
-            losses.append(loss.item())
-        out[split] = sum(losses) / len(losses)
-    model.train(was_training)
-    return out
-
-
-def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: float,
-             mfu: float | None) -> str:
-    line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.1e} | norm {norm:.2f} | {ms:.0f} ms | "
-            f"{tok_s:,.0f} tok/s")
-    return line + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-
-
-def accumulate_gradients(model: torch.nn.Module, batches: Batches, batch: tuple, scaler:
-                         torch.amp.GradScaler, rt: runtime.Runtime, accum_steps: int,
-                         grad_sync=None) -> tuple[torch.Tensor, tuple]:
-    """Forward and backward over accum_steps micro-batches (gradients summed, each loss scaled by
-    1/accum_steps). grad_sync(last) lets data-parallel ranks all-reduce on the last micro-step
-    only. Returns (summed loss, the next batch), without syncing the device."""
-    x, y = batch
-    loss_sum = torch.zeros((), device=rt.device)
-    for micro in range(accum_steps):
-        last = micro == accum_steps - 1
-        with grad_sync(last) if grad_sync else contextlib.nullcontext():
-            with rt.autocast():
-                _, loss = model(x, y)
-            x, y = batches.next()  # fetch the next batch while the device works
-            loss_sum += loss.detach()
-            scaler.scale(loss / accum_steps).backward()
-    return loss_sum, (x, y)
-
-
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                   raw_model: GPT, grad_clip: float, guard: resume.NonFiniteGuard,
-                   loss_sum: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Unscale and clip the gradients, then update, unless the loss or the gradient norm is not
-    finite: that step is skipped (the guard counts it). Returns (grad norm, updated)."""
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                          grad_clip if grad_clip > 0 else math.inf)
-    norm = distributed.full_tensor(norm)  # under FSDP: a DTensor over every rank's shard
-    updated = guard.check(loss_sum, norm)
-    if updated:
-        scaler.step(optimizer)
-    scaler.update()  # with float16, a skipped step also lowers the loss scale
-    optimizer.zero_grad(set_to_none=True)
-    return norm, updated
-
 
 def report_skip(run: runlog.RunLog, step: int, loss: torch.Tensor, norm: torch.Tensor,
                 guard: resume.NonFiniteGuard) -> None:
@@ -356,13 +183,11 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
                 break
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum, (x, y) = accumulate_gradients(model, train_batches, (x, y), scaler, rt,
-                                                    t.grad_accum_steps, dist.grad_sync)
-            loss_sum = dist.sync_step(loss_sum, stop)  # the mean over ranks; shares a stop signal
-            norm, updated = optimizer_step(optimizer, scaler, raw_model, t.grad_clip,
-                                           guard, loss_sum)
+            result = train_step(model, raw_model, optimizer, scaler, train_batches, (x, y), rt,
+                                lr, t.grad_accum_steps, t.grad_clip, guard, dist.grad_sync,
+                                sync=lambda loss_sum: dist.sync_step(loss_sum, stop))
+            loss_sum, norm, updated, (x, y) = (result.loss_sum, result.norm, result.updated,
+                                               result.next_batch)
             step += 1
             counters.step, counters.tokens_seen = step, counters.tokens_seen + tokens_per_step
             if not updated:

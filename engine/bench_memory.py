@@ -47,6 +47,9 @@ import torch
 
 from engine import memory
 from engine import runtime
+from engine.optim import make_optimizer
+from engine.sources import build_model
+from engine.step import evaluate, train_step
 from engine import speedups
 from config import Config, ConfigError, from_dict, load_config
 from data.loader import Batches, DataError, load_meta
@@ -88,19 +91,15 @@ def peak_in_use(device: torch.device) -> int:
     return peak["allocated"] if device.type == "cuda" else peak.get("rss", 0)
 
 
-def train_step(model, optimizer, batches: Batches, batch: tuple, cfg: Config,
-               rt: runtime.Runtime) -> tuple:
+def one_step(model, optimizer, batches: Batches, batch: tuple, cfg: Config,
+             rt: runtime.Runtime) -> tuple:
+    """train.py's step (no gradient scaler: the rows run float32 or bfloat16); the next batch."""
     t = cfg.train
-    x, y = batch
-    for _ in range(t.grad_accum_steps):
-        with rt.autocast():
-            _, loss = model(x, y)
-        x, y = batches.next()
-        (loss / t.grad_accum_steps).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    loss.item()
-    return x, y
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=False)
+    result = train_step(model, model, optimizer, scaler, batches, batch, rt, t.learning_rate,
+                        t.grad_accum_steps, t.grad_clip)
+    result.loss_sum.item()
+    return result.next_batch
 
 
 def train_row(cfg: Config, steps: int) -> dict:
@@ -108,7 +107,6 @@ def train_row(cfg: Config, steps: int) -> dict:
     evaluation (then empty_cache as configured) and `steps` more. Reports the peak over those
     above what was held before them (weights + AdamW state: the step's own memory), the whole
     peak, and tokens/s over the steps after the evaluation."""
-    from train import build_model, evaluate, make_optimizer
 
     rt = runtime.setup(cfg.system)
     meta = load_meta(cfg.data.dataset)
@@ -120,7 +118,7 @@ def train_row(cfg: Config, steps: int) -> dict:
                       rt.device, cfg.data.pin_memory, prefetch=cfg.data.prefetch)
     val = Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed, rt.device)
     model.train()
-    batch = train_step(model, optimizer, batches, batches.next(), cfg, rt)
+    batch = one_step(model, optimizer, batches, batches.next(), cfg, rt)
     rt.synchronize()
     resident = in_use(rt.device)
     speedups.reset_peak_memory(rt.device)
@@ -131,7 +129,7 @@ def train_row(cfg: Config, steps: int) -> dict:
             memory.release_cached(rt.device, cfg.system.empty_cache)
         rt.synchronize()
         t0 = time.perf_counter()
-        batch = train_step(model, optimizer, batches, batch, cfg, rt)
+        batch = one_step(model, optimizer, batches, batch, cfg, rt)
         rt.synchronize()
         if i >= steps:
             times.append(time.perf_counter() - t0)
@@ -276,7 +274,6 @@ def trained_model(args, cfg: Config, rt: runtime.Runtime):
 
 
 def bench_quant(args, cfg: Config, rt: runtime.Runtime) -> dict:
-    from train import evaluate
 
     model, stored = trained_model(args, cfg, rt)
     model.eval()

@@ -222,58 +222,6 @@ def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
     return "bfloat16 (float32 master weights + AdamW state)"
 
 
-class MasterWeights:
-    """An optimizer over float32 copies of bf16 weights: step() moves the bf16 gradients onto
-    the float32 masters, steps there, and writes the rounded result back into the model, so small
-    updates accumulate in float32 instead of vanishing in bf16. Quacks like the optimizer it
-    wraps (param_groups, step, zero_grad, state_dict, load_state_dict)."""
-
-    def __init__(self, groups: list[dict], make: type, **kwargs):
-        self.model_params = [p for g in groups for p in g["params"]]
-        master_groups = []
-        for g in groups:
-            masters = [p.detach().float().clone().requires_grad_(True) for p in g["params"]]
-            master_groups.append({**g, "params": masters})
-        self.inner = make(master_groups, **kwargs)
-        self.masters = [p for g in self.inner.param_groups for p in g["params"]]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    @torch.no_grad()
-    def step(self, closure=None) -> None:
-        for p, master in zip(self.model_params, self.masters):
-            master.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        for p, master in zip(self.model_params, self.masters):
-            p.copy_(master)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.model_params:
-            p.grad = None
-        self.inner.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict:
-        state = self.inner.state_dict()
-        state["master_weights"] = [m.detach().clone() for m in self.masters]
-        return state
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        state = dict(state)
-        masters = state.pop("master_weights", None)
-        self.inner.load_state_dict(state)
-        if masters is not None:  # else the masters stay the (bf16-rounded) loaded weights
-            for p, master, saved in zip(self.model_params, self.masters, masters):
-                master.copy_(saved)
-                p.copy_(saved)
-
-
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's weights occupy (int8 tensors count their int8 data and scales); the
     tied embedding / LM head once."""

@@ -247,3 +247,10 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.finish(exit_code=1 if exc_type else 0)
             self.wandb = None
+
+
+def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: float,
+             mfu: float | None) -> str:
+    line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.1e} | norm {norm:.2f} | {ms:.0f} ms | "
+            f"{tok_s:,.0f} tok/s")
+    return line + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import memory
+from engine import memory, optim
 import train
 from config import Config, ConfigError, checkpoint_plan, load_config
 from conftest import on_each_device, tiny_model_config
@@ -224,7 +224,7 @@ def test_bf16_weights_keep_float32_islands_and_master_copy():
     model = GPT(tiny_model_config(n_layer=2))
     memory.hold_weights(model, "bfloat16", "ddp", 1)
     groups = model.optimizer_groups(0.1)
-    optimizer = memory.MasterWeights(groups, torch.optim.AdamW, lr=1e-2)
+    optimizer = optim.MasterWeights(groups, torch.optim.AdamW, lr=1e-2)
     seen = {}
     model.transformer.h[1].register_forward_hook(lambda m, i, o: seen.update(block=o.dtype))
     model.transformer.ln_f.register_forward_hook(lambda m, i, o: seen.update(ln_f=o.dtype))
@@ -242,7 +242,7 @@ def test_bf16_weights_keep_float32_islands_and_master_copy():
     # a resumed optimizer continues from the float32 masters, not from the rounded weights
     other = GPT(tiny_model_config(n_layer=2))
     memory.hold_weights(other, "bfloat16", "ddp", 1)
-    resumed = memory.MasterWeights(other.optimizer_groups(0.1), torch.optim.AdamW, lr=1e-2)
+    resumed = optim.MasterWeights(other.optimizer_groups(0.1), torch.optim.AdamW, lr=1e-2)
     resumed.load_state_dict(optimizer.state_dict())
     for a, b in zip(resumed.masters, optimizer.masters):
         assert torch.equal(a, b)
