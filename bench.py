@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from engine import runtime
-from engine import speedups
+from engine import speedups, techniques
 from config import Config, ConfigError, apply_override, from_dict, load_config, validate
 from data.loader import Batches, DataError, load_meta
 from engine.optim import lr_at, make_optimizer
@@ -236,7 +236,7 @@ def run_row(spec: dict) -> dict:
              "batches": Batches(meta, "train", t.batch_size, cfg.model.block_size,
                                 cfg.system.seed, rt.device, cfg.data.pin_memory,
                                 prefetch=cfg.data.prefetch)}
-    parts["model"], compile_note = speedups.compile_model(raw_model, cfg.system, rt)
+    parts["model"], compile_note = techniques.compile_model(raw_model, cfg.system, rt)
     values = speedups.settings(cfg, rt, fused_note, compile_note, batch_note)
     print(speedups.banner(values, rt.notes), flush=True)
     # the model's useful FLOPs: padded vocabulary rows are extra work, not extra model

@@ -26,6 +26,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent
 CONFIGS_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = "shakespeare_char"
+BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -480,52 +481,75 @@ class CommandLine:
 
     config_name: str = DEFAULT_CONFIG
     overrides: list[tuple[str, str]] = field(default_factory=list)
-    flags: dict[str, str] = field(default_factory=dict)
+    script: list[tuple[str, str]] = field(default_factory=list)  # the script's own options
     wants_help: bool = False
     problems: list[str] = field(default_factory=list)
 
 
-def parse_command_line(argv: list[str], extra_flags: dict[str, str]) -> CommandLine:
+def script_field(script: type | None, arg: str) -> dataclasses.Field | None:
+    """The script option `--name`, `--name=value` or `--some-name` refers to, if any."""
+    if script is None or not arg.startswith("--"):
+        return None
+    name = arg[2:].split("=", 1)[0].replace("-", "_")
+    return next((f for f in dataclasses.fields(script) if f.name == name), None)
+
+
+def parse_command_line(argv: list[str], script: type | None = None) -> CommandLine:
+    """Split argv: --config, -h/--help, the script's own options (a dataclass of opt() fields,
+    which win over config keys of the same bare name) and --key=value config overrides."""
     line = CommandLine()
     i = 0
     while i < len(argv):
-        arg = argv[i]
+        arg, following = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
         if arg in ("-h", "--help"):
             line.wants_help = True
-            i += 1
-            continue
-        if arg in extra_flags:
-            line.flags[arg] = "1"
-            i += 1
             continue
         if not arg.startswith("--") or len(arg) <= 2:
             line.problems.append(f"unexpected argument {arg!r}; overrides look like --key=value")
-            i += 1
             continue
-        key, value, consumed = split_override(arg, argv[i + 1] if i + 1 < len(argv) else None)
-        i += 2 if consumed else 1
-        if key == "config":
+        option = script_field(script, arg)
+        if option is not None and "=" not in arg and _field_types(script)[option.name] is bool \
+                and (following is None or following.lower() not in BOOL_WORDS):
+            line.script.append((option.name, "true"))  # a bare switch: --estimate-memory
+            continue
+        try:
+            key, value, consumed = split_override(arg, following)
+        except ConfigError as e:
+            line.problems.append(str(e))
+            continue
+        i += 1 if consumed else 0
+        if option is not None:
+            line.script.append((option.name, value))
+        elif key == "config":
             line.config_name = value
         else:
             line.overrides.append((key, value))
     return line
 
 
-def resolve_command_line(line: CommandLine) -> tuple[Config, Config]:
-    """(the config file over the defaults, that plus the command line), validated; raises
-    ConfigError listing every problem."""
+def resolve_command_line(line: CommandLine, script: type | None = None
+                         ) -> tuple[Config, Config, Any]:
+    """(the config file over the defaults, that plus the command line, the script's options),
+    validated; raises ConfigError listing every problem."""
     problems = list(line.problems)
     from_file = Config()
     apply_toml(from_file, resolve_config_path(line.config_name), problems)
     cfg = copy.deepcopy(from_file)
     for key, value in line.overrides:
         apply_override(cfg, key, value, problems)
+    options = script() if script is not None else None
+    for name, value in line.script:
+        try:
+            setattr(options, name, _coerce(value, _field_types(script)[name], f"--{name}"))
+        except ValueError as e:
+            problems.append(str(e))
     problems += validate(cfg)
     if len(problems) == 1:  # one problem, one line
         raise ConfigError(f"invalid config: {problems[0]}")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-    return from_file, cfg
+    return from_file, cfg, options
 
 
 def _config_label(name: str) -> str:
@@ -533,14 +557,15 @@ def _config_label(name: str) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
-def _help_header(prog: str, line: CommandLine, extra: dict[str, str]) -> list[str]:
+def _help_header(prog: str, line: CommandLine) -> list[str]:
     count = len(line.overrides)
     overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
     name = Path(line.config_name).stem
     options = {"--config NAME": f"configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
-               **extra, "-h, --help": "this list, for the config and overrides given with it"}
+               "-h, --help": "this list, for the config and overrides given with it"}
     width = max(len(flag) for flag in options)
-    return [f"usage: python {prog} [--config NAME] [--section.key=value | --key=value ...]", "",
+    return [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
+            "--key=value ...]", "",
             f"config: {line.config_name} ({_config_label(line.config_name)}){overrides}",
             "Each key shows the value this command line resolves to; where that is not the "
             "built-in default,",
@@ -549,57 +574,68 @@ def _help_header(prog: str, line: CommandLine, extra: dict[str, str]) -> list[st
             *(f"  {flag:<{width}}  {text}" for flag, text in options.items()), ""]
 
 
+def _option_line(setting: str, f: dataclasses.Field) -> str:
+    text = f.metadata.get("help", "")
+    if f.metadata.get("choices"):
+        text += f" [{' | '.join(map(str, f.metadata['choices']))}]"
+    return f"  {setting:<32}  {text}"
+
+
+def _script_help(prog: str, options: Any) -> list[str]:
+    lines = [f"[{prog} options]"]
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        lines.append(_option_line(f"--{f.name.replace('_', '-')}={value!r}", f))
+    return lines + [""]
+
+
 def _section_help(section: str, cfg: Config, from_file: Config, config_name: str) -> list[str]:
     owners = _all_keys()
     default = SECTIONS[section]()
     lines = [f"[{section}]"]
     for f in dataclasses.fields(default):
         value = getattr(getattr(cfg, section), f.name)
-        text = f.metadata.get("help", "")
-        if f.metadata.get("choices"):
-            text += f" [{' | '.join(f.metadata['choices'])}]"
-        if len(owners[f.name]) > 1:
-            text += " (use the section prefix)"
         setting = f"--{section}.{f.name}={value!r}"
         if value != getattr(default, f.name):
             came_from = (f"config {Path(config_name).stem}"
                          if value == getattr(getattr(from_file, section), f.name)
                          else "command line")
             setting += f" ({came_from}; default {getattr(default, f.name)!r})"
-        lines.append(f"  {setting:<32}  {text}")
+        line = _option_line(setting, f)
+        lines.append(line + (" (use the section prefix)" if len(owners[f.name]) > 1 else ""))
     return lines + [""]
 
 
-def help_text(prog: str, argv: list[str] | tuple[str, ...] = (),
-              extra: dict[str, str] | None = None, lead: tuple[str, ...] = ()) -> str:
-    """Every key with the value this command line resolves to, marked where it is not the
-    dataclass default. Sections named in `lead` come first (generate.py: "sample"). Raises
-    ConfigError, as a run would, when the config or an override is wrong."""
+def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | None = None,
+              lead: tuple[str, ...] = ()) -> str:
+    """The script's own options, then every config key with the value this command line
+    resolves to, marked where it is not the dataclass default. Sections named in `lead` come
+    first (generate.py: "sample"). Raises ConfigError, as a run would, when the config or an
+    override is wrong."""
     unknown = [s for s in lead if s not in SECTIONS]
     if unknown:
         raise ValueError(f"lead names unknown sections {unknown}; sections are {list(SECTIONS)}")
-    extra = extra or {}
-    line = parse_command_line(list(argv), extra)
-    from_file, cfg = resolve_command_line(line)
-    lines = _help_header(prog, line, extra)
+    line = parse_command_line(list(argv), script)
+    from_file, cfg, options = resolve_command_line(line, script)
+    lines = _help_header(prog, line)
+    if options is not None:
+        lines += _script_help(prog, options)
     for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
         lines += _section_help(section, cfg, from_file, line.config_name)
     return "\n".join(lines)
 
 
-def load_config(argv: list[str], prog: str = "train.py",
-                extra_flags: dict[str, str] | None = None,
-                lead: tuple[str, ...] = ()) -> tuple[Config, dict[str, str]]:
-    """Parse argv into a validated Config.
+def load_config(argv: list[str], prog: str = "train.py", script: type | None = None,
+                lead: tuple[str, ...] = ()) -> tuple[Config, Any]:
+    """Parse argv into a validated Config, and the script's own options when `script` (a
+    dataclass of opt() fields, e.g. generate.py's --init-from) is given (else None).
 
-    `extra_flags` are script-specific switches (e.g. {"--estimate-memory": "..."}) that take no
-    value; they are returned as a dict of the ones present. Raises ConfigError listing every
-    problem; with -h/--help prints help_text for the rest of argv (`lead`: the sections it lists
-    first) and raises SystemExit(0).
+    Raises ConfigError listing every problem; with -h/--help prints help_text for the rest of
+    argv (`lead`: the sections it lists first) and raises SystemExit(0).
     """
-    extra_flags = extra_flags or {}
-    line = parse_command_line(argv, extra_flags)
+    line = parse_command_line(argv, script)
     if line.wants_help:
-        print(help_text(prog, argv, extra_flags, lead))
+        print(help_text(prog, argv, script, lead))
         raise SystemExit(0)
-    return resolve_command_line(line)[1], line.flags
+    _, cfg, options = resolve_command_line(line, script)
+    return cfg, options

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,10 +25,9 @@ import torch.nn.functional as F
 
 from engine import checkpoint
 import load_gpt2_weights
-from engine import memory
+from engine import quantize, techniques
 from engine import runtime
-from engine import speedups
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, load_config, opt
 from model import GPT
 from engine.tokenizer import TokenizerError, from_meta
 
@@ -169,27 +169,13 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
     return ids
 
 
-INIT_FROM_FLAG = {"--init-from SRC": "sample from gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
-                  "hf:ORG/NAME | a local HF directory | one of our checkpoints; not given: "
-                  "sample.checkpoint, else the latest checkpoint in train.out_dir"}
+@dataclass
+class GenerateOptions:
+    """generate.py's own options (the rest of the command line is the config)."""
 
-
-def pop_init_from(argv: list[str]) -> tuple[str, list[str]]:
-    """generate.py's --init-from SRC (or --init_from=SRC): the model to sample from. It is read
-    here rather than from the config's train.init_from, which names where a run *started*."""
-    rest, init_from, i = [], "", 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name in ("--init-from", "--init_from"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{name} needs a value, e.g. {name} gpt2")
-                value, i = argv[i + 1], i + 1
-            init_from = value
-        else:
-            rest.append(argv[i])
-        i += 1
-    return init_from, rest
+    init_from: str = opt("", "sample from gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
+                         "hf:ORG/NAME | a local HF directory | one of our checkpoints; not given: "
+                         "sample.checkpoint, else the latest checkpoint in train.out_dir")
 
 
 def load_hf_for_sampling(cfg: Config, source: str, device: torch.device) -> tuple[GPT, dict, str]:
@@ -227,19 +213,19 @@ def sample(cfg: Config, init_from: str = "") -> list[str]:
     (a GPT-2 id, HF directory or checkpoint) overrides the checkpoint the config points at."""
     rt = runtime.setup(cfg.system)
     if cfg.sample.quantize != "none":
-        memory.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
+        quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
     model, stored, meta, path = load_for_sampling(cfg, rt.device, init_from)
     model.eval()
     if cfg.sample.quantize == "int8":
-        chosen = memory.quantize_linears(model, cfg.sample.quantize_layers)
+        chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
         print(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
-              f"weights now {memory.weight_bytes(model) / 2**20:.1f} MiB", file=sys.stderr)
+              f"weights now {quantize.weight_bytes(model) / 2**20:.1f} MiB", file=sys.stderr)
     tokenizer = from_meta(meta["tokenizer"])
     s = cfg.sample
     prompt_ids = encode_prompt(tokenizer, read_prompt(s.prompt), model.config.block_size)
     bucket = 0
     if cfg.system.compile and s.kv_cache:  # static cache + bucketed prompts: no recompiles
-        model, note = speedups.compile_model(model, cfg.system, rt)
+        model, note = techniques.compile_model(model, cfg.system, rt)
         bucket, t0 = s.prompt_bucket, time.perf_counter()
         warm_up(model, len(prompt_ids), s.max_new_tokens, bucket, rt.autocast)
         print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
@@ -267,10 +253,9 @@ def sample(cfg: Config, init_from: str = "") -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        init_from, argv = pop_init_from(sys.argv[1:] if argv is None else argv)
-        cfg, _ = load_config(argv, prog="generate.py", extra_flags=INIT_FROM_FLAG,
-                             lead=("sample",))
-        sample(cfg, init_from)
+        cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="generate.py",
+                                   script=GenerateOptions, lead=("sample",))
+        sample(cfg, options.init_from)
     except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

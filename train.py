@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +23,8 @@ from engine import memory
 from engine import runlog
 from engine import resume
 from engine import runtime
-from engine import speedups
-from config import Config, ConfigError, TrainConfig, load_config
+from engine import speedups, techniques
+from config import Config, ConfigError, TrainConfig, load_config, opt
 from data.loader import Batches, DataError
 from data.workers import SharedMemoryBatches
 from engine.optim import lr_at, make_optimizer
@@ -122,7 +123,7 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
         resume_notes += resume.config_changes(checkpoint.read_config(source), cfg,
                                                 (state.get("world_size", 1), dist.world_size))
     resume_notes += dist.restore_rank_rng(state, cfg.system.seed, counters.step)
-    model, compile_note = speedups.compile_model(model, cfg.system, rt)
+    model, compile_note = techniques.compile_model(model, cfg.system, rt)
     if cfg.system.compile:  # every shape compiled now: no recompiles (or stalls) later
         memory.warm_up_training(model, raw_model, rt.device, rt.autocast, t.batch_size)
 
@@ -212,8 +213,12 @@ def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
                           checkpoint.latest_checkpoint(t.out_dir))
 
 
-ESTIMATE_FLAG = {"--estimate-memory": "print the memory estimate for this config and exit "
-                                     "without training"}
+@dataclass
+class TrainOptions:
+    """train.py's own options (the rest of the command line is the config)."""
+
+    estimate_memory: bool = opt(False, "print the memory estimate for this config and exit "
+                                "without training")
 
 
 def estimate_only(cfg: Config) -> str:
@@ -232,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     saving (130 for Ctrl-C, 143 for SIGTERM)."""
     where = distributed.error_prefix()  # 'rank 3: ' when there are several processes
     try:
-        cfg, flags = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
-                                 extra_flags=ESTIMATE_FLAG)
-        if flags:
+        cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
+                                   script=TrainOptions)
+        if options.estimate_memory:
             print(estimate_only(cfg))
             return 0
         summary = train(cfg)

@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from engine import memory
+from engine import memory, quantize
 from engine import runtime
 from engine.optim import make_optimizer
 from engine.sources import build_model
@@ -285,9 +285,9 @@ def bench_quant(args, cfg: Config, rt: runtime.Runtime) -> dict:
     rows = {}
     for label in ("float32", "int8"):
         if label == "int8":
-            chosen = memory.quantize_linears(model, args.quantize_layers)
+            chosen = quantize.quantize_linears(model, args.quantize_layers)
         rate, _ = decode_rate(model, prompt, new, rt)
-        rows[label] = {"weight_bytes": memory.weight_bytes(model), "decode_tokens_per_s": rate,
+        rows[label] = {"weight_bytes": quantize.weight_bytes(model), "decode_tokens_per_s": rate,
                        "val_loss": evaluate(model, {"val": val}, eval_set, rt)["val"]}
         print(f"  quant {label}: {rows[label]}", flush=True)
     return {"layers": args.quantize_layers, "quantized": len(chosen),
@@ -357,13 +357,13 @@ def int8_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int, rt: runti
                 layers: str, our_tokens: torch.Tensor) -> dict:
     """Our decoding again with the chosen block Linears in int8 (torchao); changes `ours`."""
     try:
-        memory.quantize_linears(ours, layers)
+        quantize.quantize_linears(ours, layers)
     except ConfigError as e:  # the layer names were checked at start: torchao is missing
         print(f"  decode int8: skipped: {e}", flush=True)
         return {"int8_skipped": str(e), "int8_layers": layers}
     rate, tokens = decode_rate(ours, prompt, new, rt)
     return {"int8_tokens_per_s": rate, "int8_layers": layers,
-            "int8_weight_bytes_per_token": memory.weight_bytes(ours)
+            "int8_weight_bytes_per_token": quantize.weight_bytes(ours)
             - ours.transformer.wpe.weight.numel() * 4,
             "int8_same_tokens": int(torch.eq(tokens, our_tokens).sum()) - prompt.numel()}
 
@@ -380,7 +380,7 @@ def bench_decode(args, rt: runtime.Runtime) -> dict:
     prompt = torch.randint(0, m.vocab_size, (1, args.prompt_tokens), device=rt.device)
     new = min(args.decode_tokens, m.block_size - args.prompt_tokens)
     our_rate, our_tokens = decode_rate(ours, prompt, new, rt)
-    weight = memory.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4  # wpe: 1 row
+    weight = quantize.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4  # wpe: 1 row
     bandwidth = copy_bandwidth(rt.device)
     hf = hf_decode(ours, prompt, new, rt)
     hf_tokens = hf.pop("hf_tokens", None)
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         if not set(parts) <= set(PARTS) or not parts:
             raise ConfigError(f"--part={args.part!r}: use a comma list of {', '.join(PARTS)}")
         rows_wanted = train_rows(args.rows)
-        memory.quantize_targets(args.quantize_layers)
+        quantize.quantize_targets(args.quantize_layers)
         device = runtime.resolve_device(load_config(rest)[0].system.device)
         if not any(a.startswith("--config") for a in rest):
             rest = ["--config", "bench_gpu" if device.type == "cuda" else "bench_cpu"] + rest

@@ -149,44 +149,6 @@ def release_cached(device: torch.device, enabled: bool) -> bool:
     return True
 
 
-# sample.quantize_layers names -> the Linear layers of every block they cover
-QUANTIZABLE = {
-    "attn": ("attn.c_attn", "attn.c_proj"),
-    "mlp": ("mlp.c_fc", "mlp.c_proj"),
-    "c_attn": ("attn.c_attn",), "attn.c_proj": ("attn.c_proj",),
-    "c_fc": ("mlp.c_fc",), "mlp.c_proj": ("mlp.c_proj",),
-}
-
-
-def quantize_targets(layers: str) -> set[str]:
-    """'attn,mlp' -> the block-relative Linear names to quantize. Raises ConfigError."""
-    names = [n.strip() for n in layers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in QUANTIZABLE]
-    if unknown or not names:
-        raise ConfigError(f"sample.quantize_layers={layers!r}: {unknown or 'nothing'} is not a "
-                          f"choice; use a comma list of {', '.join(QUANTIZABLE)} (the embeddings "
-                          "and the tied LM head stay in floating point)")
-    return {target for n in names for target in QUANTIZABLE[n]}
-
-
-def quantize_linears(model: GPT, layers: str) -> list[str]:
-    """Replace the chosen Linear weights of every block by int8 weight-only tensors (per-channel
-    scales; torchao). Activations stay in floating point, biases are kept as they are. Returns
-    the quantized module names."""
-    targets = quantize_targets(layers)
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError:
-        raise ConfigError("sample.quantize=int8 needs torchao: pip install torchao") from None
-    chosen = [name for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and name.startswith("transformer.h.")
-              and name.split(".", 3)[3] in targets]
-    chosen_set = set(chosen)
-    quantize_(model, Int8WeightOnlyConfig(),
-              filter_fn=lambda module, name: name in chosen_set)
-    return chosen
-
-
 def warm_up_training(model: torch.nn.Module, raw_model: GPT, device: torch.device, autocast,
                      batch_size: int) -> None:
     """system.compile: compile every variant the run will use before the first step: a training
@@ -220,17 +182,3 @@ def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
                           "--dtype=bfloat16")
     model.to(torch.bfloat16)
     return "bfloat16 (float32 master weights + AdamW state)"
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the model's weights occupy (int8 tensors count their int8 data and scales); the
-    tied embedding / LM head once."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        inner = [getattr(p, name) for name in getattr(p, "tensor_data_names", [])]
-        tensors = inner or [p]
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    return total

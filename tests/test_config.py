@@ -4,11 +4,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
 from config import (CONFIGS_DIR, REPO_ROOT, Config, ConfigError, from_dict, help_text, load_config,
-                    validate)
+                    opt, validate)
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
 
@@ -187,12 +188,32 @@ def test_help_reflects_overrides_and_marks_where_set():
     assert value_of(text, "sample.top_k") == "7"
 
 
+@dataclass
+class Options:
+    estimate_memory: bool = opt(False, "estimate")
+    init_from: str = opt("", "where to start")
+    runs: int = opt(3, "how many")
+
+
 def test_help_from_load_config_exits_zero(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        load_config(["--config", "tiny", "-h"], extra_flags={"--estimate-memory": "estimate"})
+        load_config(["--config", "tiny", "-h"], script=Options)
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert value_of(out, "model.n_layer") == "2" and "--estimate-memory" in out
+    assert value_of(out, "model.n_layer") == "2" and "--estimate-memory=False" in out
+    assert out.index("--runs=3") < out.index("[model]")  # the script's options lead
+
+
+def test_script_options_are_parsed_typed_and_win_over_config_keys():
+    cfg, options = load_config(["--config", "tiny", "--estimate-memory", "--init-from", "gpt2",
+                                "--runs=5", "--train.init_from=resume", "--n_layer", "3"],
+                               script=Options)
+    assert (options.estimate_memory, options.init_from, options.runs) == (True, "gpt2", 5)
+    assert cfg.train.init_from == "resume" and cfg.model.n_layer == 3
+    with pytest.raises(ConfigError, match="--runs: expected an integer, got 'many'"):
+        load_config(["--runs=many"], script=Options)
+    _, options = load_config(["--estimate-memory", "false"], script=Options)
+    assert options.estimate_memory is False
 
 
 def test_help_with_a_bad_config_reports_the_error():

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import train
-from config import load_config
-
+ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).with_name("golden_losses.json")
 RUNS = {
     "default": ["--config", "shakespeare_char", "--max_iters=6", "--eval_interval=3",
@@ -39,9 +39,12 @@ def machine() -> dict:
 
 def record_of(run: str, char_dataset, out_dir: Path) -> list[list]:
     """[kind, step, loss-like numbers...] for every logged step and evaluation."""
-    cfg, _ = load_config([*RUNS[run], f"--dataset={char_dataset}", f"--out_dir={out_dir}",
-                          "--device=cpu", "--threads=1", "--log_interval=1"])
-    train.train(cfg)
+    # in a fresh process: what earlier tests left behind (compile caches, thread pools) stays out
+    proc = subprocess.run([sys.executable, "train.py", *RUNS[run], f"--dataset={char_dataset}",
+                           f"--out_dir={out_dir}", "--device=cpu", "--threads=1",
+                           "--log_interval=1"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     keys = {"train": ("loss", "norm", "lr"), "eval": ("train", "val")}
     return [[r["kind"], r["step"], *(r[k] for k in keys[r["kind"]])]

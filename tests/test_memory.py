@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import memory, optim
+from engine import memory, optim, quantize
 import train
 from config import Config, ConfigError, checkpoint_plan, load_config
 from conftest import on_each_device, tiny_model_config
@@ -128,8 +128,8 @@ def test_int8_quantizes_only_the_chosen_layers_and_stays_close(device):
     with torch.no_grad():
         ref = model(idx)[0]
     biases = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
-    before = memory.weight_bytes(model)
-    chosen = memory.quantize_linears(model, "attn,mlp.c_proj")
+    before = quantize.weight_bytes(model)
+    chosen = quantize.quantize_linears(model, "attn,mlp.c_proj")
     assert chosen == [f"transformer.h.{i}.{n}" for i in range(2)
                       for n in ("attn.c_attn", "attn.c_proj", "mlp.c_proj")]
     modules = dict(model.named_modules())
@@ -140,7 +140,7 @@ def test_int8_quantizes_only_the_chosen_layers_and_stays_close(device):
     assert "Int8" not in type(model.transformer.wte.weight).__name__
     for name, bias in biases.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].detach(), bias)
-    assert memory.weight_bytes(model) < before
+    assert quantize.weight_bytes(model) < before
     with torch.no_grad():
         quantized = model(idx)[0]
     assert (quantized - ref).abs().max() < 0.02 * ref.abs().max()
@@ -149,7 +149,7 @@ def test_int8_quantizes_only_the_chosen_layers_and_stays_close(device):
 
 def test_quantize_layers_bad_name():
     with pytest.raises(ConfigError, match="'lm_head'.*is not a choice"):
-        memory.quantize_targets("attn,lm_head")
+        quantize.quantize_targets("attn,lm_head")
 
 
 @on_each_device

@@ -20,7 +20,7 @@ import torch
 
 from engine.step import train_step
 from engine import runtime
-from engine import speedups
+from engine import speedups, techniques
 from config import Config, SystemConfig
 from conftest import on_each_device, tiny_model_config
 from data.loader import Batches, load_meta
@@ -94,7 +94,7 @@ def test_compiled_matches_eager(device):
     twin = GPT(cfg)
     twin.load_state_dict(eager.state_dict())
     twin.to(device)
-    compiled, note = speedups.compile_model(twin, SystemConfig(compile=True), rt)
+    compiled, note = techniques.compile_model(twin, SystemConfig(compile=True), rt)
     assert note == "default" and compiled is not twin
     x, y = tiny_batch(cfg, device=device)
     logits, loss = eager(x, y)
@@ -404,12 +404,12 @@ def test_banner_names_every_flag_and_each_fallback():
 
 
 def test_compile_without_a_compiler_is_refused(monkeypatch):
-    monkeypatch.setattr(speedups.shutil, "which", lambda name: None)
+    monkeypatch.setattr(techniques.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     model = GPT(tiny_model_config())
     with pytest.raises(runtime.SetupError, match="--compile=false"):
-        speedups.compile_model(model, SystemConfig(compile=True), cpu_runtime())
-    assert speedups.compile_model(model, SystemConfig(compile=False), cpu_runtime()) == \
+        techniques.compile_model(model, SystemConfig(compile=True), cpu_runtime())
+    assert techniques.compile_model(model, SystemConfig(compile=False), cpu_runtime()) == \
         (model, "off")
 
 
