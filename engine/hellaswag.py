@@ -1,8 +1,8 @@
 """HellaSwag (Zellers et al. 2019): pick the right one of four endings; scored zero-shot.
 
-    python hellaswag.py --model out/gpt2_124m            # our checkpoint (or its run directory)
-    python hellaswag.py --model gpt2 --device cuda       # OpenAI's GPT-2 via load_gpt2_weights
-    python hellaswag.py --model out/run --limit 500 --data path/to/hellaswag_val.jsonl
+    python -m engine.hellaswag --model out/gpt2_124m       # our checkpoint (or its run directory)
+    python -m engine.hellaswag --model gpt2 --device cuda  # OpenAI's GPT-2 from the hub
+    python -m engine.hellaswag --model out/run --limit 500 --data path/to/hellaswag_val.jsonl
 
 Scoring, the completion style used for GPT-2-size models: each ending (with a leading space)
 is appended to the context and the model's cross-entropy is taken over the ending's tokens only.
@@ -16,25 +16,23 @@ train.hellaswag_interval steps when that is set.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from config import Config, ConfigError, command_line_keys, load_config, opt
 from data.loader import DataError
+from engine import checkpoint, runtime, sources
+from engine.runtime import Runtime
 from engine.tokenizer import GPT2Tokenizer
-
-if TYPE_CHECKING:
-    from config import Config
-    from engine.runtime import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PATH = REPO_ROOT / "data" / "hellaswag" / "hellaswag_val.jsonl"
@@ -198,63 +196,45 @@ def for_training(cfg: Config, meta: dict, rt: Runtime) -> TrainingEval | None:
     return TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None
 
 
-def load_any(name: str, device: torch.device | str, overrides: dict
-             ) -> tuple[torch.nn.Module, str]:
-    """Our checkpoint (or run directory), or a GPT-2 that load_gpt2_weights can read; returns
-    the model and its tokenizer's kind."""
-    try:
-        import load_gpt2_weights as gpt2
-    except ImportError:
-        gpt2 = None
-    if gpt2 is not None and gpt2.is_gpt2_source(name):  # a hub id or a HF model directory
-        from config import ModelConfig
-        model, hf_dir = gpt2.load_hf(name, ModelConfig(**overrides))
-        return model.to(device), gpt2.tokenizer_meta(model.config.vocab_size)["kind"]
-    from engine import checkpoint
-    model, _, meta = checkpoint.load_model(name, device, overrides)
-    return model, meta.get("tokenizer", {}).get("kind", "unknown")
+@dataclass
+class HellaSwagOptions:
+    """engine/hellaswag.py's own options (the rest of the command line is the config: --device,
+    --dtype from its system section, --attention and the other switches from its model
+    section)."""
+
+    model: str = opt("", "our checkpoint or run directory, or a GPT-2 (gpt2, gpt2-medium, ..., "
+                     "hf:ORG/NAME, a local HF directory)")
+    data: str = opt("", f"hellaswag_val.jsonl; '' = {DEFAULT_PATH}, downloaded if missing")
+    limit: int = opt(0, "score only the first N examples; 0 = all")
+    batch_examples: int = opt(4, "examples per forward pass")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="our checkpoint or run directory, or a GPT-2 "
-                   "(gpt2, gpt2-medium, ..., hf:ORG/NAME, a local HF directory)")
-    p.add_argument("--data", default="", help=f"hellaswag_val.jsonl (default {DEFAULT_PATH}, "
-                   "downloaded if missing)")
-    p.add_argument("--limit", type=int, default=0, help="score only the first N examples")
-    p.add_argument("--batch-examples", type=int, default=4, help="examples per forward pass")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--attention", choices=("scratch", "sdpa"), help="override the attention "
-                   "implementation (sdpa is faster on GPUs; the scores are the same)")
-    return p.parse_args(argv)
+def score(argv: list[str]) -> str:
+    """Run the command line; returns the report."""
+    cfg, o = load_config(argv, prog="-m engine.hellaswag", script=HellaSwagOptions)
+    if not o.model or o.limit < 0 or o.batch_examples < 1:
+        raise ConfigError("needs --model X; --limit must be >= 0 and --batch-examples >= 1")
+    rt = runtime.setup(cfg.system)
+    examples = load_examples(ensure_file(o.data), o.limit)
+    # a checkpoint keeps its stored switches except those this command line sets
+    keys = command_line_keys(argv, "model", HellaSwagOptions)
+    overrides = {k: getattr(cfg.model, k) for k in keys}
+    model, _, meta, _ = sources.load_model(o.model, cfg, rt.device, overrides)
+    check_tokenizer(meta.get("tokenizer", {}).get("kind", "unknown"), o.model)
+    t0 = time.perf_counter()
+    r = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(), o.batch_examples)
+    note = "" if r["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
+    return (f"hellaswag | {o.model} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
+            f"{r['n']:,} examples{note} | {time.perf_counter() - t0:.1f}s on {rt.device}\n"
+            f"reference: {REFERENCES}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine import checkpoint
-    from engine import runtime
-    from config import SystemConfig
-
-    args = parse_args(argv)
     try:
-        if args.limit < 0 or args.batch_examples < 1:
-            raise HellaSwagError("--limit must be >= 0 and --batch-examples >= 1")
-        rt = runtime.setup(SystemConfig(device=args.device, dtype=args.dtype))
-        examples = load_examples(ensure_file(args.data), args.limit)
-        overrides = {"attention": args.attention} if args.attention else {}
-        model, kind = load_any(args.model, rt.device, overrides)
-        check_tokenizer(kind, args.model)
-        t0 = time.perf_counter()
-        result = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(),
-                          args.batch_examples)
-    except (DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
+        print(score(sys.argv[1:] if argv is None else argv))
+    except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    note = "" if result["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
-    print(f"hellaswag | {args.model} | acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f}"
-          f" | {result['n']:,} examples{note} | {time.perf_counter() - t0:.1f}s on {rt.device}")
-    print(f"reference: {REFERENCES}")
     return 0
 
 

@@ -1,23 +1,29 @@
-"""Where a model comes from: a fresh one, one of our checkpoints, or a Hugging Face GPT-2, decided
-in one place for training (build_model); and the dataset a run reads (dataset_meta).
+"""Where a model comes from, decided here only: a fresh one, one of our checkpoints (or a run
+directory's latest), or a Hugging Face GPT-2 (hub id or local directory).
+
+    model, cfg, meta, label = load_model(source, cfg, device)   # generate.py, engine/hellaswag.py
+    model, source = build_model(cfg, data_meta, device)         # train.py (init_from)
+
+Also the dataset a run reads (dataset_meta).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 
 import torch
 
-import load_gpt2_weights
 from config import Config, ConfigError
 from data.loader import DataError, check_vocab, load_meta
-from engine import checkpoint
+from engine import checkpoint, hf
 from model import GPT
 
 DEFAULT_DATASET = "shakespeare_char"
 # model-section keys that fix the weights' shapes; the others (attention, norm, ...) are free to
 # change when starting from a checkpoint
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "vocab_pad_multiple",
-              "layer_norm_eps")
+              "layer_norm_eps", "block_size")
 
 
 def dataset_meta(cfg: Config) -> dict:
@@ -33,65 +39,61 @@ def dataset_meta(cfg: Config) -> dict:
     return load_meta(cfg.data.dataset)
 
 
+def load_model(source: str, cfg: Config, device: torch.device | str = "cpu",
+               overrides: dict | None = None) -> tuple[GPT, Config, dict, str]:
+    """(model, the config it was built with, meta with its 'tokenizer', a label to print).
+
+    A checkpoint keeps its stored config; a GPT-2 gets its shape from its config.json and the
+    rest of cfg.model (attention, norm, ...). `overrides` (model-section values that keep the
+    weights' shapes) apply to both."""
+    if hf.is_gpt2_source(source):
+        used = copy.deepcopy(cfg)
+        used.model = dataclasses.replace(used.model, **(overrides or {}))
+        model, hf_dir = hf.load_hf(source, used.model)
+        label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
+        meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
+        return model.to(device), used, meta, label
+    path = checkpoint.resolve(source)
+    model, stored, meta = checkpoint.load_model(path, device, overrides)
+    return model, stored, meta, str(path)
+
+
+def check_context(block_size: int, context: int, what: str) -> None:
+    if block_size > context:
+        raise ConfigError(f"block_size {block_size} is larger than {what} context {context}; "
+                          f"use a block_size <= {context}")
+
+
 def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path | None]:
-    """A fresh model, or one whose weights (and shape) come from a checkpoint."""
-    source = None
-    init = cfg.train.init_from
+    """The model train.py starts from (cfg.train.init_from) and the checkpoint or Hugging Face
+    directory it came from (None: fresh). A source fixes the weights' shapes in cfg.model; the
+    implementation switches stay the run's, and a shorter block_size crops the context."""
+    init, block = cfg.train.init_from, cfg.model.block_size
+    if init == "scratch":
+        cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
+        check_vocab(meta, cfg.model.vocab_size)
+        return GPT(cfg.model).to(device), None
     if init == "resume":
-        source = checkpoint.latest_checkpoint(cfg.train.out_dir)
-        if source is None:
+        init = checkpoint.latest_checkpoint(cfg.train.out_dir)
+        if init is None:
             raise checkpoint.CheckpointError(f"init_from=resume but {cfg.train.out_dir} has no "
                                              "checkpoint; use init_from=scratch to start")
-    elif load_gpt2_weights.is_gpt2_source(init):
-        return gpt2_model(cfg, meta, device)
-    elif init != "scratch":
+    switches = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in SHAPE_KEYS}
+    if hf.is_gpt2_source(str(init)):
+        model, _, source_meta, _ = load_model(str(init), cfg, "cpu", switches)
+        source = Path(source_meta["source"])
+        kind = source_meta["tokenizer"]["kind"]
+        check_vocab(meta, model.config.vocab_size, kind if kind == "gpt2" else None)
+        check_context(block, model.config.block_size, f"{init}'s")
+    else:
         source = checkpoint.resolve(init)
-    if source is not None:
         checkpoint.check_tokenizer(source, meta)
-        stored = checkpoint.read_config(source).model
-        for key in SHAPE_KEYS:
-            setattr(cfg.model, key, getattr(stored, key))
-        if cfg.model.block_size > stored.block_size:
-            raise ConfigError(f"block_size {cfg.model.block_size} is larger than the "
-                              f"checkpoint's context {stored.block_size}; use a block_size "
-                              f"<= {stored.block_size}")
-    elif cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = meta["vocab_size"]
-    check_vocab(meta, cfg.model.vocab_size)
-    if source is None:
-        return GPT(cfg.model).to(device), None
-    stored_block = checkpoint.read_config(source).model.block_size
-    block = cfg.model.block_size
-    cfg.model.block_size = stored_block
-    model = GPT(cfg.model)
-    checkpoint.load_weights(model, source)
-    if block < stored_block:
-        crop_block_size(model, block)
-    return model.to(device), source
-
-
-def crop_block_size(model: GPT, block_size: int) -> None:
-    """Shorten the context (e.g. 1024 -> 256) by keeping the first position embeddings."""
-    model.config.block_size = block_size
-    wpe = model.transformer.wpe
-    wpe.weight = torch.nn.Parameter(wpe.weight.data[:block_size].clone())
-    wpe.num_embeddings = block_size
-    for block in model.transformer.h:
-        if hasattr(block.attn, "mask"):
-            block.attn.mask = block.attn.mask[:block_size, :block_size]
-
-
-def gpt2_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path]:
-    """A Hugging Face GPT-2 (hub id or local directory) as the starting point: its shape comes
-    from its config.json, the context is cropped to cfg.model.block_size when that is shorter."""
-    block = cfg.model.block_size
-    model, hf_dir = load_gpt2_weights.load_hf(cfg.train.init_from, cfg.model)
-    kind = load_gpt2_weights.tokenizer_meta(cfg.model.vocab_size)["kind"]
-    check_vocab(meta, cfg.model.vocab_size, kind if kind == "gpt2" else None)
-    if block > model.config.block_size:
-        raise ConfigError(f"block_size {block} is larger than {cfg.train.init_from}'s context "
-                          f"{model.config.block_size}; use a block_size <= "
-                          f"{model.config.block_size}")
+        check_context(block, checkpoint.read_config(source).model.block_size, "the checkpoint's")
+        model, _, _, _ = load_model(str(source), cfg, "cpu", switches)
+        check_vocab(meta, model.config.vocab_size)
+    for f in dataclasses.fields(cfg.model):  # cfg.model stays the object the run holds
+        setattr(cfg.model, f.name, getattr(model.config, f.name))
+    model.config = cfg.model
     if block < model.config.block_size:
-        crop_block_size(model, block)
-    return model.to(device), hf_dir
+        model.crop_block_size(block)
+    return model.to(device), source

@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from engine import checkpoint
+from engine import checkpoint, sources
+from engine import hf as gpt2
 import generate
-import load_gpt2_weights as gpt2
+import load_gpt2_weights
 import train
 from config import ConfigError, ModelConfig, load_config
 from data.loader import DataError
@@ -269,7 +270,7 @@ def test_export_of_a_model_without_biases(tmp_path):
 def test_cli_import_verify_sample_export(hf_dirs, tmp_path, capsys):
     path, hf_model = hf_dirs["gpt2vocab"]
     run = tmp_path / "run"
-    assert gpt2.main([str(path), "--out", str(run), "--verify", "--vocab-pad-multiple", "64"]) == 0
+    assert load_gpt2_weights.main([str(path), "--out", str(run), "--verify", "--vocab-pad-multiple", "64"]) == 0
     out = capsys.readouterr().out
     assert "2 layers, 2 heads, width 32, context 64, vocab 50257 padded to 50304" in out
     assert "verify: max |logit difference|" in out
@@ -285,7 +286,7 @@ def test_cli_import_verify_sample_export(hf_dirs, tmp_path, capsys):
     assert text.rstrip("\n") == GPT2Tokenizer().decode(greedy[0].tolist())
 
     export = tmp_path / "hf_export"
-    assert gpt2.main(["--export", str(run), "--out", str(export), "--verify"]) == 0
+    assert load_gpt2_weights.main(["--export", str(run), "--out", str(export), "--verify"]) == 0
     assert "verify: max |logit difference|" in capsys.readouterr().out
     original = load_file(str(path / "model.safetensors"))
     exported = load_file(str(export / "model.safetensors"))
@@ -297,12 +298,14 @@ def test_cli_import_verify_sample_export(hf_dirs, tmp_path, capsys):
 
 
 def test_cli_usage_errors(capsys):
-    with pytest.raises(SystemExit):
-        gpt2.main(["gpt2"])
+    assert load_gpt2_weights.main(["gpt2"]) == 2
     assert "nothing to do" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpt2.main(["--export", "out/x"])
+    assert load_gpt2_weights.main(["--export", "out/x"]) == 2
     assert "--export needs --out" in capsys.readouterr().err
+    assert load_gpt2_weights.main(["gpt2", "gpt2-xl", "--verify"]) == 2
+    assert "unexpected argument 'gpt2-xl'" in capsys.readouterr().err
+    assert load_gpt2_weights.main(["gpt2", "--export", "out/x", "--out", "y"]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 def test_verify_fails_loudly_on_wrong_weights(hf_dirs):
@@ -353,7 +356,7 @@ def test_finetune_from_hf_dir(hf_dirs, gpt2_dataset, tmp_path):
     cfg = finetune_cfg(path, gpt2_dataset, tmp_path / "ft", "--max_iters=8", "--eval_interval=8",
                        "--learning_rate=3e-3")
     from data.loader import load_meta
-    model, source = train.build_model(cfg, load_meta(str(gpt2_dataset)), torch.device("cpu"))
+    model, source = sources.build_model(cfg, load_meta(str(gpt2_dataset)), torch.device("cpu"))
     assert source == path and model.transformer.wpe.weight.shape == (32, 32)  # cropped 64 -> 32
     ids = ids_for(50257, T=32)
     with torch.no_grad():

@@ -159,13 +159,19 @@ def test_command_line_on_our_checkpoints(val_file, tmp_path, capsys):
         in capsys.readouterr().err
 
 
-def test_gpt2_directories_load_through_load_gpt2_weights(tmp_path):
-    import load_gpt2_weights
+def test_checkpoints_and_hf_directories_load_through_sources(val_file, tmp_path, capsys):
+    from config import Config
+    from engine import hf, sources
     save_tiny(tmp_path / "ours", {"kind": "gpt2"}, TOK.vocab_size)
-    load_gpt2_weights.export_hf(tmp_path / "ours", tmp_path / "hf")  # a Hugging Face GPT-2 dir
-    ours, kind = hellaswag.load_any(str(tmp_path / "ours"), "cpu", {})
-    theirs, hf_kind = hellaswag.load_any(str(tmp_path / "hf"), "cpu", {"attention": "sdpa"})
-    assert kind == hf_kind == "gpt2" and theirs.config.attention == "sdpa"
+    hf.export_hf(tmp_path / "ours", tmp_path / "hf")  # a Hugging Face GPT-2 dir
+    ours, _, meta, _ = sources.load_model(str(tmp_path / "ours"), Config(), "cpu")
+    theirs, _, hf_meta, _ = sources.load_model(str(tmp_path / "hf"), Config(), "cpu",
+                                               {"attention": "sdpa"})
+    assert meta["tokenizer"] == hf_meta["tokenizer"] == {"kind": "gpt2"}
+    assert ours.config.attention == "scratch" and theirs.config.attention == "sdpa"
     rows = hellaswag.example_rows(EXAMPLES[0], TOK, ours.config.block_size)
     assert torch.allclose(hellaswag.ending_losses(ours, rows, "cpu")[0],
                           hellaswag.ending_losses(theirs, rows, "cpu")[0], atol=1e-4)
+    assert hellaswag.main(["--model", str(tmp_path / "hf"), "--data", str(val_file),
+                           "--device", "cpu", "--limit", "2"]) == 0
+    assert "| 2 examples (a subset" in capsys.readouterr().out

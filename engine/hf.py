@@ -1,0 +1,416 @@
+"""Hugging Face GPT-2 <-> our GPT: the name map, reading HF directories (hub or local), writing
+our model as one, and checking our logits against transformers'.
+
+Our parameter names are GPT-2's, so the map is one to one. HF stores the four projection
+matrices as Conv1D, (in, out), where nn.Linear holds (out, in): they are transposed. Older HF
+files carry the causal mask as buffers (attn.bias, attn.masked_bias): dropped. The LM head is
+tied to wte on both sides. A padded vocabulary gets zero rows after the real ones, which the
+model slices off its logits.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from config import Config, ModelConfig
+from engine import checkpoint
+from engine.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, load_ranks
+from model import GPT
+
+GPT2_MODEL_IDS = {name: f"openai-community/{name}"
+                  for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+HUB_PREFIX = "hf:"
+HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json",
+             "model-*.safetensors"]
+GPT2_VOCAB = 50257
+BLOCK_PARAMS = [f"{part}.{kind}" for part in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2",
+                                              "mlp.c_fc", "mlp.c_proj")
+                for kind in ("weight", "bias")]
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+VERIFY_TEXT = ("Hello, I'm a language model, and I can tell you that the weights were mapped "
+               "correctly when the logits agree to the last few digits.")
+
+
+class GPT2WeightsError(checkpoint.CheckpointError):
+    """A GPT-2 source that cannot be found, read or mapped onto our model."""
+
+
+class VerificationError(GPT2WeightsError):
+    """Our logits and transformers' differ by more than the tolerance."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def hub_repo(source: str) -> str | None:
+    """The hub repository a source names, or None when it is not a hub id."""
+    if source in GPT2_MODEL_IDS:
+        return GPT2_MODEL_IDS[source]
+    if source in GPT2_MODEL_IDS.values():
+        return source
+    return source[len(HUB_PREFIX):] if source.startswith(HUB_PREFIX) else None
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A directory whose config.json is a Hugging Face one (ours has sections, not model_type)."""
+    try:
+        return "model_type" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def is_gpt2_source(source: str) -> bool:
+    """True for a local HF directory, a hub id, or a near miss of a GPT-2 id (so that the
+    error suggests the right name instead of 'no checkpoint')."""
+    if is_hf_dir(source) or hub_repo(source) is not None:
+        return True
+    return not Path(source).exists() and bool(difflib.get_close_matches(
+        source, list(GPT2_MODEL_IDS), n=1, cutoff=0.75))
+
+
+def fetch(source: str) -> Path:
+    """A local directory holding the source's config.json and weights (downloaded for a hub id,
+    or found in the local hub cache)."""
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise GPT2WeightsError(f"{path} has no config.json; a Hugging Face model directory "
+                                   "holds config.json and model.safetensors (or pytorch_model.bin)")
+        return path
+    repo = hub_repo(source)
+    if repo is None:
+        close = difflib.get_close_matches(source, list(GPT2_MODEL_IDS), n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise GPT2WeightsError(f"{source!r} is neither a directory nor a GPT-2 model id{hint} "
+                               f"(known: {', '.join(GPT2_MODEL_IDS)}, or hf:ORG/NAME)")
+    from huggingface_hub import snapshot_download
+    try:
+        local = Path(snapshot_download(repo, allow_patterns=HUB_FILES))
+        if not any(local.glob("*.safetensors")):  # an older repository: PyTorch pickle only
+            local = Path(snapshot_download(repo, allow_patterns=["config.json",
+                                                                 "pytorch_model.bin"]))
+    except Exception as e:  # no network, unknown or gated repository, ...
+        raise GPT2WeightsError(f"could not fetch {repo} from the Hugging Face hub "
+                               f"({_first_line(e)}); without a network, copy a model directory "
+                               "(config.json + model.safetensors) to this machine and pass its "
+                               "path instead") from None
+    return local
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """config.json of a HF GPT-2, checked for anything our architecture cannot represent."""
+    try:
+        hf = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise GPT2WeightsError(f"{hf_dir}/config.json is unreadable ({e})") from None
+    problems = []
+    if hf.get("model_type") != "gpt2":
+        problems.append(f"model_type={hf.get('model_type')!r} (only 'gpt2' maps onto our model)")
+    missing = [k for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+               if not isinstance(hf.get(k), int)]
+    if missing:
+        problems.append(f"no integer {', '.join(missing)}")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in TANH_GELUS:
+        problems.append(f"activation_function={act!r} (ours is GPT-2's tanh GELU, gelu_new)")
+    if hf.get("n_inner") not in (None, 4 * hf.get("n_embd", 0)):
+        problems.append(f"n_inner={hf['n_inner']} (ours is 4 * n_embd)")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        problems.append("attention scaling other than 1/sqrt(head size)")
+    if hf.get("add_cross_attention"):
+        problems.append("cross-attention layers")
+    if problems:
+        raise GPT2WeightsError(f"{hf_dir}/config.json describes a model ours cannot represent: "
+                               + "; ".join(problems))
+    return hf
+
+
+def apply_hf_config(model_cfg: ModelConfig, hf: dict) -> ModelConfig:
+    """Set model_cfg's shape from a HF GPT-2 config, in place; implementation switches, dropout
+    and vocab padding stay as the caller set them."""
+    model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd = hf["n_layer"], hf["n_head"], hf["n_embd"]
+    model_cfg.block_size, model_cfg.vocab_size = hf["n_positions"], hf["vocab_size"]
+    model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
+    model_cfg.bias = True  # GPT-2 has biases everywhere
+    return model_cfg
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF model directory: model.safetensors, sharded safetensors, or
+    pytorch_model.bin (through the weights-only unpickler)."""
+    index, pickled = hf_dir / "model.safetensors.index.json", hf_dir / "pytorch_model.bin"
+    try:
+        if (hf_dir / "model.safetensors").is_file():
+            return load_file(str(hf_dir / "model.safetensors"))
+        if index.is_file():
+            state: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                state.update(load_file(str(hf_dir / shard)))
+            return state
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
+        raise GPT2WeightsError(f"weights in {hf_dir} are unreadable ({e}); the download is "
+                               "truncated or corrupt: fetch them again") from None
+    if pickled.is_file():
+        try:
+            return torch.load(pickled, map_location="cpu", weights_only=True)
+        except Exception as e:  # the weights-only unpickler refuses code objects
+            raise GPT2WeightsError(f"refusing to load {pickled}: {_first_line(e)} (only tensors "
+                                   "are accepted; use model.safetensors)") from None
+    raise GPT2WeightsError(f"{hf_dir} holds no weights: expected model.safetensors (or "
+                           "model.safetensors.index.json with its shards) or pytorch_model.bin")
+
+
+def name_map(n_layer: int) -> dict[str, str]:
+    """HF GPT-2 tensor name (without the 'transformer.' prefix) -> our state-dict name."""
+    names = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
+             *(f"h.{i}.{p}" for i in range(n_layer) for p in BLOCK_PARAMS)]
+    return {n: f"transformer.{n}" for n in names}
+
+
+def is_conv1d(hf_name: str) -> bool:
+    return hf_name.endswith(CONV1D)
+
+
+def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
+               source: str) -> dict[str, torch.Tensor]:
+    """Our state dict from HF GPT-2 tensors, checked name by name and shape by shape: every
+    missing, unexpected and mis-shaped tensor is listed in one error."""
+    cfg = model.config
+    names, own = name_map(cfg.n_layer), model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    unexpected, shapes, head = [], [], None
+    for key, tensor in hf_state.items():
+        name = key.removeprefix("transformer.")
+        if name == "lm_head.weight":
+            head = tensor
+        elif name not in names:
+            if not MASK_BUFFER.fullmatch(name):  # mask buffers of older transformers: dropped
+                unexpected.append(key)
+        else:
+            expected = tuple(own[names[name]].shape)
+            if name == "wte.weight":
+                expected = (cfg.vocab_size, expected[1])  # HF has no padded rows
+            expected = expected[::-1] if is_conv1d(name) else expected
+            if tuple(tensor.shape) != expected:
+                shapes.append(f"{key}: file {tuple(tensor.shape)} vs config {expected}")
+            else:
+                state[names[name]] = tensor.t() if is_conv1d(name) else tensor
+    found = {k.removeprefix("transformer.") for k in hf_state}
+    parts = checkpoint.mismatch_parts(sorted(set(names) - found), sorted(unexpected), sorted(shapes))
+    wte = state.get("transformer.wte.weight")
+    if head is not None and wte is not None and not torch.equal(head, wte):
+        parts.append("lm_head.weight differs from wte.weight, but our LM head is tied to the "
+                     "token embedding as in GPT-2")
+    if parts:
+        raise GPT2WeightsError(f"weights in {source} do not match its config.json ("
+                               + "; ".join(parts) + "); the directory is not a complete GPT-2 "
+                               "GPT2LMHeadModel: re-download or re-export it")
+    extra = model.padded_vocab - cfg.vocab_size
+    if extra:  # padded rows: zero, and sliced off the logits by the model
+        state["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(extra, wte.size(1))])
+    return state
+
+
+def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Path]:
+    """Our GPT holding a HF GPT-2's weights at the source's full context, and the local
+    directory read. model_cfg's shape fields are set from the HF config in place; its
+    implementation switches are kept."""
+    hf_dir = fetch(source)
+    model_cfg = apply_hf_config(model_cfg or ModelConfig(), read_hf_config(hf_dir))
+    model = GPT(model_cfg)
+    state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))
+    checkpoint.load_state(model, state, str(hf_dir))  # copies, re-checking against our names
+    return model, hf_dir
+
+
+def tokenizer_meta(vocab_size: int) -> dict:
+    """The tokenizer metadata for a HF GPT-2: GPT-2's BPE when the vocabulary is GPT-2's."""
+    if vocab_size == GPT2_VOCAB:
+        return {"kind": "gpt2"}
+    return {"kind": "unknown", "vocab_size": vocab_size}
+
+
+def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel tensors from our model: the real vocabulary rows only, Conv1D matrices
+    transposed, zero biases where ours has none; the tied head is left for HF to tie."""
+    own = model.state_dict()
+    out = {}
+    for hf_name, ours in name_map(model.config.n_layer).items():
+        if ours in own:
+            tensor = own[ours].detach().cpu()
+        else:  # bias=False: GPT-2 always has biases, and zero ones change nothing
+            owner = own[ours.removesuffix(".bias") + ".weight"]
+            tensor = torch.zeros(owner.shape[0], dtype=owner.dtype)
+        if hf_name == "wte.weight":
+            tensor = tensor[:model.config.vocab_size]
+        out[f"transformer.{hf_name}"] = (tensor.t() if is_conv1d(hf_name) else tensor
+                                         ).contiguous().clone()
+    return out
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json for GPT2LMHeadModel describing our model."""
+    eot = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else None
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "initializer_range": 0.02, "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True, "use_cache": True, "bos_token_id": eot,
+        "eos_token_id": eot, "torch_dtype": "float32",
+    }
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> character map, the alphabet of vocab.json and merges.txt:
+    printable Latin-1 bytes stand for themselves, the others for chr(256), chr(257), ..."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in mapping]
+    mapping.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return mapping
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge that creates each multi-byte token, in rank order: BPE over the token's own
+    bytes, using only merges ranked before it, ends in exactly the two parts it was made from."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            best, i = min((ranks.get(parts[i] + parts[i + 1], rank), i)
+                          for i in range(len(parts) - 1))
+            if best >= rank:
+                raise GPT2WeightsError(f"cannot derive the merge for token rank {rank}")
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
+    """GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer_config.json), derived from the
+    bundled ranks, so AutoTokenizer and pipelines work on the export with no download."""
+    ranks = load_ranks(GPT2_RANKS)
+    alphabet = bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    eot = "<|endoftext|>"
+    vocab = {text(token): rank for token, rank in ranks.items()} | {eot: GPT2_EOT}
+    merges = "".join(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": eot, "eos_token": eot,
+              "unk_token": eot, "add_prefix_space": False, "model_max_length": model_max_length}
+    return {"vocab.json": json.dumps(vocab, ensure_ascii=False).encode(),
+            "merges.txt": ("#version: 0.2\n" + merges).encode(),
+            "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+
+
+def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
+    """A directory AutoModelForCausalLM.from_pretrained loads: config.json + model.safetensors,
+    and GPT-2's tokenizer files when the model uses GPT-2's BPE. Written into a hidden directory
+    and moved into place once complete, so a failure (a full disk) leaves out as it was: a new
+    out is renamed into place whole, an existing one gets each file replaced."""
+    out = Path(out)
+    checkpoint.check_out_dir(out, "--out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = ours_to_hf(model)
+    files = {"config.json": json.dumps(hf_config(model.config), indent=2).encode()}
+    if gpt2_tokenizer:
+        files.update(hf_tokenizer_files(model.config.block_size))
+    needed = checkpoint.bytes_to_write(tensors, *files.values())
+    staging = out if out.is_dir() else out.parent  # the same filesystem: renames work
+    with checkpoint.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
+                                "--out") as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        checkpoint.umask_mode(tmp / "model.safetensors")
+        for name, payload in files.items():
+            (tmp / name).write_bytes(payload)
+        checkpoint.sync_files(tmp)
+        if out.is_dir():
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+            tmp.rmdir()
+        else:
+            os.rename(tmp, out)
+        checkpoint.sync_dir(staging)
+    return ["config.json", "model.safetensors", *list(files)[1:]]
+
+
+def export_hf(ckpt_path: str | Path, out: str | Path) -> tuple[GPT, Path, list[str]]:
+    """One of our checkpoints (or a run directory's latest) -> a HF GPT-2 directory."""
+    model, _, meta = checkpoint.load_model(ckpt_path)
+    gpt2_bpe = meta.get("tokenizer", {}).get("kind") == "gpt2"
+    return model, Path(out), write_hf_dir(model, Path(out), gpt2_bpe)
+
+
+def verify_tokens(vocab_size: int, block_size: int) -> torch.Tensor:
+    """(2, T) ids, T = min(block_size, 64): seeded random ids, the first row replaced by a
+    sentence in GPT-2 BPE when the vocabulary is GPT-2's."""
+    T = min(block_size, 64)
+    ids = torch.randint(0, vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+    if vocab_size == GPT2_VOCAB:
+        text = GPT2Tokenizer().encode_ordinary(VERIFY_TEXT)
+        ids[0] = torch.tensor((text * (T // len(text) + 1))[:T])
+    return ids
+
+
+@torch.no_grad()
+def verify(model: GPT, hf_dir: Path, tolerance: float = 1e-4, device: str = "cpu") -> float:
+    """Max |logit difference| between our model and transformers' GPT2LMHeadModel (eager
+    attention, float32) loaded from hf_dir, on the same tokens. Raises VerificationError when
+    it exceeds tolerance * max(1, max |logit|)."""
+    from transformers import GPT2LMHeadModel
+
+    reference = GPT2LMHeadModel.from_pretrained(str(hf_dir), attn_implementation="eager")
+    reference = reference.float().to(device).eval()
+    was_training = model.training
+    model.eval()
+    idx = verify_tokens(model.config.vocab_size, model.config.block_size).to(device)
+    expected = reference(idx).logits.float()  # (B, T, vocab)
+    ours, _ = model.to(device)(idx)
+    model.train(was_training)
+    diff = (ours.float() - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    limit = tolerance * max(1.0, scale)
+    print(f"verify: max |logit difference| ours vs transformers GPT2LMHeadModel = {diff:.2e} "
+          f"over {idx.numel()} tokens (max |logit| {scale:.1f}, limit {limit:.1e}, "
+          f"attention={model.config.attention})")
+    if not diff <= limit:
+        raise VerificationError(f"logits differ by {diff:.3e} > {limit:.1e}: the weights are "
+                                "mapped wrongly or the architectures disagree")
+    return diff
+
+
+def import_checkpoint(model: GPT, source: str, hf_dir: Path, out: str | Path) -> Path:
+    """Save a loaded GPT-2 as one of our (weights-only) checkpoints: OUT/ckpt_0000000."""
+    cfg = Config()
+    cfg.model, cfg.data.dataset = model.config, ""
+    cfg.train.out_dir, cfg.train.init_from = str(out), source
+    meta = {"source": f"{source} ({hf_dir})", "tokenizer": tokenizer_meta(model.config.vocab_size),
+            "losses": {}, "tokens_seen": 0}
+    return checkpoint.save(out, 0, model, cfg, meta, out_flag="--out")
+
+
+def describe(model: GPT) -> str:
+    cfg = model.config
+    padded = f" padded to {model.padded_vocab}" if model.padded_vocab != cfg.vocab_size else ""
+    return (f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context "
+            f"{cfg.block_size}, vocab {cfg.vocab_size}{padded}; "
+            f"{model.num_params(non_embedding=False) / 1e6:.2f}M parameters")
