@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# the model's own section lives with the model (model.py imports nothing from here)
+from model import ModelConfig, checkpoint_plan, opt  # noqa: F401  (re-exported)
+
 REPO_ROOT = Path(__file__).resolve().parent
 CONFIGS_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = "shakespeare_char"
@@ -31,42 +34,6 @@ BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message lists every problem found."""
-
-
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A config field: its default, one line of help, and optionally the allowed values."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class ModelConfig:
-    """The GPT's shape and which implementation each part uses. The model sees only this."""
-
-    block_size: int = opt(256, "context length in tokens")
-    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the dataset's meta.json")
-    n_layer: int = opt(6, "transformer blocks")
-    n_head: int = opt(6, "attention heads per block")
-    n_embd: int = opt(384, "embedding width")
-    dropout: float = opt(0.0, "dropout probability (0 for pretraining, ~0.1 for finetuning)")
-    bias: bool = opt(True, "biases in Linear and LayerNorm layers, as GPT-2")
-    layer_norm_eps: float = opt(1e-5, "LayerNorm epsilon")
-    attention: str = opt("scratch", "attention: softmax(QK^T/sqrt(d))V by hand, or "
-                         "F.scaled_dot_product_attention (Flash/memory-efficient kernels)",
-                         ("scratch", "sdpa"))
-    causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
-                           ("buffer", "on_the_fly"))
-    norm: str = opt("scratch", "LayerNorm: written out by hand, or F.layer_norm",
-                    ("scratch", "native"))
-    gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu", ("scratch", "native"))
-    vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
-                                  "(64: 50257 -> 50304); padded logits never win")
-    activation_checkpointing: str = opt("none", "recompute activations in backward instead of "
-                                        "storing them (less memory, ~1/3 more compute): none | "
-                                        "all | attention | mlp (that part of every block) | "
-                                        "every:K (every K-th block) | blocks:0,3,5")
 
 
 @dataclass
@@ -430,35 +397,6 @@ def validate(cfg: Config) -> list[str]:
     return problems
 
 
-CHECKPOINT_PARTS = {"all": "block", "attention": "attention", "mlp": "mlp"}
-
-
-def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
-    """model.activation_checkpointing -> what each block recomputes in backward: '' (nothing),
-    'block', 'attention' (ln_1 + attention) or 'mlp' (ln_2 + MLP). Raises ValueError."""
-    spec = spec.strip().lower()
-    where = f"model.activation_checkpointing={spec!r}"
-    if spec == "none":
-        return [""] * n_layer
-    if spec in CHECKPOINT_PARTS:
-        return [CHECKPOINT_PARTS[spec]] * n_layer
-    kind, _, arg = spec.partition(":")
-    try:
-        numbers = [int(a) for a in arg.split(",")] if arg else []
-    except ValueError:
-        numbers = None
-    if kind == "every" and numbers and len(numbers) == 1 and numbers[0] > 0:
-        return ["block" if i % numbers[0] == 0 else "" for i in range(n_layer)]
-    if kind == "blocks" and numbers:
-        bad = [b for b in numbers if not 0 <= b < n_layer]
-        if bad:
-            raise ValueError(f"{where} names blocks {bad}, but the model has blocks 0.."
-                             f"{n_layer - 1}")
-        return ["block" if i in numbers else "" for i in range(n_layer)]
-    raise ValueError(f"{where} is not understood; use none, all, attention, mlp, every:K "
-                     "(K >= 1) or blocks:I,J,...")
-
-
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (as stored in checkpoints)."""
     cfg = Config()
@@ -506,13 +444,7 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
             line.wants_help = True
             continue
         if not arg.startswith("--") or len(arg) <= 2:
-            # a script may name one option that also takes a bare argument (ClassVar positional)
-            positional = getattr(script, "positional", None)
-            if positional and positional not in dict(line.script):
-                line.script.append((positional, arg))
-            else:
-                line.problems.append(f"unexpected argument {arg!r}; overrides look like "
-                                     "--key=value")
+            line.problems.append(f"unexpected argument {arg!r}; overrides look like --key=value")
             continue
         option = script_field(script, arg)
         if option is not None and "=" not in arg and _field_types(script)[option.name] is bool \
@@ -590,10 +522,8 @@ def _option_line(setting: str, f: dataclasses.Field) -> str:
 def _script_help(prog: str, options: Any) -> list[str]:
     lines = [f"[{prog} options]"]
     for f in dataclasses.fields(options):
-        flag = f"--{f.name.replace('_', '-')}"
-        if f.name == getattr(options, "positional", None):
-            flag = f"[{f.name.upper()} | {flag}]"
-        lines.append(_option_line(f"{flag}={getattr(options, f.name)!r}", f))
+        value = getattr(options, f.name)
+        lines.append(_option_line(f"--{f.name.replace('_', '-')}={value!r}", f))
     return lines + [""]
 
 
@@ -631,17 +561,6 @@ def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | 
     for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
         lines += _section_help(section, cfg, from_file, line.config_name)
     return "\n".join(lines)
-
-
-def command_line_keys(argv: list[str], section: str, script: type | None = None) -> list[str]:
-    """The keys of `section` that argv sets itself (as --section.key or as an unambiguous --key),
-    for a script whose source (a checkpoint) has its own values for the rest."""
-    owners, keys = _all_keys(), []
-    for key, _ in parse_command_line(argv, script).overrides:
-        prefix, _, name = key.rpartition(".")
-        if prefix == section or (not prefix and owners.get(name) == [section]):
-            keys.append(name)
-    return keys
 
 
 def load_config(argv: list[str], prog: str = "train.py", script: type | None = None,

@@ -12,115 +12,20 @@ re-read once (the uncached path follows the same rule, so both give the same tok
 from __future__ import annotations
 
 import codecs
-import contextlib
 import copy
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from engine import checkpoint
 import load_gpt2_weights
-from engine import quantize, techniques
-from engine import runtime
 from config import Config, ConfigError, load_config, opt
-from model import GPT
+from engine import checkpoint, quantize, runtime, techniques
+from engine.sampling import generate_tokens, warm_up
 from engine.tokenizer import TokenizerError, from_meta
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from (B, V) logits: greedy at temperature 0, else top-k then top-p
-    filtered sampling. Returns (B, 1)."""
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if 0 < top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first stays)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-def fresh(ids: torch.Tensor) -> torch.Tensor:
-    """A copy with standard strides: a slice of the growing idx carries its row stride, a
-    changing number that compiled code would otherwise guard on (and recompile for)."""
-    return ids.clone(memory_format=torch.contiguous_format)
-
-
-def prefill(model: GPT, ids: torch.Tensor, cache, bucket: int) -> torch.Tensor:
-    """Run the prompt ids (B, L) into the cache; returns its logits (B, L, vocab). With a bucket
-    the prompt is right-padded to a multiple of it (at most block_size): the padding's keys land
-    beyond the real length, are masked out and are overwritten by the tokens that follow."""
-    if bucket <= 0:
-        return model(ids, kv_cache=cache)[0]
-    length = ids.size(1)
-    padded = min(model.config.block_size, -(-length // bucket) * bucket)
-    ids = fresh(F.pad(ids, (0, padded - length)))
-    logits, _ = model(ids, kv_cache=cache)  # (B, padded, vocab)
-    cache.set_length(length)
-    return logits[:, :length]
-
-
-def warm_up(model: GPT, prompt_length: int, max_new_tokens: int, bucket: int,
-            autocast=None) -> None:
-    """Compile every shape this generation will use before the first real token: the prompt's
-    bucket, one decode step, and the re-read of the kept half when the context overflows."""
-    block = model.config.block_size
-    lengths = {min(prompt_length, block)}
-    if prompt_length + max_new_tokens > block:
-        lengths.add(block - block // 2)
-    for length in sorted(lengths):
-        dummy = torch.zeros((1, length), dtype=torch.long,
-                            device=model.transformer.wte.weight.device)
-        generate_tokens(model, dummy, 2, temperature=0, autocast=autocast, prompt_bucket=bucket)
-
-
-@torch.no_grad()
-def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                    top_k: int = 0, top_p: float = 1.0, kv_cache: bool = True,
-                    generator: torch.Generator | None = None,
-                    on_token: Callable[[torch.Tensor], None] | None = None,
-                    autocast=None, prompt_bucket: int = 0) -> torch.Tensor:
-    """Extend idx (B, T) by max_new_tokens tokens. The model sees tokens[start:], where start
-    jumps forward by half a context whenever the context is full. prompt_bucket > 0 (compiled
-    models): a static KV cache, and prompts right-padded to a multiple of it, so the model only
-    ever sees a few shapes."""
-    block = model.config.block_size
-    keep = block - block // 2  # context kept when it overflows: the newest half
-    start = max(0, idx.size(1) - block)
-    cache = None
-    ctx = autocast or contextlib.nullcontext
-    for _ in range(max_new_tokens):
-        if idx.size(1) - start > block:
-            start = idx.size(1) - keep
-            cache = None  # positions shifted: re-read the kept half once
-        with ctx():
-            if kv_cache:
-                if cache is None:
-                    cache = model.new_kv_cache(idx.size(0), static=prompt_bucket > 0)
-                    logits = prefill(model, idx[:, start:], cache, prompt_bucket)
-                else:
-                    logits, _ = model(fresh(idx[:, -1:]), kv_cache=cache)
-            else:
-                logits, _ = model(idx[:, start:])
-        next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
-        idx = torch.cat([idx, next_id], dim=1)
-        if on_token is not None:
-            on_token(next_id)
-    return idx
+from model import GPT
 
 
 class StreamPrinter:

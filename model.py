@@ -1,21 +1,88 @@
-"""The GPT-2 architecture, written out, with every part switchable between a plain reference
-implementation and the fast one (see ModelConfig in config.py).
+"""The GPT-2 model, self-contained: its config, blocks, one KV cache, init, context cropping and
+optimizer groups. Every part switches between a plain reference implementation and a fast one.
 
-forward(idx, targets=None) -> (logits, loss): logits for every position over the real vocabulary,
-and the float32 cross-entropy loss when targets are given (targets == IGNORE_INDEX are skipped).
+    model = GPT(ModelConfig(vocab_size=65))
+    logits, loss = model(idx, targets)              # (B, T, vocab), float32 loss (or None)
+    cache = model.new_kv_cache(batch)               # decoding: write keys/values at positions
+    logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from config import ModelConfig, checkpoint_plan
-
 IGNORE_INDEX = -1
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field: its default, one line of help, and optionally the allowed values."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """The GPT's shape and which implementation each part uses. The model sees only this."""
+
+    block_size: int = opt(256, "context length in tokens")
+    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the dataset's meta.json")
+    n_layer: int = opt(6, "transformer blocks")
+    n_head: int = opt(6, "attention heads per block")
+    n_embd: int = opt(384, "embedding width")
+    dropout: float = opt(0.0, "dropout probability (0 for pretraining, ~0.1 for finetuning)")
+    bias: bool = opt(True, "biases in Linear and LayerNorm layers, as GPT-2")
+    layer_norm_eps: float = opt(1e-5, "LayerNorm epsilon")
+    attention: str = opt("scratch", "attention: softmax(QK^T/sqrt(d))V by hand, or "
+                         "F.scaled_dot_product_attention (Flash/memory-efficient kernels)",
+                         ("scratch", "sdpa"))
+    causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
+                           ("buffer", "on_the_fly"))
+    norm: str = opt("scratch", "LayerNorm: written out by hand, or F.layer_norm",
+                    ("scratch", "native"))
+    gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu", ("scratch", "native"))
+    vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
+                                  "(64: 50257 -> 50304); padded logits never win")
+    activation_checkpointing: str = opt("none", "recompute activations in backward instead of "
+                                        "storing them (less memory, ~1/3 more compute): none | "
+                                        "all | attention | mlp (that part of every block) | "
+                                        "every:K (every K-th block) | blocks:0,3,5")
+
+
+CHECKPOINT_PARTS = {"all": "block", "attention": "attention", "mlp": "mlp"}
+
+
+def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
+    """model.activation_checkpointing -> what each block recomputes in backward: '' (nothing),
+    'block', 'attention' (ln_1 + attention) or 'mlp' (ln_2 + MLP). Raises ValueError."""
+    spec = spec.strip().lower()
+    where = f"model.activation_checkpointing={spec!r}"
+    if spec == "none":
+        return [""] * n_layer
+    if spec in CHECKPOINT_PARTS:
+        return [CHECKPOINT_PARTS[spec]] * n_layer
+    kind, _, arg = spec.partition(":")
+    try:
+        numbers = [int(a) for a in arg.split(",")] if arg else []
+    except ValueError:
+        numbers = None
+    if kind == "every" and numbers and len(numbers) == 1 and numbers[0] > 0:
+        return ["block" if i % numbers[0] == 0 else "" for i in range(n_layer)]
+    if kind == "blocks" and numbers:
+        bad = [b for b in numbers if not 0 <= b < n_layer]
+        if bad:
+            raise ValueError(f"{where} names blocks {bad}, but the model has blocks 0.."
+                             f"{n_layer - 1}")
+        return ["block" if i in numbers else "" for i in range(n_layer)]
+    raise ValueError(f"{where} is not understood; use none, all, attention, mlp, every:K "
+                     "(K >= 1) or blocks:I,J,...")
 
 
 class LayerNorm(nn.Module):
@@ -48,63 +115,28 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Preallocated keys and values for every layer: (B, nh, max_len, hs) each, filled in place.
-
-    Static shapes mean each decoded token does the same work and compiled code sees no new shapes.
-    """
+    """Preallocated keys and values, (B, nh, max_len, hs) per layer, written at the positions the
+    caller gives. Attention always reads the whole cache under a mask of the positions up to each
+    query's own, so every decode step has the same shapes (compiled code never recompiles), and
+    anything stored beyond (a padded prompt's tail, an older context) is never seen."""
 
     def __init__(self, n_layer: int, batch: int, n_head: int, max_len: int, head_size: int,
                  device: torch.device | str, dtype: torch.dtype):
         shape = (batch, n_head, max_len, head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.max_len = max_len
-        self.pos = 0  # tokens already stored
+        self.slots = torch.arange(max_len, device=device)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, t, hs) at the current position; return all keys/values so far."""
-        t = k.size(2)
-        end = self.pos + t
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def advance(self, t: int) -> None:
-        self.pos += t
-
-
-class StaticKVCache(KVCache):
-    """A KVCache for compiled decoding: its position is a tensor, and attention reads the whole
-    (B, nh, max_len, hs) cache under a mask of the filled positions, so every decode step has the
-    same shapes and no changing Python number for torch.compile to specialise on (no
-    recompiles). The caller checks the length (it cannot be read without a device sync)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.position = torch.zeros((), dtype=torch.long, device=self.k[0].device)
-
-    def positions(self, t: int) -> torch.Tensor:
-        """(t,) positions of the next t tokens."""
-        return self.position + torch.arange(t, device=self.position.device)
-
-    def mask(self, t: int) -> torch.Tensor:
-        """(t, max_len) boolean: query i (at position+i) sees every key up to its own."""
-        keys = torch.arange(self.max_len, device=self.position.device)
-        return keys[None, :] <= self.positions(t)[:, None]
-
-    def update(self, layer: int, k: torch.Tensor,
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self.positions(k.size(2))
-        self.k[layer].index_copy_(2, index, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(2, index, v.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer]  # (B, nh, max_len, hs): the mask hides the rest
+        """Store k, v (B, nh, T, hs) at input_pos (T,); return the layer's whole cache."""
+        self.k[layer].index_copy_(2, input_pos, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, input_pos, v.to(self.v[layer].dtype))
+        return self.k[layer], self.v[layer]  # (B, nh, max_len, hs)
 
-    def advance(self, t: int) -> None:
-        self.position += t
-
-    def set_length(self, t: int) -> None:
-        """After a padded prefill: only the first t positions hold real tokens."""
-        self.position.fill_(t)
+    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
+        """(T, max_len) boolean: the query at input_pos[i] sees the keys at positions <= it."""
+        return self.slots[None, :] <= input_pos[:, None]
 
 
 class CausalSelfAttention(nn.Module):
@@ -114,58 +146,41 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.n_embd = cfg.n_embd
         self.impl = cfg.attention
-        self.mask_mode = cfg.causal_mask
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_dropout = nn.Dropout(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
-        if self.mask_mode == "buffer":
+        if cfg.causal_mask == "buffer":
             mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).tril()
             self.register_buffer("mask", mask, persistent=False)
 
-    def causal_mask(self, q_start: int, t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
-        """(t_q, t_k) boolean, True where query position q_start+i may see key j."""
-        if self.mask_mode == "buffer":
-            return self.mask[q_start:q_start + t_q, :t_k]
-        q_pos = torch.arange(q_start, q_start + t_q, device=device)
-        return torch.arange(t_k, device=device)[None, :] <= q_pos[:, None]
-
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.size()
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        q_start, static_mask = 0, None
-        if isinstance(kv_cache, StaticKVCache):
-            static_mask = kv_cache.mask(T)  # (T, max_len)
-            k, v = kv_cache.update(self.layer, k, v)  # (B, nh, max_len, hs)
-        elif kv_cache is not None:
-            q_start = kv_cache.pos
-            k, v = kv_cache.update(self.layer, k, v)  # (B, nh, q_start+T, hs)
-        t_k = k.size(2)
+        mask = None  # None: plain causal attention over these T tokens, built on the fly
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, input_pos, k, v)  # (B, nh, max_len, hs)
+            mask = kv_cache.mask(input_pos)  # (T, max_len)
+        elif hasattr(self, "mask"):
+            mask = self.mask[:T, :T]
+        dropout_p = self.dropout if self.training else 0.0
         if self.impl == "sdpa":
-            dropout_p = self.dropout if self.training else 0.0
-            if static_mask is not None:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=static_mask,
-                                                   dropout_p=dropout_p)
-            elif q_start == 0 and self.mask_mode == "on_the_fly":
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-            elif T == 1:  # one new query sees every cached key
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-            else:
-                mask = self.causal_mask(q_start, T, t_k, x.device)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                               is_causal=mask is None)
         else:
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, t_k)
-            mask = static_mask if static_mask is not None else self.causal_mask(q_start, T, t_k,
-                                                                                x.device)
+            if mask is None:
+                pos = torch.arange(T, device=x.device)
+                mask = pos[None, :] <= pos[:, None]
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T_k)
             att = att.masked_fill(~mask, float("-inf"))
             att = F.softmax(att.float(), dim=-1).to(q.dtype)
-            att = self.attn_dropout(att)
-            y = att @ v  # (B, nh, T, hs)
+            y = self.attn_dropout(att) @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -193,17 +208,20 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.recompute = checkpoint_plan(cfg.activation_checkpointing, cfg.n_layer)[layer]
 
-    def attn_branch(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        return self.attn(self.ln_1(x), kv_cache)
+    def attn_branch(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                    input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attn(self.ln_1(x), kv_cache, input_pos)
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_2(x))
 
-    def body(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn_branch(x, kv_cache)
+    def body(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+             input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn_branch(x, kv_cache, input_pos)
         return x + self.mlp_branch(x)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
         # activation checkpointing (model.activation_checkpointing): keep only this part's input
         # and recompute the rest in backward; dropout replays the same masks (RNG is restored)
         part = self.recompute if kv_cache is None and torch.is_grad_enabled() else ""
@@ -213,9 +231,9 @@ class Block(nn.Module):
             x = x + checkpoint(self.attn_branch, x, use_reentrant=False)
             return x + self.mlp_branch(x)
         if part == "mlp":
-            x = x + self.attn_branch(x, kv_cache)
+            x = x + self.attn_branch(x)
             return x + checkpoint(self.mlp_branch, x, use_reentrant=False)
-        return self.body(x, kv_cache)
+        return self.body(x, kv_cache, input_pos)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -271,22 +289,20 @@ class GPT(nn.Module):
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv_cache: KVCache | None = None,
+                input_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) -> (logits (B, T, vocab), loss). With a kv_cache the tokens sit at
+        input_pos (T,) (default 0..T-1); the caller keeps those below block_size."""
         B, T = idx.size()
-        if isinstance(kv_cache, StaticKVCache):  # its caller keeps within block_size
-            pos = kv_cache.positions(T)
-        else:
-            start = kv_cache.pos if kv_cache is not None else 0
-            if start + T > self.config.block_size:
-                raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
+        if input_pos is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of {T} tokens is longer than block_size "
                                  f"{self.config.block_size}; crop the input")
-            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+            input_pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(input_pos)
         x = self.transformer.drop(x.float())  # precision policy: the residual stream is float32
         for block in self.transformer.h:
-            x = block(x, kv_cache)  # (B, T, C)
-        if kv_cache is not None:
-            kv_cache.advance(T)
+            x = block(x, kv_cache, input_pos)  # (B, T, C)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)[..., :self.vocab_size]  # (B, T, vocab): padded rows never win
         loss = None
@@ -296,12 +312,20 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_kv_cache(self, batch: int, max_len: int | None = None,
-                     dtype: torch.dtype | None = None, static: bool = False) -> KVCache:
-        cfg = self.config
-        p = self.transformer.wte.weight
-        kind = StaticKVCache if static else KVCache
-        return kind(cfg.n_layer, batch, cfg.n_head, max_len or cfg.block_size,
-                    cfg.n_embd // cfg.n_head, p.device, dtype or p.dtype)
+                     dtype: torch.dtype | None = None) -> KVCache:
+        cfg, p = self.config, self.transformer.wte.weight
+        return KVCache(cfg.n_layer, batch, cfg.n_head, max_len or cfg.block_size,
+                       cfg.n_embd // cfg.n_head, p.device, dtype or p.dtype)
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shorten the context (e.g. 1024 -> 256) by keeping the first position embeddings."""
+        self.config.block_size = block_size
+        wpe = self.transformer.wpe
+        wpe.weight = nn.Parameter(wpe.weight.data[:block_size].clone())
+        wpe.num_embeddings = block_size
+        for block in self.transformer.h:
+            if hasattr(block.attn, "mask"):
+                block.attn.mask = block.attn.mask[:block_size, :block_size]
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (Linear and embedding weights) only, not biases or norms."""

@@ -151,11 +151,13 @@ def test_kv_cache_matches_full_forward(attention, mask, device):
     x, _ = batch(cfg, B=2, device=device)
     full, _ = model(x)
     cache = model.new_kv_cache(2)
-    prefix, _ = model(x[:, :5], kv_cache=cache)  # a multi-token prefill ...
-    steps = [model(x[:, t:t + 1], kv_cache=cache)[0] for t in range(5, cfg.block_size)]
+    model(x.flip(1), kv_cache=cache)  # stale keys in every slot: each is masked or overwritten
+    prefix, _ = model(x[:, :5], kv_cache=cache)  # a multi-token prefill at 0..4 ...
+    steps = [model(x[:, t:t + 1], kv_cache=cache, input_pos=torch.tensor([t], device=device))[0]
+             for t in range(5, cfg.block_size)]
     cached = torch.cat([prefix] + steps, dim=1)  # ... then one token at a time
     torch.testing.assert_close(cached, full, **LOGITS_TOL[device])
-    assert cache.pos == cfg.block_size
+    assert cache.k[0].shape == (2, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
 
 
 def test_too_long_input_is_refused():

@@ -9,6 +9,7 @@ import torch
 
 from engine import checkpoint
 import generate
+from engine import sampling
 import train
 from config import load_config
 from conftest import on_each_device, tiny_model_config
@@ -113,7 +114,7 @@ def test_kv_cache_gives_same_tokens(temperature, top_k, top_p, device):
     outs = []
     for use_cache in (True, False):
         g = torch.Generator(device=device).manual_seed(11)
-        outs.append(generate.generate_tokens(model, prompt, 40, temperature, top_k, top_p,
+        outs.append(sampling.generate_tokens(model, prompt, 40, temperature, top_k, top_p,
                                              use_cache, g))
     assert outs[0].shape == (2, 45)
     assert torch.equal(outs[0], outs[1])
@@ -121,16 +122,16 @@ def test_kv_cache_gives_same_tokens(temperature, top_k, top_p, device):
 
 def test_sampler_filters():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    assert generate.sample_next(logits, 0.0, 0, 1.0).item() == 0  # greedy
+    assert sampling.sample_next(logits, 0.0, 0, 1.0).item() == 0  # greedy
     g = torch.Generator().manual_seed(0)
-    draws = {generate.sample_next(logits, 1.0, 2, 1.0, g).item() for _ in range(200)}
+    draws = {sampling.sample_next(logits, 1.0, 2, 1.0, g).item() for _ in range(200)}
     assert draws == {0, 1}  # top-k keeps two
     # softmax([4,3,2,1,0]) = [.636, .234, .086, .032, .012]: top_p=0.8 keeps the first two
-    draws = {generate.sample_next(logits, 1.0, 0, 0.8, g).item() for _ in range(200)}
+    draws = {sampling.sample_next(logits, 1.0, 0, 0.8, g).item() for _ in range(200)}
     assert draws == {0, 1}
-    draws = {generate.sample_next(logits, 1.0, 0, 0.5, g).item() for _ in range(50)}
+    draws = {sampling.sample_next(logits, 1.0, 0, 0.5, g).item() for _ in range(50)}
     assert draws == {0}  # the top token alone is already past top_p
-    many = [generate.sample_next(logits, 1.0, 0, 1.0, g).item() for _ in range(2000)]
+    many = [sampling.sample_next(logits, 1.0, 0, 1.0, g).item() for _ in range(2000)]
     assert set(many) == {0, 1, 2, 3, 4}
 
 
