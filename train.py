@@ -3,8 +3,12 @@
     python train.py                          # tiny Shakespeare, char-level, CPU friendly
     python train.py --config gpt2_124m       # GPT-2 124M recipe
     python train.py --help                   # every key with its default
+    torchrun --standalone --nproc_per_node=8 train.py --config gpt2_124m   # several GPUs
 
-main(cfg): runtime setup -> data -> model -> optimizer -> one training loop -> checkpoints.
+build_run(cfg, dist) makes everything a run holds: data, the model with its techniques applied
+(engine/techniques.py), optimizer, a resumed run's state, the run log. train(cfg) then loops:
+evaluate (and checkpoint) every eval_interval steps, one train_step per step, a log line every
+log_interval steps, until max_iters or a stop request.
 """
 from __future__ import annotations
 
@@ -16,29 +20,51 @@ from pathlib import Path
 
 import torch
 
-from engine import checkpoint
-from engine import distributed
-from engine import hellaswag
-from engine import memory
-from engine import runlog
-from engine import resume
-from engine import runtime
-from engine import speedups, techniques
 from config import Config, ConfigError, TrainConfig, load_config, opt
 from data.loader import Batches, DataError
 from data.workers import SharedMemoryBatches
+from engine import checkpoint, distributed, hellaswag, memory, resume, runlog, runtime, techniques
 from engine.optim import lr_at, make_optimizer
-from engine.runlog import log_line
 from engine.sources import build_model, dataset_meta
-from engine.step import evaluate, train_step
+from engine.step import StepResult, evaluate, train_step
 from model import GPT
 
-def report_skip(run: runlog.RunLog, step: int, loss: torch.Tensor, norm: torch.Tensor,
-                guard: resume.NonFiniteGuard) -> None:
-    loss_value, norm_value = loss.item(), norm.item()
-    print(f"step {step:5d} | skipped: loss {loss_value:.4g}, norm {norm_value:.4g} "
-          f"({guard.in_a_row} non-finite in a row; the run stops at {guard.limit})")
-    run.write(kind="skip", step=step, loss=str(loss_value), norm=str(norm_value))
+
+@dataclass
+class TrainOptions:
+    """train.py's own options (the rest of the command line is the config)."""
+
+    estimate_memory: bool = opt(False, "print the memory estimate for this config and exit "
+                                "without training")
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, made by build_run."""
+
+    cfg: Config
+    dist: distributed.Dist
+    rt: runtime.Runtime
+    meta: dict
+    raw_model: GPT  # the plain model: checkpoints, HellaSwag, sampling
+    model: torch.nn.Module  # what the loop trains: raw_model with its techniques applied
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    batches: Batches  # this rank's training batches
+    loaders: dict[str, Batches]  # both splits, for evaluation
+    eval_sets: dict[str, list]  # the fixed evaluation batches
+    hellaswag: hellaswag.TrainingEval | None
+    counters: resume.Counters
+    next_batch: tuple  # (x, y) of the first step
+    source: Path | None  # the checkpoint or weights the run starts from
+    notes: techniques.Notes  # for the start-up banner
+    log: runlog.RunLog
+    peak_flops: float  # of every process together; 0 when unknown
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.train
+        return t.batch_size * self.cfg.model.block_size * t.grad_accum_steps * self.dist.world_size
 
 
 def resolve_init(t: TrainConfig) -> None:
@@ -55,170 +81,162 @@ def resolve_init(t: TrainConfig) -> None:
                           "--out_dir (or delete that one)")
 
 
-def train(cfg: Config) -> dict:
-    """Run training as configured, as one process or as one rank of a torchrun / accelerate
-    launch job (distributed.py); returns a summary (final losses, steps, time, checkpoint)."""
-    checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
-    dist = distributed.init(cfg)
-    summary = train_rank(cfg, dist)
-    dist.close()
-    return summary
-
-
 def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed.Dist
                  ) -> tuple[Batches, dict[str, Batches], dict[str, list]]:
-    """The training batches (this rank's share, optionally prefetched or read ahead by worker
-    processes), both splits' loaders, and the fixed evaluation batches."""
-    t = cfg.train
-    train_batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
-                            rt.device, cfg.data.pin_memory, dist.rank, dist.world_size,
-                            prefetch=cfg.data.prefetch)
-    if cfg.data.loader_workers:  # read ahead by worker processes, through shared memory
-        train_batches = SharedMemoryBatches(train_batches, meta, "train", cfg.data.loader_workers)
-    loaders = {"train": train_batches,
-               "val": Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
-                              rt.device, cfg.data.pin_memory, dist.rank, dist.world_size)}
-    eval_sets = {split: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
-                 for i, (split, b) in enumerate(loaders.items())}
-    return train_batches, loaders, eval_sets
+    """This rank's training batches (prefetched, or read ahead by worker processes, as
+    configured), both splits' loaders, and the fixed evaluation batches."""
+    t, d = cfg.train, cfg.data
+    split = {split: Batches(meta, split, t.batch_size, cfg.model.block_size, cfg.system.seed,
+                            rt.device, d.pin_memory, dist.rank, dist.world_size,
+                            prefetch=d.prefetch and split == "train") for split in ("train", "val")}
+    eval_sets = {name: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
+                 for i, (name, b) in enumerate(split.items())}
+    batches = split["train"]
+    if d.loader_workers:  # read ahead by worker processes, through shared memory
+        batches = SharedMemoryBatches(batches, meta, "train", d.loader_workers)
+    return batches, {"train": batches, "val": split["val"]}, eval_sets
 
 
-def print_model_and_memory(cfg: Config, dist: distributed.Dist, raw_model: GPT,
-                           source: Path | None, weights_note: str, train_batches) -> None:
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters without embeddings, "
-          f"{raw_model.num_params(False) / 1e6:.2f}M with"
-          + (f" | from {source}" if source else ""))
-    print(f"memory: weights={weights_note} "
-          f"activation_checkpointing={cfg.model.activation_checkpointing} "
-          f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
-          f"prefetch={train_batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
-    print(memory.format_estimate(memory.estimate(cfg, dist.world_size), cfg))
-
-
-def train_rank(cfg: Config, dist: distributed.Dist) -> dict:
+def build_run(cfg: Config, dist: distributed.Dist) -> Run:
     rt = runtime.setup(dist.system(cfg.system))
     with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
         meta = dataset_meta(cfg)
         resolve_init(cfg.train)
         raw_model, source = build_model(cfg, meta, rt.device)
-    t = cfg.train
-    dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
+    resuming = cfg.train.init_from == "resume"
+    dist.same_everywhere(checkpoint.read_meta(source)["step"] if resuming else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
-    accum_note = distributed.set_global_batch(t, cfg.model.block_size, dist.world_size)
-    batch_note = distributed.auto_micro_batch(dist, cfg, raw_model, rt)  # may change it
-    weights_note = memory.hold_weights(raw_model, cfg.system.weights_dtype, cfg.system.parallel,
-                                       dist.world_size)
-    kernels = speedups.probe_attention(raw_model, rt, t.batch_size)  # before FSDP shards it
-    model = dist.wrap(raw_model, cfg, rt)  # DDP or FSDP2 with several processes
-    optimizer, fused_note = make_optimizer(raw_model, cfg, rt.device)
+    model, notes = techniques.apply(raw_model, cfg, rt, dist)
+    optimizer, notes.fused_adamw = make_optimizer(raw_model, cfg, rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    train_batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
+    batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
     hellaswag_eval = hellaswag.for_training(cfg, meta, rt)  # None unless hellaswag_interval
-    counters, next_batch, resume_notes, state = resume.Counters(), None, [], None
-    if t.init_from == "resume":
-        state = checkpoint.load_train_state(source)
-        counters, next_batch, resume_notes = resume.restore_train_state(
-            state, dist.optimizer(raw_model, optimizer), scaler, train_batches, rt.device,
-            str(source))
-        resume_notes += resume.config_changes(checkpoint.read_config(source), cfg,
-                                                (state.get("world_size", 1), dist.world_size))
-    resume_notes += dist.restore_rank_rng(state, cfg.system.seed, counters.step)
-    model, compile_note = techniques.compile_model(model, cfg.system, rt)
-    if cfg.system.compile:  # every shape compiled now: no recompiles (or stalls) later
-        memory.warm_up_training(model, raw_model, rt.device, rt.autocast, t.batch_size)
+    counters, next_batch, notes.lines = resume.restore(source, cfg, dist, raw_model, optimizer,
+                                                       scaler, batches, rt.device)
+    log = runlog.RunLog(cfg, counters.step, resumed=resuming, files=dist.is_main,
+                        train_seconds=counters.train_seconds, wandb_id=counters.wandb_id)
+    counters.wandb_id = log.wandb_id
+    return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
+               eval_sets, hellaswag_eval, counters, next_batch or batches.next(), source, notes,
+               log, runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size)
 
+
+def print_banner(run: Run) -> None:
+    cfg, notes, m = run.cfg, run.notes, run.raw_model
     print(f"config:\n{cfg.to_json()}")
-    print(speedups.banner(speedups.settings(cfg, rt, fused_note, compile_note, batch_note,
-                                            kernels), rt.notes))
-    print(dist.describe(cfg) + (f"  [{accum_note}]" if accum_note else ""))
-    print_model_and_memory(cfg, dist, raw_model, source, weights_note, train_batches)
-    for note in resume_notes:
-        print(f"note: {note}")
-    tokens_per_step = t.batch_size * cfg.model.block_size * t.grad_accum_steps * dist.world_size
-    peak = runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size
-    flops_per_step = raw_model.flops_per_token() * tokens_per_step
-    run = runlog.RunLog(cfg, counters.step, resumed=t.init_from == "resume",
-                        train_seconds=counters.train_seconds, wandb_id=counters.wandb_id,
-                        files=dist.is_main)
-    counters.wandb_id = run.wandb_id
+    print(techniques.banner(techniques.settings(cfg, run.rt, notes), run.rt.notes))
+    print(run.dist.describe(cfg) + (f"  [{notes.accumulation}]" if notes.accumulation else ""))
+    print(f"model: {m.num_params() / 1e6:.2f}M parameters without embeddings, "
+          f"{m.num_params(False) / 1e6:.2f}M with" + (f" | from {run.source}" if run.source else ""))
+    print(f"memory: weights={notes.weights} "
+          f"activation_checkpointing={cfg.model.activation_checkpointing} "
+          f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
+          f"prefetch={run.batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
+    print(memory.format_estimate(memory.estimate(cfg, run.dist.world_size), cfg))
+    for line in notes.lines:
+        print(f"note: {line}")
 
-    def save(step: int) -> None:
-        if not t.save_checkpoints:
-            return
-        if not dist.weights_finite(raw_model):
-            print(f"step {step:5d} | weights hold NaN/inf: not saved; the last good checkpoint "
-                  f"is {checkpoint.latest_checkpoint(t.out_dir)}")
-            stop.request("nonfinite")
-            return
-        counters.train_seconds = run.train_seconds
-        # (x, y) is the batch already fetched for the next step
-        state = dist.capture_train_state(raw_model, optimizer, scaler, train_batches, (x, y),
-                                         counters, rt.device)  # every rank: FSDP gathers
-        weights = dist.model_state(raw_model)  # None on ranks > 0
-        if not dist.is_main:
-            return
+
+def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> None:
+    """Checkpoint this step; next_batch is the (x, y) already fetched for the next one. Every
+    rank calls it (FSDP gathers the full state onto rank 0, which writes it)."""
+    t, dist, counters = run.cfg.train, run.dist, run.counters
+    if not t.save_checkpoints:
+        return
+    if not resume.weights_finite(run.raw_model, dist):
+        print(f"step {step:5d} | weights hold NaN/inf: not saved; the last good checkpoint "
+              f"is {checkpoint.latest_checkpoint(t.out_dir)}")
+        stop.request("nonfinite")
+        return
+    counters.train_seconds = run.log.train_seconds
+    state = resume.capture(dist, run.raw_model, run.optimizer, run.scaler, run.batches,
+                           next_batch, counters, run.rt.device)  # None on ranks > 0
+    weights = resume.full_weights(dist, run.raw_model)
+    if dist.is_main:
         info = {"losses": counters.losses, "eval_step": counters.eval_step,
-                "tokens_seen": counters.tokens_seen, "tokenizer": meta["tokenizer"],
-                "dataset": cfg.data.dataset}
-        checkpoint.save(t.out_dir, step, raw_model, cfg, info, state, t.keep_checkpoints,
-                        weights=weights)
+                "tokens_seen": counters.tokens_seen, "tokenizer": run.meta["tokenizer"],
+                "dataset": run.cfg.data.dataset}
+        checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, info, state,
+                        t.keep_checkpoints, weights=weights)
 
-    model.train()
-    x, y = next_batch or train_batches.next()
+
+def evaluate_and_save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest,
+                      keep: bool) -> None:
+    losses = evaluate(run.model, run.loaders, run.eval_sets, run.rt)
+    run.counters.record_eval(step, run.dist.mean_losses(losses))
+    run.log.eval(step, run.counters.losses)  # prints it, redraws the loss curve
+    if keep:
+        save(run, step, next_batch, stop)
+    memory.release_cached(run.rt.device, run.cfg.system.empty_cache)  # a phase boundary
+
+
+def log_step(run: Run, step: int, result: StepResult, lr: float, t0: float) -> None:
+    loss = result.loss_sum.item() / run.cfg.train.grad_accum_steps  # .item() syncs the device
+    dt, norm = time.perf_counter() - t0, result.norm.item()
+    flops_per_step = run.raw_model.flops_per_token() * run.tokens_per_step
+    mfu = flops_per_step / dt / run.peak_flops if run.peak_flops else None
+    tokens_per_s = run.tokens_per_step / dt
+    print(runlog.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu)
+          + run.log.progress(step))
+    run.log.write(kind="train", step=step, loss=loss, lr=lr, norm=norm, ms=1000 * dt,
+                  tok_per_s=tokens_per_s, mfu=mfu)
+
+
+def report_skip(run: Run, step: int, result: StepResult, guard: resume.NonFiniteGuard) -> None:
+    run.counters.skipped_steps += 1
+    loss, norm = (result.loss_sum / run.cfg.train.grad_accum_steps).item(), result.norm.item()
+    print(f"step {step:5d} | skipped: loss {loss:.4g}, norm {norm:.4g} "
+          f"({guard.in_a_row} non-finite in a row; the run stops at {guard.limit})")
+    run.log.write(kind="skip", step=step, loss=str(loss), norm=str(norm))
+
+
+def train(cfg: Config) -> dict:
+    """Run training as configured, as one process or as one rank of a torchrun / accelerate
+    launch job; returns the summary (final losses, steps, time, checkpoint)."""
+    checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
+    dist = distributed.init(cfg)
+    run = build_run(cfg, dist)
+    print_banner(run)
+    t, counters = cfg.train, run.counters
+    run.model.train()
+    x, y = run.next_batch
     start_step = step = counters.step
     guard = resume.NonFiniteGuard(t.max_nonfinite_steps)
+    grad_sync = techniques.grad_sync(run.model)
     # SIGINT/SIGTERM: save at the next step, exit (every rank at the same step)
-    with distributed.stop_request(dist) as stop, run:
+    with resume.stop_request(dist) as stop, run.log:
         while True:
             if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
-                counters.record_eval(step, dist.mean_losses(evaluate(model, loaders, eval_sets,
-                                                                     rt)))
-                run.eval(step, counters.losses)  # prints it, redraws the loss curve
-                if step > start_step:
-                    save(step)
-                memory.release_cached(rt.device, cfg.system.empty_cache)  # a phase boundary
-            if hellaswag_eval and hellaswag_eval.due(step) and (step > start_step or step == 0):
-                run.write(kind="hellaswag", step=step, **hellaswag_eval.run(raw_model, step))
-                memory.release_cached(rt.device, cfg.system.empty_cache)
+                evaluate_and_save(run, step, (x, y), stop, keep=step > start_step)
+            if run.hellaswag and run.hellaswag.due(step) and (step > start_step or step == 0):
+                run.log.write(kind="hellaswag", step=step,
+                              **run.hellaswag.run(run.raw_model, step))
+                memory.release_cached(run.rt.device, cfg.system.empty_cache)
             if step >= t.max_iters or stop:
                 break
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
-            result = train_step(model, raw_model, optimizer, scaler, train_batches, (x, y), rt,
-                                lr, t.grad_accum_steps, t.grad_clip, guard, dist.grad_sync,
-                                sync=lambda loss_sum: dist.sync_step(loss_sum, stop))
-            loss_sum, norm, updated, (x, y) = (result.loss_sum, result.norm, result.updated,
-                                               result.next_batch)
+            result = train_step(run.model, run.raw_model, run.optimizer, run.scaler, run.batches,
+                                (x, y), run.rt, lr, t.grad_accum_steps, t.grad_clip, guard,
+                                grad_sync, sync=lambda loss_sum: dist.sync_step(loss_sum, stop))
+            x, y = result.next_batch
             step += 1
-            counters.step, counters.tokens_seen = step, counters.tokens_seen + tokens_per_step
-            if not updated:
-                counters.skipped_steps += 1
-                report_skip(run, step, loss_sum / t.grad_accum_steps, norm, guard)
+            counters.step, counters.tokens_seen = step, counters.tokens_seen + run.tokens_per_step
+            if not result.updated:
+                report_skip(run, step, result, guard)
                 if guard.exhausted:
                     stop.request("nonfinite")
                     break
             if t.stop_after_iters and step - start_step >= t.stop_after_iters:
                 stop.request("stop_after_iters")
             if step % t.log_interval == 0 or step == t.max_iters:
-                loss_value = loss_sum.item() / t.grad_accum_steps  # .item() syncs the device
-                dt = time.perf_counter() - t0
-                mfu = flops_per_step / dt / peak if peak else None
-                print(log_line(step, loss_value, lr, norm.item(), 1000 * dt, tokens_per_step / dt,
-                               mfu) + run.progress(step))
-                run.write(kind="train", step=step, loss=loss_value, lr=lr, norm=norm.item(),
-                          ms=1000 * dt, tok_per_s=tokens_per_step / dt, mfu=mfu)
+                log_step(run, step, result, lr, t0)
         if stop and stop.reason != "nonfinite" and counters.eval_step != step:
-            save(step)  # stopped between evaluations: keep this step
-        return run.finish(counters, stop.reason or "done", start_step,
-                          checkpoint.latest_checkpoint(t.out_dir))
-
-
-@dataclass
-class TrainOptions:
-    """train.py's own options (the rest of the command line is the config)."""
-
-    estimate_memory: bool = opt(False, "print the memory estimate for this config and exit "
-                                "without training")
+            save(run, step, (x, y), stop)  # stopped between evaluations: keep this step
+        summary = run.log.finish(counters, stop.reason or "done", start_step,
+                                 checkpoint.latest_checkpoint(t.out_dir))
+    dist.close()
+    return summary
 
 
 def estimate_only(cfg: Config) -> str:

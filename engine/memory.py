@@ -1,14 +1,10 @@
-"""Memory strategies shared by train.py, generate.py and bench_memory.py.
+"""How much memory a run takes: estimated before anything is allocated, measured after.
 
-    estimate / format_estimate   bytes of weights, gradients, AdamW state and activations for a
-                                 model and micro-batch, before anything is allocated
-                                 (printed at start; `python train.py --estimate-memory`)
+    estimate / format_estimate   bytes of weights, gradients, AdamW state and activations per
+                                 process (printed at start; `python train.py --estimate-memory`)
+    reset_peak_memory / peak_memory   the measured peak: CUDA max allocated/reserved, CPU peak RSS
     release_cached               system.empty_cache: hand cached CUDA blocks back at phase
                                  boundaries (after evaluation, sampling, checkpointing)
-    quantize_linears             sample.quantize=int8: int8 weight-only Linear layers (torchao),
-                                 only the ones chosen by sample.quantize_layers
-    hold_weights / MasterWeights system.weights_dtype=bfloat16: bf16 weights and gradients,
-                                 float32 master weights and AdamW state in the optimizer
 
 The precision policy, in one list. Under autocast (system.dtype=bfloat16/float16) the matmuls run
 in the low precision; these stay float32 whatever system.dtype and system.weights_dtype are:
@@ -18,17 +14,19 @@ in the low precision; these stay float32 whatever system.dtype and system.weight
     logits -> loss      cross-entropy on float32 logits (GPT.forward)
     optimizer           AdamW moments, and with bf16 weights a float32 master copy (MasterWeights)
 
-Activation checkpointing is read in model.Block (model.activation_checkpointing); the CUDA-stream
-prefetch in data/loader.py (data.prefetch).
+The techniques that save memory (bf16 weights, activation checkpointing, FSDP) are applied in
+engine/techniques.py.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from config import Config, ConfigError, ModelConfig, checkpoint_plan
-from model import GPT, padded_vocab_size
+from config import Config, ModelConfig, checkpoint_plan
+from model import padded_vocab_size
 
 GIB = 2**30
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, one of each per parameter
@@ -149,36 +147,28 @@ def release_cached(device: torch.device, enabled: bool) -> bool:
     return True
 
 
-def warm_up_training(model: torch.nn.Module, raw_model: GPT, device: torch.device, autocast,
-                     batch_size: int) -> None:
-    """system.compile: compile every variant the run will use before the first step: a training
-    forward+backward and an evaluation forward at the micro-batch shape (B, block_size). After
-    it, nothing recompiles (the shapes never change). Leaves no gradients, RNG draws or mode
-    change behind."""
-    cfg = raw_model.config
-    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), device=device)
-    was_training = model.training
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        model.train()
-        with autocast():
-            _, loss = model(idx, idx)
-        loss.backward()
-        model.eval()
-        with torch.no_grad(), autocast():
-            model(idx, idx)
-    model.train(was_training)
-    raw_model.zero_grad(set_to_none=True)
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # resets VmHWM (peak RSS) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
 
 
-def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
-                 world_size: int) -> str:
-    """system.weights_dtype: cast the model's weights (and so its gradients) to bfloat16 in
-    place. Returns the banner value."""
-    if weights_dtype == "float32":
-        return "float32"
-    if parallel == "fsdp" and world_size > 1:
-        raise ConfigError("--weights_dtype=bfloat16 with --parallel=fsdp: FSDP2 keeps float32 "
-                          "shards and computes in bf16 itself; use --weights_dtype=float32 "
-                          "--dtype=bfloat16")
-    model.to(torch.bfloat16)
-    return "bfloat16 (float32 master weights + AdamW state)"
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Peak bytes since the last reset: CUDA allocated/reserved, else the process's peak RSS."""
+    if device.type == "cuda":
+        return {"allocated": torch.cuda.max_memory_allocated(device),
+                "reserved": torch.cuda.max_memory_reserved(device)}
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return {"rss": int(line.split()[1]) * 1024}
+    try:
+        import resource
+    except ImportError:  # Windows: no peak RSS without extra packages
+        return {}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rss": peak if sys.platform == "darwin" else peak * 1024}

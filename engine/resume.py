@@ -1,12 +1,14 @@
 """What lets a long run survive interruption: the complete resumable state, stop requests and
 non-finite steps.
 
-    capture_train_state / restore_train_state   everything a resumed run needs to continue
-        exactly as if it had never stopped: optimizer, gradient scaler, the loop's counters (step =
-        schedule position, best val loss, tokens seen), the data loader's position plus the batch
-        already fetched for the next step, and every RNG (Python, numpy, torch CPU, CUDA or MPS)
-    StopRequest      SIGINT/SIGTERM (or a step budget) ask the loop to save a checkpoint and
-                     exit at the next step boundary; a second signal stops at once
+    capture / restore   everything a resumed run needs to continue exactly as if it had never
+        stopped: optimizer, gradient scaler, the loop's counters (step, best val loss, tokens
+        seen), the data loader's position plus the batch already fetched for the next step, and
+        every RNG (Python, numpy, torch CPU, CUDA or MPS; every rank's). Under FSDP the full
+        weights and optimizer state are gathered onto rank 0, so a checkpoint has the
+        single-process format and any world size resumes it.
+    StopRequest      SIGINT/SIGTERM (or a step budget) ask the loop to save a checkpoint and exit
+                     at the next step boundary; a second signal stops at once
     NonFiniteGuard   a step whose loss or gradient norm is NaN/inf is skipped (no update) and
                      counted; after `limit` such steps in a row the run stops without saving
 
@@ -26,8 +28,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from engine.checkpoint import CheckpointError
 from config import Config
+from engine import checkpoint
+from engine.checkpoint import CheckpointError
+from engine.distributed import SIGNALS, Dist, full_tensor
 
 STATE_FORMAT = 2  # bump when the layout of train_state.pt changes
 
@@ -145,6 +149,136 @@ def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
     return counters, next_batch, notes
 
 
+def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: torch.amp.GradScaler, batches, next_batch: tuple[torch.Tensor, torch.Tensor],
+            counters: Counters, device: torch.device) -> dict | None:
+    """capture_train_state with what the other ranks hold added: the next global batch and every
+    rank's RNG. Every rank must call it (they gather); returns None on ranks > 0."""
+    if dist.enabled:  # rank r's rows are global[r::W]: (B, W, T) -> (W*B, T)
+        next_batch = tuple(torch.stack(dist.all_gather(t), dim=1).flatten(0, 1)
+                           for t in next_batch)
+    rank_rng = gather_rng(dist, device) if dist.enabled else None
+    state = capture_train_state(full_state(dist, model, optimizer), scaler, batches, next_batch,
+                                counters, device)
+    if not dist.is_main:
+        return None
+    state["world_size"] = dist.world_size
+    if rank_rng is not None:
+        state["rank_rng"] = rank_rng
+    return state
+
+
+def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batches,
+            device: torch.device) -> tuple[Counters, tuple | None, list[str]]:
+    """With train.init_from=resume, the checkpoint `source`'s state put back into this freshly
+    built run: returns its counters, the batch for the next step (None: draw one) and notes for
+    the log. Call it after the model is built and its techniques applied (both draw from the
+    RNG) and before the first step."""
+    state, counters, next_batch, notes = None, Counters(), None, []
+    if cfg.train.init_from == "resume":
+        state = checkpoint.load_train_state(source)
+        counters, next_batch, notes = restore_train_state(
+            state, full_state(dist, model, optimizer), scaler, batches, device, str(source))
+        notes += config_changes(checkpoint.read_config(source), cfg,
+                                (state.get("world_size", 1), dist.world_size))
+    return counters, next_batch, notes + restore_rank_rng(dist, state, cfg.system.seed,
+                                                          counters.step)
+
+
+def gather_rng(dist: Dist, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every rank's torch RNG state (CPU, and its own GPU's), stacked (W, n)."""
+    states = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return {key: torch.stack(dist.all_gather(state)) for key, state in states.items()}
+
+
+def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> list[str]:
+    """Ranks > 0 need their own dropout stream: the saved one when the world size is the same,
+    else one derived from (seed, rank, step). Rank 0's is the single-process one."""
+    if not dist.enabled:
+        return []
+    saved = (state or {}).get("rank_rng")
+    if saved is not None and saved["torch"].shape[0] == dist.world_size:
+        if not dist.is_main:
+            torch.set_rng_state(saved["torch"][dist.rank])
+            if "cuda" in saved and torch.device(dist.device).type == "cuda":
+                torch.cuda.set_rng_state(saved["cuda"][dist.rank], dist.device)
+        return []
+    if not dist.is_main:
+        torch.manual_seed(int(np.random.SeedSequence([seed, dist.rank, step])
+                              .generate_state(1)[0]))
+    if state is None:
+        return []
+    return [f"resuming on {dist.world_size} processes, saved on {state.get('world_size', 1)}: "
+            "ranks > 0 draw new dropout masks (the same run when dropout is 0)"]
+
+
+def full_state(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """What is saved and loaded as 'the optimizer': under FSDP a view whose state is the full,
+    single-process one; otherwise the optimizer itself."""
+    return FullStateOptimizer(model, optimizer) if dist.parallel == "fsdp" else optimizer
+
+
+def full_weights(dist: Dist, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full weights on rank 0 (gathered from the shards under FSDP); None elsewhere."""
+    if dist.parallel != "fsdp":
+        return checkpoint.model_state(model) if dist.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if not dist.is_main:
+        return None
+    return {k: v.contiguous() for k, v in full.items() if k != checkpoint.TIED}
+
+
+class FullStateOptimizer:
+    """An FSDP-sharded optimizer seen as a single process's: state_dict() gathers the full state
+    onto rank 0 in torch.optim's own format (parameters numbered in param_groups order), and
+    load_state_dict() takes such a state and shards it. Both are collectives."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model, self.optimizer = model, optimizer
+        for module in model.modules():  # the root stays gathered after a forward (eval)
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+
+        full = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if not full:  # ranks > 0
+            return {}
+        index = {name: i for i, name in enumerate(self.names)}
+        return {"state": {index[n]: s for n, s in full["state"].items()},
+                "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                 for g in full["param_groups"]]}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
+
+        groups = state["param_groups"]
+        count = sum(len(g["params"]) for g in groups)
+        if count != len(self.names) or len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the saved state has {count} parameters in {len(groups)} groups, "
+                             f"this optimizer {len(self.names)} in "
+                             f"{len(self.optimizer.param_groups)}")
+        by_name = {"state": {self.names[i]: s for i, s in state["state"].items()},
+                   "param_groups": [{**g, "params": [self.names[i] for i in g["params"]]}
+                                    for g in groups]}
+        set_optimizer_state_dict(self.model, self.optimizer, by_name,
+                                 options=StateDictOptions(full_state_dict=True))
+
+
 # settings that may change on resume without the run differing from an uninterrupted one
 FREE_ON_RESUME = {"train.init_from", "train.stop_after_iters", "train.max_iters",
                   "train.eval_interval", "train.log_interval", "train.keep_checkpoints",
@@ -175,10 +309,11 @@ def config_changes(stored: Config, cfg: Config,
             + ", ".join(changed)]
 
 
-def weights_finite(model: torch.nn.Module) -> bool:
-    """True when no parameter holds a NaN or inf (one device sync)."""
-    flags = [torch.isfinite(p).all() for p in model.parameters()]
-    return bool(torch.stack(flags).all())
+def weights_finite(model: torch.nn.Module, dist: Dist | None = None) -> bool:
+    """No NaN/inf in any parameter, on any rank (each checks its own shard under FSDP)."""
+    finite = bool(torch.stack([torch.isfinite(full_tensor(p, local=True)).all()
+                               for p in model.parameters()]).all())
+    return dist.all_true(finite) if dist is not None else finite
 
 
 class StopRequest:
@@ -229,6 +364,29 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         self._restore()
+
+
+class SyncedStop(StopRequest):
+    """StopRequest for several processes. A signal reaches the ranks at different moments (or
+    only one of them), so here it is only marked pending; Dist.sync_step shares it and every
+    rank stops at the same step boundary, saves together and exits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: str | None = None
+
+    def request(self, reason: str) -> None:
+        if reason in SIGNALS:
+            self.pending = self.pending or reason
+        else:  # stop_after_iters, nonfinite: every rank reaches these at the same step
+            super().request(reason)
+
+    def commit(self, reason: str) -> None:
+        super().request(reason)
+
+
+def stop_request(dist: Dist) -> StopRequest:
+    return SyncedStop() if dist.enabled else StopRequest()
 
 
 class NonFiniteGuard:

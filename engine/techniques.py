@@ -1,24 +1,314 @@
-"""The techniques applied to a built model, in one place (being assembled: see docs/layout.md).
+"""The techniques applied to a built model, in one ordered place (as torchtitan's parallelize).
+
+    model, notes = techniques.apply(raw_model, cfg, rt, dist)   # then make the optimizer
+
+apply() runs, in this order:
+    1. global batch      train.tokens_per_step -> grad_accum_steps           set_global_batch
+    2. micro-batch       train.batch_size_auto: the largest that fits         auto_micro_batch
+    3. weights dtype     system.weights_dtype=bfloat16 (float32 masters: optim.MasterWeights)
+                                                                              hold_weights
+    4. activation checkpointing   model.activation_checkpointing: read in model.Block, which
+                         recomputes what model.checkpoint_plan names during backward
+    5. attention kernel  the SDPA kernel that runs at the training shape     probe_attention
+    6. DDP / FSDP2       system.parallel over several processes               wrap, grad_sync
+    7. compile           system.compile / compile_mode, then every shape compiled before step 1
+                                                                              compile_model, warm_up
+The returned model is what the loop trains; raw_model stays the plain GPT (saving, eval, sampling).
+Make the optimizer after apply(): FSDP replaces the parameters with sharded ones.
+
+settings / banner print what every speedup flag became as one start-up line. The other flags act
+where they are read: attention, mask, norm, GELU and vocab padding in model.py; dtype and TF32 in
+runtime.setup; fused AdamW in optim.make_optimizer; pinned memory, prefetch and loader workers in
+data/loader.py; empty_cache in memory.release_cached.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
+import inspect
 import os
 import shutil
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from config import SystemConfig
+from config import Config, ConfigError, SystemConfig, TrainConfig
 from engine import runtime
+from engine.distributed import Dist
+from model import GPT
+
+# A micro-batch "fits" when its trial step keeps the process's reserved CUDA memory under this
+# share of what was free: room for allocator fragmentation, evaluation and compile autotuning.
+MEMORY_HEADROOM = 0.90
+
+SDPA_KERNELS = {  # aten op -> the kernel's name
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "fused (device plugin)",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_attention_math_for_mps": "math (mps)",
+}
+
+
+@dataclass
+class Notes:
+    """What each technique became on this device (banner values), and notes said at start-up."""
+
+    batch: str = ""
+    weights: str = "float32"
+    kernels: list[str] = field(default_factory=list)
+    compile: str = "off"
+    fused_adamw: str = "off"
+    accumulation: str = ""  # set when tokens_per_step changed grad_accum_steps
+    lines: list[str] = field(default_factory=list)  # printed as `note: ...` (resume)
+
+
+def apply(raw_model: GPT, cfg: Config, rt: runtime.Runtime,
+          dist: Dist) -> tuple[torch.nn.Module, Notes]:
+    """Every technique, in order, on a freshly built model; returns (model to train, notes)."""
+    t = cfg.train
+    notes = Notes(accumulation=set_global_batch(t, cfg.model.block_size, dist.world_size))
+    notes.batch = auto_micro_batch(cfg, raw_model, rt, dist)  # may change the micro-batch
+    notes.weights = hold_weights(raw_model, cfg.system.weights_dtype, cfg.system.parallel,
+                                 dist.world_size)
+    notes.kernels = probe_attention(raw_model, rt, t.batch_size)  # before FSDP shards it
+    model = wrap(raw_model, cfg, rt, dist)
+    model, notes.compile = compile_model(model, cfg.system, rt)
+    if cfg.system.compile:  # every shape compiled now: no recompiles (or stalls) later
+        warm_up(model, raw_model, rt, t.batch_size)
+    return model, notes
+
+
+def set_global_batch(t: TrainConfig, block_size: int, world_size: int) -> str:
+    """train.tokens_per_step fixes the global batch in tokens: grad_accum_steps becomes
+    tokens_per_step / (batch_size x block_size x world_size), so a config keeps its batch on any
+    number of GPUs. Returns a note when grad_accum_steps changed."""
+    if not t.tokens_per_step:
+        return ""
+    per_micro_step = t.batch_size * block_size * world_size
+    accum, left = divmod(t.tokens_per_step, per_micro_step)
+    if left or accum == 0:
+        fits = [b for b in range(1, t.batch_size + 1)
+                if t.tokens_per_step % (b * block_size * world_size) == 0]
+        fix = (f"use --batch_size={max(fits)}" if fits else
+               f"no batch_size fits {world_size} processes: change the number of processes")
+        raise ConfigError(
+            f"tokens_per_step={t.tokens_per_step:,} is not a multiple of batch_size x block_size "
+            f"x processes = {t.batch_size} x {block_size} x {world_size} = {per_micro_step:,}; "
+            f"{fix}, or another tokens_per_step (or 0, to use grad_accum_steps as it is)")
+    note = "" if accum == t.grad_accum_steps else (
+        f"grad_accum_steps {t.grad_accum_steps} -> {accum} for tokens_per_step="
+        f"{t.tokens_per_step:,} on {world_size} process{'es' if world_size > 1 else ''}")
+    t.grad_accum_steps = accum
+    return note
+
+
+def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
+    """Binary search for the largest candidate (ascending) that fits, assuming that everything
+    below a fitting size fits too. None when even the smallest does not."""
+    lo, hi = -1, len(candidates)  # candidates[lo] fits, candidates[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(candidates[mid]) else (lo, mid)
+    return candidates[lo] if lo >= 0 else None
+
+
+def split_global_batch(global_batch: int, fits: Callable[[int], bool]) -> tuple[int, int] | None:
+    """(micro_batch, grad_accum_steps): the largest fitting divisor of the global batch."""
+    divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    micro = largest_fitting(divisors, fits)
+    return None if micro is None else (micro, global_batch // micro)
+
+
+def _trial_step(model: GPT, rt: runtime.Runtime, micro_batch: int) -> None:
+    """One forward+backward at this micro-batch on random tokens, with AdamW's two moment
+    buffers per parameter held alongside, as they will be during training."""
+    moments = [torch.empty_like(p) for p in model.parameters() for _ in range(2)]  # noqa: F841
+    cfg = model.config
+    idx = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size), device=rt.device)
+    with rt.autocast():
+        _, loss = model(idx, idx)
+    loss.backward()
+    torch.cuda.synchronize(rt.device)
+
+
+def _fits(model: GPT, rt: runtime.Runtime, micro_batch: int, budget: int) -> bool:
+    """Does a training step at this micro-batch keep reserved CUDA memory under budget bytes?"""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(rt.device)
+    try:
+        _trial_step(model, rt, micro_batch)  # its tensors are freed when it returns or raises
+        fits = torch.cuda.max_memory_reserved(rt.device) <= budget
+    except torch.cuda.OutOfMemoryError:
+        fits = False
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return fits
+
+
+def auto_micro_batch(cfg: Config, model: GPT, rt: runtime.Runtime, dist: Dist | None = None) -> str:
+    """train.batch_size_auto: the global batch (batch_size x grad_accum_steps sequences) stays;
+    the micro-batch becomes its largest divisor whose training step fits in device memory (the
+    smallest such over the processes), and grad_accum_steps makes up the rest. Updates
+    cfg.train; returns the banner value.
+
+    The trials run the uncompiled model (compiling every candidate would take minutes); compiled
+    code keeps fewer activations, so a size that fits eagerly fits compiled."""
+    t = cfg.train
+    plain = f"{t.batch_size}x{t.grad_accum_steps}"
+    if not t.batch_size_auto:
+        return plain
+    if dist is not None and dist.parallel == "fsdp":
+        return f"{plain} (batch_size_auto measures the unsharded model: off with fsdp)"
+    if rt.device.type != "cuda":
+        return f"{plain} (batch_size_auto needs CUDA: kept)"
+    global_batch = t.batch_size * t.grad_accum_steps
+    free, _ = torch.cuda.mem_get_info(rt.device)
+    budget = int(MEMORY_HEADROOM * (free + torch.cuda.memory_reserved(rt.device)))
+    was_training = model.training
+    model.train()
+    with torch.random.fork_rng(devices=[rt.device]):  # dropout in the trials leaves no trace
+        split = split_global_batch(global_batch, lambda b: _fits(model, rt, b, budget))
+    model.train(was_training)
+    if split is None:
+        raise runtime.SetupError(
+            f"batch_size_auto: not even a micro-batch of 1 sequence of {cfg.model.block_size} "
+            f"tokens fits in {budget / 2**30:.1f} GiB; use a smaller model or block_size, "
+            "--dtype=bfloat16, or --attention=sdpa")
+    t.batch_size, t.grad_accum_steps = split
+    note = f"{t.batch_size}x{t.grad_accum_steps} (auto, of {global_batch} per step)"
+    smallest = dist.min_int(t.batch_size) if dist is not None else t.batch_size
+    if smallest != t.batch_size:
+        t.batch_size, t.grad_accum_steps = smallest, global_batch // smallest
+        note = f"{t.batch_size}x{t.grad_accum_steps} (auto, the smallest fit over the processes)"
+    return note
+
+
+def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
+                 world_size: int) -> str:
+    """system.weights_dtype=bfloat16: the model's weights (and so its gradients) in bf16, cast
+    in place. Returns the banner value."""
+    if weights_dtype == "float32":
+        return "float32"
+    if parallel == "fsdp" and world_size > 1:
+        raise ConfigError("--weights_dtype=bfloat16 with --parallel=fsdp: FSDP2 keeps float32 "
+                          "shards and computes in bf16 itself; use --weights_dtype=float32 "
+                          "--dtype=bfloat16")
+    model.to(torch.bfloat16)
+    return "bfloat16 (float32 master weights + AdamW state)"
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence C-level stderr (the profiler's start/stop chatter) for a moment."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def attention_kernels(run: Callable[[], object]) -> list[str]:
+    """Run `run` under the profiler and name every SDPA kernel it dispatched to; [] when none."""
+    prof = profile(activities=[ProfilerActivity.CPU])  # aten calls are recorded on the host
+    with _quiet_stderr():
+        prof.start()
+    try:
+        run()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    return sorted({SDPA_KERNELS[e.name] for e in prof.events() if e.name in SDPA_KERNELS})
+
+
+def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[str]:
+    """The SDPA kernels the first attention layer runs, forward and backward, at the training
+    shape and precision (one layer: cheap, and every layer dispatches alike)."""
+    cfg = model.config
+    if cfg.attention != "sdpa":
+        return []
+    attn = model.transformer.h[0].attn
+
+    def run():
+        x = torch.randn(micro_batch, cfg.block_size, cfg.n_embd, device=rt.device,
+                        requires_grad=True)  # (B, T, C)
+        with rt.autocast():
+            y = attn(x)
+        y.float().sum().backward()
+
+    # the probe draws random numbers: training's random stream must not notice
+    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+        kernels = attention_kernels(run)
+    model.zero_grad(set_to_none=True)
+    return kernels
+
+
+def wrap(model: GPT, cfg: Config, rt: runtime.Runtime, dist: Dist) -> torch.nn.Module:
+    """system.parallel with several processes: DDP around the model, or FSDP2 sharding it in
+    place. Returns the model to train (the model itself with one process: parallel none)."""
+    if dist.parallel == "none":
+        return model
+    if dist.parallel == "fsdp":
+        return shard(model, cfg.system, rt)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # the only buffer is the constant causal mask: nothing to broadcast each forward
+    no_buffer_sync = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})
+    ids = [rt.device.index] if rt.device.type == "cuda" else None
+    return DDP(model, device_ids=ids, **no_buffer_sync)
+
+
+def shard(model: GPT, system: SystemConfig, rt: runtime.Runtime) -> GPT:
+    """FSDP2: each transformer block its own unit (gathered just before it runs), the rest
+    (embeddings, final norm, tied head) the root unit."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        raise runtime.SetupError(f"--parallel=fsdp needs torch >= 2.6 (FSDP2 fully_shard); this "
+                                 f"is torch {torch.__version__}: upgrade it or use "
+                                 "--parallel=ddp") from None
+    # bf16 weights gathered for compute (half the traffic), gradients reduced in float32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if rt.dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, reshard_after_forward=system.fsdp_reshard, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    # the logits are a slice (a view) of the padded head's output, never modified in place:
+    # FSDP2's warning about returned views does not apply
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+    return model
+
+
+def grad_sync(model: torch.nn.Module) -> Callable[[bool], contextlib.AbstractContextManager] | None:
+    """For train_step: ranks average gradients on the last micro-step only and accumulate their
+    own on the others (DDP no_sync, FSDP2 set_requires_gradient_sync). None with one process."""
+    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    if hasattr(inner, "set_requires_gradient_sync"):  # FSDP2
+        return lambda last: inner.set_requires_gradient_sync(last) or contextlib.nullcontext()
+    if hasattr(inner, "no_sync"):  # DDP
+        return lambda last: contextlib.nullcontext() if last else inner.no_sync()
+    return None
 
 
 def compile_model(model: torch.nn.Module, system: SystemConfig,
                   rt: runtime.Runtime) -> tuple[torch.nn.Module, str]:
-    """torch.compile the model when system.compile is on; returns (model, banner value).
-
-    Checks up front for what TorchInductor needs (a C++ compiler on CPU, Triton on CUDA), because
-    otherwise the failure only surfaces at the first step, deep in a compiler traceback.
-    """
+    """system.compile: torch.compile the model; returns (model, banner value). Checks up front
+    for what TorchInductor needs (a C++ compiler on CPU, Triton on CUDA): otherwise the failure
+    surfaces only at the first step, deep in a compiler traceback."""
     if not system.compile:
         return model, "off"
     device = rt.device.type
@@ -32,6 +322,51 @@ def compile_model(model: torch.nn.Module, system: SystemConfig,
                                  "pip install triton (it ships with the CUDA torch wheels) or "
                                  "use --compile=false")
     note = system.compile_mode
-    if "reduce-overhead" == system.compile_mode and device != "cuda":
+    if system.compile_mode == "reduce-overhead" and device != "cuda":
         note += " (its CUDA graphs need CUDA: plain inductor here)"
     return torch.compile(model, mode=system.compile_mode), note
+
+
+def warm_up(model: torch.nn.Module, raw_model: GPT, rt: runtime.Runtime, batch_size: int) -> None:
+    """Compile every variant the run uses before the first step: a training forward+backward
+    and an evaluation forward at (batch_size, block_size); the shapes never change after, so
+    nothing recompiles. Leaves no gradients, RNG draws or mode change behind."""
+    cfg, device = raw_model.config, rt.device
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), device=device)
+    was_training = model.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        with rt.autocast():
+            _, loss = model(idx, idx)
+        loss.backward()
+        model.eval()
+        with torch.no_grad(), rt.autocast():
+            model(idx, idx)
+    model.train(was_training)
+    raw_model.zero_grad(set_to_none=True)
+
+
+def settings(cfg: Config, rt: runtime.Runtime, notes: Notes) -> dict[str, str]:
+    """What each speedup flag became on this device, in the order the README lists them."""
+    m, d = cfg.model, cfg.data
+    pin = "on" if d.pin_memory and rt.device.type == "cuda" else (
+        "off (needs CUDA)" if d.pin_memory else "off")
+    attention = m.attention + (f" [{', '.join(notes.kernels)}]" if notes.kernels else "")
+    padded = -(-m.vocab_size // m.vocab_pad_multiple) * m.vocab_pad_multiple
+    vocab = f"{m.vocab_size}->{padded}" if padded != m.vocab_size else f"{m.vocab_size}"
+    return {"device": str(rt.device), "causal_mask": m.causal_mask,
+            "tf32": "on" if rt.tf32 else "off", "fused_adamw": notes.fused_adamw,
+            "pin_memory": pin, "dtype": cfg.system.dtype, "norm": m.norm, "gelu": m.gelu,
+            "attention": attention, "compile": notes.compile, "vocab": vocab,
+            "batch": notes.batch}
+
+
+def banner(values: dict[str, str], notes: list[str]) -> str:
+    tail = f"  [{'; '.join(notes)}]" if notes else ""
+    return "speedups: " + " ".join(f"{k}={v}" for k, v in values.items()) + tail
+
+
+def effective(values: dict[str, str]) -> dict[str, str]:
+    """The settings without their explanations ('off (needs CUDA)' -> 'off'), to tell whether a
+    flag changed anything on this device."""
+    return {k: v.split(" (")[0].split(" [")[0] for k, v in values.items()}

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from engine import checkpoint
+from engine import checkpoint, hf
 import load_gpt2_weights as gpt2
 from engine import runlog
 import train
@@ -236,7 +236,7 @@ def test_full_disk_during_gpt2_export_leaves_out_as_it_was(existing, hf_dir, tmp
         (export / "README.md").write_text("mine")
     before = {f.name: f.read_bytes() for f in export.iterdir()} if existing else None
     capsys.readouterr()
-    fail_writes(monkeypatch, (gpt2, "save_file"), SAFETENSORS_FULL)
+    fail_writes(monkeypatch, (hf, "save_file"), SAFETENSORS_FULL)
     assert gpt2.main(["--export", str(run), "--out", str(export)]) == 2
     err = one_line(capsys.readouterr().err)
     assert err == (f"error: cannot write Hugging Face export {export}: no space left on device: "
@@ -264,9 +264,9 @@ def test_outputs_follow_the_umask(umask, dir_mode, file_mode, tmp_path):
     try:
         ckpt = tiny_save(tmp_path / "run", 1)
         model, _, _ = checkpoint.load_model(ckpt)
-        gpt2.write_hf_dir(model, tmp_path / "fresh_export", gpt2_tokenizer=False)
+        hf.write_hf_dir(model, tmp_path / "fresh_export", gpt2_tokenizer=False)
         (tmp_path / "existing_export").mkdir()
-        gpt2.write_hf_dir(model, tmp_path / "existing_export", gpt2_tokenizer=False)
+        hf.write_hf_dir(model, tmp_path / "existing_export", gpt2_tokenizer=False)
     finally:
         os.umask(old)
     for directory in (ckpt, tmp_path / "fresh_export", tmp_path / "existing_export"):

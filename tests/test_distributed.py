@@ -21,6 +21,7 @@ from engine import checkpoint
 from engine import distributed
 from engine import resume
 from engine import runtime
+from engine import techniques
 import train
 from config import Config, ConfigError, SystemConfig, TrainConfig, load_config
 from data.loader import Batches, load_meta
@@ -269,15 +270,15 @@ def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset):
 def test_tokens_per_step_sets_the_accumulation():
     for world, accum in ((1, 32), (2, 16), (8, 4)):
         t = TrainConfig(batch_size=16, grad_accum_steps=32, tokens_per_step=524288)
-        note = distributed.set_global_batch(t, 1024, world)
+        note = techniques.set_global_batch(t, 1024, world)
         assert t.grad_accum_steps == accum
         assert (note == "") == (world == 1)
     t = TrainConfig(batch_size=16, grad_accum_steps=32, tokens_per_step=0)
-    assert distributed.set_global_batch(t, 1024, 8) == "" and t.grad_accum_steps == 32
+    assert techniques.set_global_batch(t, 1024, 8) == "" and t.grad_accum_steps == 32
     with pytest.raises(ConfigError, match=r"16 x 1024 x 3 = 49,152; no batch_size fits 3 "):
-        distributed.set_global_batch(TrainConfig(batch_size=16, tokens_per_step=524288), 1024, 3)
+        techniques.set_global_batch(TrainConfig(batch_size=16, tokens_per_step=524288), 1024, 3)
     with pytest.raises(ConfigError, match=r"use --batch_size=8"):
-        distributed.set_global_batch(TrainConfig(batch_size=12, tokens_per_step=524288), 1024, 2)
+        techniques.set_global_batch(TrainConfig(batch_size=12, tokens_per_step=524288), 1024, 2)
     with pytest.raises(ConfigError, match=r"tokens_per_step=1000 must be a multiple of "
                                           r"batch_size x block_size = 4096"):
         load_config(["--config", "tiny", "--tokens_per_step=1000", "--batch_size=128"])
@@ -295,7 +296,7 @@ def process_group(tmp_path):
 def test_ddp_averages_gradients_on_the_last_micro_step_only(process_group):
     d = distributed.Dist(parallel="ddp")
     rt = runtime.Runtime(device=torch.device("cpu"), dtype=torch.float32, tf32=False, notes=[])
-    ddp = d.wrap(GPT(tiny_model_config()), Config(), rt)
+    ddp = techniques.wrap(GPT(tiny_model_config()), Config(), rt, d)
     reductions = []
 
     def count(state, bucket):  # a comm hook that records each all-reduce and does nothing
@@ -308,7 +309,7 @@ def test_ddp_averages_gradients_on_the_last_micro_step_only(process_group):
     idx = torch.randint(0, 37, (2, 16))
     seen = []
     for micro in range(3):
-        with d.grad_sync(micro == 2):
+        with techniques.grad_sync(ddp)(micro == 2):
             _, loss = ddp(idx, idx)
             loss.backward()
         seen.append(len(reductions))
@@ -316,16 +317,16 @@ def test_ddp_averages_gradients_on_the_last_micro_step_only(process_group):
 
 
 def test_a_stop_signal_waits_for_the_shared_step_boundary():
-    stop = distributed.SyncedStop()
+    stop = resume.SyncedStop()
     stop.request("SIGTERM")  # what the signal handler does on one rank
     assert not stop and stop.pending == "SIGTERM"  # no rank stops alone
     stop.commit("SIGTERM")  # sync_step found it on some rank: every rank stops here
     assert stop and stop.reason == "SIGTERM"
-    other = distributed.SyncedStop()
+    other = resume.SyncedStop()
     other.request("stop_after_iters")  # the same step on every rank: at once
     assert other and other.reason == "stop_after_iters"
-    assert isinstance(distributed.stop_request(distributed.Dist()), resume.StopRequest)
-    assert not isinstance(distributed.stop_request(distributed.Dist()), distributed.SyncedStop)
+    assert isinstance(resume.stop_request(distributed.Dist()), resume.StopRequest)
+    assert not isinstance(resume.stop_request(distributed.Dist()), resume.SyncedStop)
 
 
 def test_launcher_environment_errors(monkeypatch):

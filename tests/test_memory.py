@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import memory, optim, quantize
+from engine import memory, optim, quantize, step, techniques
 import train
 from config import Config, ConfigError, checkpoint_plan, load_config
 from conftest import on_each_device, tiny_model_config
@@ -187,7 +187,7 @@ def test_empty_cache_returns_what_an_evaluation_left_cached(char_dataset):
     meta = load_meta(str(char_dataset))
     model = GPT(tiny_model_config(vocab_size=65, block_size=128, n_embd=64, n_head=4)).to(device)
     val = Batches(meta, "val", 64, 128, seed=1, device=device)  # scores: (64, 4, 128, 128)
-    train.evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
+    step.evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     assert reserved - allocated > 16 * 2**20  # the evaluation's blocks, free but still held
@@ -222,7 +222,7 @@ def test_config_switches_exist_with_defaults():
 def test_bf16_weights_keep_float32_islands_and_master_copy():
     torch.manual_seed(0)
     model = GPT(tiny_model_config(n_layer=2))
-    memory.hold_weights(model, "bfloat16", "ddp", 1)
+    techniques.hold_weights(model, "bfloat16", "ddp", 1)
     groups = model.optimizer_groups(0.1)
     optimizer = optim.MasterWeights(groups, torch.optim.AdamW, lr=1e-2)
     seen = {}
@@ -241,7 +241,7 @@ def test_bf16_weights_keep_float32_islands_and_master_copy():
         assert torch.equal(p, master.to(torch.bfloat16))  # the model holds the rounded masters
     # a resumed optimizer continues from the float32 masters, not from the rounded weights
     other = GPT(tiny_model_config(n_layer=2))
-    memory.hold_weights(other, "bfloat16", "ddp", 1)
+    techniques.hold_weights(other, "bfloat16", "ddp", 1)
     resumed = optim.MasterWeights(other.optimizer_groups(0.1), torch.optim.AdamW, lr=1e-2)
     resumed.load_state_dict(optimizer.state_dict())
     for a, b in zip(resumed.masters, optimizer.masters):
@@ -292,7 +292,7 @@ def test_compiled_run_does_not_recompile_after_warm_up(device):
     model = GPT(tiny_model_config(dropout=0.1)).to(device)  # block_size 16
     compiled = torch.compile(model, backend=counting_backend)
     rt = runtime.setup(SystemConfig(device=device))
-    memory.warm_up_training(compiled, model, rt.device, rt.autocast, batch_size=4)
+    techniques.warm_up(compiled, model, rt, batch_size=4)
     compiled.eval()
     generate.warm_up(compiled, prompt_length=6, max_new_tokens=20, bucket=8)
     warmed = len(compiles)

@@ -20,7 +20,7 @@ import torch
 
 from engine.step import train_step
 from engine import runtime
-from engine import speedups, techniques
+from engine import memory, optim, techniques
 from config import Config, SystemConfig
 from conftest import on_each_device, tiny_model_config
 from data.loader import Batches, load_meta
@@ -53,7 +53,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @on_each_device
 def test_fused_adamw_matches_the_per_parameter_loop(device):
     """Same weights, same gradients, five steps: fused=True lands on the same parameters."""
-    import train
     cfg = Config()
     cfg.model = tiny_model_config()
     reference = GPT(cfg.model).to(device)
@@ -61,9 +60,9 @@ def test_fused_adamw_matches_the_per_parameter_loop(device):
     fused.load_state_dict(reference.state_dict())
     fused.to(device)
     start = [p.detach().clone() for p in reference.parameters()]
-    opt_ref, note_ref = train.make_optimizer(reference, cfg, torch.device(device))
+    opt_ref, note_ref = optim.make_optimizer(reference, cfg, torch.device(device))
     cfg.train.fused_adamw = True
-    opt_fused, note_fused = train.make_optimizer(fused, cfg, torch.device(device))
+    opt_fused, note_fused = optim.make_optimizer(fused, cfg, torch.device(device))
     assert (note_ref, note_fused) == ("off", "on")
     assert opt_fused.defaults["fused"] and not opt_ref.defaults["foreach"]
     for step in range(5):
@@ -219,7 +218,7 @@ def test_pinned_batches_equal_the_plain_ones(char_dataset, device):
     cfg = Config()
     cfg.model = tiny_model_config()
     cfg.data.pin_memory = True
-    values = speedups.settings(cfg, device_runtime(device), "off", "off", "8x1")
+    values = techniques.settings(cfg, device_runtime(device), techniques.Notes(batch="8x1"))
     assert values["pin_memory"] == ("on" if device == "cuda" else "off (needs CUDA)")
 
 
@@ -230,10 +229,10 @@ def test_micro_batch_search_finds_largest_divisor_in_few_trials():
         tried.append(b)
         return b <= 13
 
-    assert speedups.split_global_batch(48, fits) == (12, 4)  # 16 does not fit, 12 divides 48
+    assert techniques.split_global_batch(48, fits) == (12, 4)  # 16 does not fit, 12 divides 48
     assert len(tried) <= 4  # binary search over the 10 divisors of 48
-    assert speedups.split_global_batch(64, lambda b: True) == (64, 1)
-    assert speedups.split_global_batch(64, lambda b: False) is None
+    assert techniques.split_global_batch(64, lambda b: True) == (64, 1)
+    assert techniques.split_global_batch(64, lambda b: False) is None
 
 
 @on_each_device
@@ -276,9 +275,9 @@ def test_auto_micro_batch_off_cuda_says_what_it_kept():
     cfg.model = tiny_model_config()
     cfg.train.batch_size, cfg.train.grad_accum_steps = 8, 3
     model = GPT(cfg.model)
-    assert speedups.auto_micro_batch(cfg, model, cpu_runtime()) == "8x3"
+    assert techniques.auto_micro_batch(cfg, model, cpu_runtime()) == "8x3"
     cfg.train.batch_size_auto = True
-    note = speedups.auto_micro_batch(cfg, model, cpu_runtime())
+    note = techniques.auto_micro_batch(cfg, model, cpu_runtime())
     assert note == "8x3 (batch_size_auto needs CUDA: kept)"
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 3)
 
@@ -292,23 +291,23 @@ def test_auto_micro_batch_finds_the_largest_size_that_fits(monkeypatch):
     rt = device_runtime("cuda")
     model = GPT(cfg.model).to(rt.device)
     cfg.train.batch_size, cfg.train.grad_accum_steps = 4, 16
-    assert speedups.auto_micro_batch(cfg, model, rt) == "4x16"  # the flag is off: kept
+    assert techniques.auto_micro_batch(cfg, model, rt) == "4x16"  # the flag is off: kept
     cfg.train.batch_size_auto = True
-    assert speedups.auto_micro_batch(cfg, model, rt) == "64x1 (auto, of 64 per step)"
+    assert techniques.auto_micro_batch(cfg, model, rt) == "64x1 (auto, of 64 per step)"
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (64, 1)
     assert all(p.grad is None for p in model.parameters())  # the trials leave no gradients
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    speedups._trial_step(model, rt, 8)
+    techniques._trial_step(model, rt, 8)
     need = torch.cuda.max_memory_reserved()
     model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     # auto_micro_batch's budget is MEMORY_HEADROOM x (free + reserved): make it 1.1 x need
-    monkeypatch.setattr(speedups, "MEMORY_HEADROOM",
+    monkeypatch.setattr(techniques, "MEMORY_HEADROOM",
                         1.1 * need / (free + torch.cuda.memory_reserved()))
     cfg.train.batch_size, cfg.train.grad_accum_steps = 4, 16
-    assert speedups.auto_micro_batch(cfg, model, rt) == "8x8 (auto, of 64 per step)"
+    assert techniques.auto_micro_batch(cfg, model, rt) == "8x8 (auto, of 64 per step)"
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 8)
 
 
@@ -319,10 +318,10 @@ def test_auto_micro_batch_finds_the_largest_size_that_fits(monkeypatch):
 ])
 def test_attention_kernel_report(attention, mask, expected):
     model = GPT(tiny_model_config(attention=attention, causal_mask=mask))
-    assert speedups.probe_attention(model, cpu_runtime(), micro_batch=2) == expected
+    assert techniques.probe_attention(model, cpu_runtime(), micro_batch=2) == expected
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no trace
     x, y = tiny_batch(model.config)
-    assert speedups.attention_kernels(lambda: model(x, y)[1].backward()) == expected
+    assert techniques.attention_kernels(lambda: model(x, y)[1].backward()) == expected
 
 
 @pytest.mark.cuda
@@ -338,7 +337,7 @@ def test_sdpa_picks_flash_on_cuda_for_16_bit_causal_attention(dtype, mask, flash
     cfg = tiny_model_config(n_embd=128, n_head=2, block_size=64, attention="sdpa",
                             causal_mask=mask)  # head size 64, as GPT-2's
     model = GPT(cfg).cuda()
-    kernels = speedups.probe_attention(model, device_runtime("cuda", dtype), micro_batch=2)
+    kernels = techniques.probe_attention(model, device_runtime("cuda", dtype), micro_batch=2)
     assert kernels, "no scaled_dot_product_attention kernel was recorded"
     assert ("flash" in kernels) == flash, kernels
 
@@ -368,7 +367,7 @@ def test_flash_kernel_matches_the_math_kernel_and_the_reference(dtype, device):
         return logits.float(), loss.item(), [p.grad.clone() for p in model.parameters()]
 
     out = {}
-    kernels = speedups.attention_kernels(lambda: out.update(flash=run(SDPBackend.FLASH_ATTENTION)))
+    kernels = techniques.attention_kernels(lambda: out.update(flash=run(SDPBackend.FLASH_ATTENTION)))
     assert kernels == (["flash"] if device == "cuda" else ["flash (cpu)"])
     out["math"] = run(SDPBackend.MATH)
     (f_logits, f_loss, f_grads), (m_logits, m_loss, m_grads) = out["flash"], out["math"]
@@ -390,16 +389,17 @@ def test_banner_names_every_flag_and_each_fallback():
     cfg.train.batch_size_auto = True
     rt = runtime.setup(cfg.system)
     model = GPT(cfg.model)
-    batch_note = speedups.auto_micro_batch(cfg, model, rt)
-    values = speedups.settings(cfg, rt, "on", "off", batch_note, ["flash (cpu)"])
+    batch_note = techniques.auto_micro_batch(cfg, model, rt)
+    values = techniques.settings(cfg, rt, techniques.Notes(batch=batch_note, fused_adamw="on",
+                                                       kernels=["flash (cpu)"]))
     assert list(values) == ["device", "causal_mask", "tf32", "fused_adamw", "pin_memory", "dtype",
                             "norm", "gelu", "attention", "compile", "vocab", "batch"]
-    line = speedups.banner(values, rt.notes)
+    line = techniques.banner(values, rt.notes)
     for part in ("tf32=off", "pin_memory=off (needs CUDA)", "vocab=65->128",
                  "batch=32x1 (batch_size_auto needs CUDA: kept)", "attention=scratch [flash (cpu)]",
                  "[tf32 needs CUDA: off]"):
         assert part in line, part
-    same = speedups.effective(values)
+    same = techniques.effective(values)
     assert same["pin_memory"] == "off" and same["batch"] == "32x1"
 
 
@@ -416,26 +416,26 @@ def test_compile_without_a_compiler_is_refused(monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reset is Linux's")
 def test_cpu_peak_memory_tracks_and_resets():
     device = torch.device("cpu")
-    speedups.reset_peak_memory(device)
-    before = speedups.peak_memory(device)["rss"]
+    memory.reset_peak_memory(device)
+    before = memory.peak_memory(device)["rss"]
     big = torch.ones(64 * 2**20)  # 256 MiB, touched
     del big
-    peak = speedups.peak_memory(device)["rss"]
+    peak = memory.peak_memory(device)["rss"]
     assert peak >= before + 200 * 2**20
-    speedups.reset_peak_memory(device)
-    assert speedups.peak_memory(device)["rss"] < peak - 100 * 2**20
+    memory.reset_peak_memory(device)
+    assert memory.peak_memory(device)["rss"] < peak - 100 * 2**20
 
 
 @pytest.mark.cuda
 def test_cuda_peak_memory_tracks_and_resets():
     device = torch.device("cuda")
-    speedups.reset_peak_memory(device)
-    before = speedups.peak_memory(device)
+    memory.reset_peak_memory(device)
+    before = memory.peak_memory(device)
     assert set(before) == {"allocated", "reserved"}
     big = torch.ones(64 * 2**20, device=device)  # 256 MiB
     del big
-    peak = speedups.peak_memory(device)
+    peak = memory.peak_memory(device)
     assert peak["allocated"] >= before["allocated"] + 256 * 2**20
     assert peak["reserved"] >= peak["allocated"]
-    speedups.reset_peak_memory(device)
-    assert speedups.peak_memory(device)["allocated"] < peak["allocated"] - 200 * 2**20
+    memory.reset_peak_memory(device)
+    assert memory.peak_memory(device)["allocated"] < peak["allocated"] - 200 * 2**20
