@@ -444,7 +444,13 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
             line.wants_help = True
             continue
         if not arg.startswith("--") or len(arg) <= 2:
-            line.problems.append(f"unexpected argument {arg!r}; overrides look like --key=value")
+            # a script may name one option that also takes a bare argument (ClassVar positional)
+            positional = getattr(script, "positional", None)
+            if positional and positional not in dict(line.script):
+                line.script.append((positional, arg))
+            else:
+                line.problems.append(f"unexpected argument {arg!r}; overrides look like "
+                                     "--key=value")
             continue
         option = script_field(script, arg)
         if option is not None and "=" not in arg and _field_types(script)[option.name] is bool \
@@ -522,8 +528,10 @@ def _option_line(setting: str, f: dataclasses.Field) -> str:
 def _script_help(prog: str, options: Any) -> list[str]:
     lines = [f"[{prog} options]"]
     for f in dataclasses.fields(options):
-        value = getattr(options, f.name)
-        lines.append(_option_line(f"--{f.name.replace('_', '-')}={value!r}", f))
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.name == getattr(options, "positional", None):
+            flag = f"[{f.name.upper()} | {flag}]"
+        lines.append(_option_line(f"{flag}={getattr(options, f.name)!r}", f))
     return lines + [""]
 
 
@@ -561,6 +569,17 @@ def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | 
     for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
         lines += _section_help(section, cfg, from_file, line.config_name)
     return "\n".join(lines)
+
+
+def command_line_keys(argv: list[str], section: str, script: type | None = None) -> list[str]:
+    """The keys of `section` that argv sets itself (as --section.key or as an unambiguous --key),
+    for a script whose source (a checkpoint) has its own values for the rest."""
+    owners, keys = _all_keys(), []
+    for key, _ in parse_command_line(argv, script).overrides:
+        prefix, _, name = key.rpartition(".")
+        if prefix == section or (not prefix and owners.get(name) == [section]):
+            keys.append(name)
+    return keys
 
 
 def load_config(argv: list[str], prog: str = "train.py", script: type | None = None,
