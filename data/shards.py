@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from data.loader import DataError, _write_atomic, token_dtype
+from data.dataset import DataError, token_dtype, write_atomic
 from engine.tokenizer import GPT2Tokenizer
 
 if TYPE_CHECKING:
@@ -387,7 +387,7 @@ class ShardWriter:
         self.uncommitted = 0
 
     def _write_state(self) -> None:
-        _write_atomic(self.out / STATE_FILE, json.dumps(self.state).encode())
+        write_atomic(self.out / STATE_FILE, json.dumps(self.state).encode())
 
     def close_shard(self, batch: Batch | None) -> None:
         """Commit the full shard as 'closing', rename it into place, then start the next one."""
@@ -442,7 +442,7 @@ def write_meta(out_dir: Path, state: dict, source: Source) -> dict:
     meta = {"vocab_size": tok.vocab_size, "dtype": settings["dtype"], "tokenizer": tok.meta(),
             "splits": counts, "shards": shards, "shard_tokens": settings["shard_tokens"],
             "documents": state["pos"]["doc"], "source": source.describe(), "settings": settings}
-    _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
     return meta
 
 

@@ -18,24 +18,10 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from data.loader import Batches, DataError
+from data.dataset import DataError, Tokens
+from data.loader import Batches
 
 WAIT_S = 1.0  # how often a waiting trainer checks that the workers are alive
-
-
-def _reader(meta: dict, split: str, block_size: int):
-    """An object with the loader's rows(starts) for this split, without torch."""
-    reader = Batches.__new__(Batches, meta)
-    if "shards" in meta:
-        from data.loader import open_shards
-        reader.shards = open_shards(meta, split)
-        reader.lengths = np.array([len(m) for m in reader.shards], dtype=np.int64)
-        reader.offsets = np.concatenate([[0], np.cumsum(reader.lengths)])
-    else:
-        from data.loader import open_split
-        reader.data = open_split(meta, split, block_size)
-    reader.block_size = block_size
-    return reader
 
 
 def _work(meta: dict, split: str, block_size: int, shm_name: str, shape: tuple,
@@ -43,7 +29,7 @@ def _work(meta: dict, split: str, block_size: int, shm_name: str, shape: tuple,
     """Worker loop: (slot, starts) in, rows written into the slot, slot number out."""
     shm = shared_memory.SharedMemory(name=shm_name)
     ring = np.ndarray(shape, dtype=np.int64, buffer=shm.buf)  # (slots, B, T+1)
-    reader = _reader(meta, split, block_size)
+    reader = Tokens(meta, split, block_size)
     try:
         while (task := tasks.get()) is not None:
             slot, starts = task

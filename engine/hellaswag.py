@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from config import Config, ConfigError, command_line_keys, load_config, opt
-from data.loader import DataError
+from data.dataset import DataError
 from engine import checkpoint, runtime, sources
 from engine.runtime import Runtime
 from engine.tokenizer import GPT2Tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from config import Config, ConfigError
-from data.loader import DataError, check_vocab, load_meta
+from data.dataset import DataError, check_vocab, load_meta
 from engine import checkpoint, hf
 from model import GPT
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import Batches, DataError, check_vocab, load_meta, write_dataset
+from data.dataset import DataError, check_vocab, load_meta, write_dataset
+from data.loader import Batches
 from data.shakespeare_char.prepare import SOURCE
 from engine.tokenizer import CharTokenizer, TokenizerError
 
@@ -68,7 +69,7 @@ def test_fixed_eval_batches_repeat(char_dataset):
 
 
 def test_missing_dataset_names_prepare_command(tmp_path, monkeypatch):
-    import data.loader as loader
+    import data.dataset as loader
     (tmp_path / "mydata").mkdir()
     (tmp_path / "mydata" / "prepare.py").write_text("")
     monkeypatch.setattr(loader, "DATA_DIR", tmp_path)

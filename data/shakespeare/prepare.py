@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from data.loader import write_dataset  # noqa: E402
+from data.dataset import write_dataset  # noqa: E402
 from engine.tokenizer import GPT2Tokenizer  # noqa: E402
 
 SOURCE = REPO_ROOT / "data" / "tinyshakespeare.txt"

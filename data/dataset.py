@@ -1,0 +1,147 @@
+"""A dataset on disk: meta.json (dtype, vocab size, tokenizer, token counts) and its tokens as
+flat numpy uint16/uint32 ids, in one of two layouts:
+    train.bin + val.bin        one file per split (small corpora, e.g. data/shakespeare_char)
+    train_000000.bin, ...      fixed-size shards listed under meta.json's "shards" (corpora of
+                               any size, written by data/shards.py)
+Checked against the model (vocabulary, tokenizer) before training. numpy only: the preparation
+and loader worker processes import this without torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+DATA_DIR = Path(__file__).resolve().parent
+
+
+class DataError(ValueError):
+    """A dataset that is missing, malformed or does not fit the model."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_dataset(out_dir: Path, tokenizer, train_ids, val_ids, source: str = "") -> dict:
+    """Write train.bin, val.bin and meta.json (last, so a dataset with a meta.json is complete)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    counts = {}
+    for split, ids in (("train", train_ids), ("val", val_ids)):
+        arr = np.asarray(ids, dtype=dtype)
+        write_atomic(out_dir / f"{split}.bin", arr.tobytes())
+        counts[split] = int(arr.size)
+    meta = {"vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
+            "tokenizer": tokenizer.meta(), "splits": counts, "source": source}
+    write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    return meta
+
+
+def dataset_dir(name: str) -> Path:
+    """A bare dataset name is a folder under data/; anything else is a path to the folder."""
+    path = Path(name)
+    return DATA_DIR / name if len(path.parts) == 1 and not path.is_absolute() else path
+
+
+def prepare_command(name: str) -> str:
+    if (DATA_DIR / name / "prepare.py").is_file():
+        return f"python data/{name}/prepare.py"
+    return f"a prepare script (none found at data/{name}/prepare.py)"
+
+
+def load_meta(name: str) -> dict:
+    """Read and check a dataset's meta.json; errors say which prepare command to run."""
+    folder = dataset_dir(name)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        raise DataError(f"dataset '{name}' is not prepared: {meta_path} is missing; "
+                        f"run {prepare_command(name)}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        vocab_size, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
+        meta["tokenizer"]["kind"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{meta_path} is malformed ({e!r}); re-run {prepare_command(name)}") from None
+    if dtype != token_dtype(vocab_size) and dtype != np.uint32:
+        raise DataError(f"{meta_path}: dtype {dtype} cannot hold a vocabulary of {vocab_size}")
+    meta["dir"] = str(folder)
+    return meta
+
+
+def open_split(meta: dict, split: str, block_size: int) -> np.memmap:
+    """The memory map of a single-file split (train.bin / val.bin), at least one window long."""
+    path = Path(meta["dir"]) / f"{split}.bin"
+    if not path.is_file():
+        raise DataError(f"{path} is missing; re-run the dataset's prepare script")
+    dtype = np.dtype(meta["dtype"])
+    n = path.stat().st_size // dtype.itemsize
+    if n == 0:
+        raise DataError(f"{path} is empty; re-run the dataset's prepare script")
+    if n < block_size + 1:
+        raise DataError(f"{path} has {n} tokens, fewer than one block of block_size+1 = "
+                        f"{block_size + 1}; use a smaller --block_size or more data")
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+
+def open_shards(meta: dict, split: str) -> list[np.memmap]:
+    """Memory maps of a split's shards, each checked against the size meta.json records."""
+    folder = Path(meta["dir"])
+    entries = meta["shards"].get(split) or []
+    if not entries:
+        raise DataError(f"{folder / 'meta.json'} lists no {split} shards; prepare the dataset "
+                        "again")
+    dtype = np.dtype(meta["dtype"])
+    maps = []
+    for entry in entries:
+        path, tokens = folder / entry["file"], int(entry["tokens"])
+        size = path.stat().st_size if path.is_file() else None
+        if size != tokens * dtype.itemsize:
+            found = "missing" if size is None else f"{size} bytes, not {tokens * dtype.itemsize}"
+            raise DataError(f"shard {path} is {found}; the folder was changed after "
+                            f"preparation: delete {folder} and prepare it again")
+        maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(tokens,)))
+    return maps
+
+
+class Tokens:
+    """A split's token files as one sequence numbered across files: rows(starts) reads (B, T+1)
+    windows, none crossing a file's end. Used by the loader and its worker processes."""
+
+    def __init__(self, meta: dict, split: str, block_size: int):
+        sharded = "shards" in meta
+        self.files = open_shards(meta, split) if sharded else [open_split(meta, split, block_size)]
+        self.lengths = np.array([len(m) for m in self.files], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])  # global start of file i
+        self.block_size = block_size
+
+    def rows(self, starts: np.ndarray) -> np.ndarray:
+        """(B, T+1) int64 token rows starting at the global offsets `starts`."""
+        T = self.block_size
+        file = np.searchsorted(self.offsets, starts, side="right") - 1
+        local = np.asarray(starts) - self.offsets[file]
+        return np.stack([np.asarray(self.files[i][j:j + T + 1], dtype=np.int64)
+                         for i, j in zip(file, local)])
+
+
+def check_vocab(meta: dict, model_vocab: int, tokenizer_kind: str | None = None) -> None:
+    """The data's ids must fit the model's embedding; the tokenizer must be the model's."""
+    if meta["vocab_size"] > model_vocab:
+        raise DataError(f"dataset {meta['dir']} has vocab_size {meta['vocab_size']} but the model "
+                        f"has {model_vocab}; train on data made with the model's tokenizer")
+    kind = meta["tokenizer"]["kind"]
+    if tokenizer_kind is not None and kind != tokenizer_kind:
+        raise DataError(f"dataset {meta['dir']} was tokenized with '{kind}' but the model uses "
+                        f"'{tokenizer_kind}'; prepare the data with the model's tokenizer")
