@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from config import Config, ConfigError, TrainConfig, load_config, opt
+from config import Config, ConfigError, load_config, opt
 from data.loader import Batches, DataError
 from data.workers import SharedMemoryBatches
 from engine import checkpoint, distributed, hellaswag, memory, resume, runlog, runtime, techniques
@@ -67,20 +67,6 @@ class Run:
         return t.batch_size * self.cfg.model.block_size * t.grad_accum_steps * self.dist.world_size
 
 
-def resolve_init(t: TrainConfig) -> None:
-    """init_from=auto becomes resume or scratch; any other start refuses an out_dir that holds
-    another run's checkpoints (it would mix with them, pruning would delete them, and its
-    metrics would be overwritten)."""
-    checkpoint.recover(t.out_dir)  # a save killed part-way: tidy up before looking
-    latest = checkpoint.latest_checkpoint(t.out_dir)
-    if t.init_from == "auto":
-        t.init_from = "resume" if latest is not None else "scratch"
-    if t.init_from != "resume" and latest is not None:
-        raise ConfigError(f"{t.out_dir} already holds a run (latest checkpoint {latest.name}); "
-                          "continue it with --init_from=resume, or start a new run in another "
-                          "--out_dir (or delete that one)")
-
-
 def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed.Dist
                  ) -> tuple[Batches, dict[str, Batches], dict[str, list]]:
     """This rank's training batches (prefetched, or read ahead by worker processes, as
@@ -101,7 +87,7 @@ def build_run(cfg: Config, dist: distributed.Dist) -> Run:
     rt = runtime.setup(dist.system(cfg.system))
     with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
         meta = dataset_meta(cfg)
-        resolve_init(cfg.train)
+        resume.resolve_init(cfg.train)
         raw_model, source = build_model(cfg, meta, rt.device)
     resuming = cfg.train.init_from == "resume"
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if resuming else -1,
@@ -204,7 +190,7 @@ def train(cfg: Config) -> dict:
     guard = resume.NonFiniteGuard(t.max_nonfinite_steps)
     grad_sync = techniques.grad_sync(run.model)
     # SIGINT/SIGTERM: save at the next step, exit (every rank at the same step)
-    with resume.stop_request(dist) as stop, run.log:
+    with resume.StopRequest(synced=dist.enabled) as stop, run.log:
         while True:
             if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
                 evaluate_and_save(run, step, (x, y), stop, keep=step > start_step)
@@ -239,16 +225,6 @@ def train(cfg: Config) -> dict:
     return summary
 
 
-def estimate_only(cfg: Config) -> str:
-    """The start-up memory estimate, without building the model (vocab_size from the data)."""
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = dataset_meta(cfg)["vocab_size"]
-    world = distributed.launch_env()[2]
-    params = memory.parameter_count(cfg.model)
-    return (f"model: {params / 1e6:.2f}M parameters, {world} process(es)\n"
-            + memory.format_estimate(memory.estimate(cfg, world), cfg))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done (or stopped by stop_after_iters), 2 bad input, 3 stopped on NaN/inf,
     4 another process of a distributed run died or hung, 128 + N stopped by signal N after
@@ -257,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
                                    script=TrainOptions)
-        if options.estimate_memory:
-            print(estimate_only(cfg))
+        if options.estimate_memory:  # without building the model: vocab_size from the data
+            cfg.model.vocab_size = cfg.model.vocab_size or dataset_meta(cfg)["vocab_size"]
+            print(memory.describe(cfg, distributed.launch_env()[2]))
             return 0
         summary = train(cfg)
     except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
@@ -275,13 +252,10 @@ def main(argv: list[str] | None = None) -> int:
               "space there, or pass --out_dir=<a directory on a disk with room>", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        if not distributed.collective_failed(e):
+        message = distributed.collective_failure(e, cfg.system.dist_timeout)
+        if message is None:
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        print(f"{where}error: waiting for the other processes failed ({first}): another rank "
-              "died (its error is in the launcher's summary) or did not answer within "
-              f"--dist_timeout={cfg.system.dist_timeout:g} seconds; a rank that is only slow (a "
-              "long save or evaluation) needs a larger --dist_timeout", file=sys.stderr)
+        print(f"{where}error: {message}", file=sys.stderr)
         return 4
     reason = summary["stop_reason"]
     if reason == "nonfinite":

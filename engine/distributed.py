@@ -312,11 +312,16 @@ def record(main):
     return elastic_record(main)
 
 
-def collective_failed(e: BaseException) -> bool:
-    """A collective that timed out or lost a peer (another rank died or hung). gloo raises a
-    plain RuntimeError, recognisable by its text."""
-    if isinstance(e, getattr(torch_dist, "DistError", ())):
-        return True
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and torch_dist.is_initialized() and \
-        any(w in text for w in ("gloo", "nccl", "timed out", "closed by peer"))
+def collective_failure(e: BaseException, timeout_s: float) -> str | None:
+    """The error to show when a collective timed out or lost a peer (another rank died or hung);
+    None for any other error. gloo raises a plain RuntimeError, recognisable by its text."""
+    text = str(e).strip()
+    if not isinstance(e, getattr(torch_dist, "DistError", ())) and not (
+            isinstance(e, RuntimeError) and torch_dist.is_initialized()
+            and any(w in text.lower() for w in ("gloo", "nccl", "timed out", "closed by peer"))):
+        return None
+    first = text.splitlines()[0][:300] if text else type(e).__name__
+    return (f"waiting for the other processes failed ({first}): another rank died (its error is "
+            f"in the launcher's summary) or did not answer within --dist_timeout={timeout_s:g} "
+            "seconds; a rank that is only slow (a long save or evaluation) needs a larger "
+            "--dist_timeout")

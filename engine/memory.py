@@ -1,7 +1,7 @@
 """How much memory a run takes: estimated before anything is allocated, measured after.
 
     estimate / format_estimate   bytes of weights, gradients, AdamW state and activations per
-                                 process (printed at start; `python train.py --estimate-memory`)
+                                 process (printed at start; describe: `train.py --estimate-memory`)
     reset_peak_memory / peak_memory   the measured peak: CUDA max allocated/reserved, CPU peak RSS
     release_cached               system.empty_cache: hand cached CUDA blocks back at phase
                                  boundaries (after evaluation, sampling, checkpointing)
@@ -134,6 +134,12 @@ def format_estimate(e: MemoryEstimate, cfg: Config) -> str:
     return (f"memory estimate: {body} = {size_text(e.total)} per process "
             f"(micro-batch {cfg.train.batch_size}x{cfg.model.block_size}, {cfg.system.dtype}, "
             f"checkpointing={cfg.model.activation_checkpointing})")
+
+
+def describe(cfg: Config, world_size: int) -> str:
+    """`python train.py --estimate-memory`: the estimate, without building the model."""
+    return (f"model: {parameter_count(cfg.model) / 1e6:.2f}M parameters, {world_size} "
+            f"process(es)\n" + format_estimate(estimate(cfg, world_size), cfg))
 
 
 def release_cached(device: torch.device, enabled: bool) -> bool:

@@ -7,6 +7,7 @@ non-finite steps.
         every RNG (Python, numpy, torch CPU, CUDA or MPS; every rank's). Under FSDP the full
         weights and optimizer state are gathered onto rank 0, so a checkpoint has the
         single-process format and any world size resumes it.
+    resolve_init     init_from=auto -> resume or scratch; an out_dir holding another run refused
     StopRequest      SIGINT/SIGTERM (or a step budget) ask the loop to save a checkpoint and exit
                      at the next step boundary; a second signal stops at once
     NonFiniteGuard   a step whose loss or gradient norm is NaN/inf is skipped (no update) and
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from config import Config
+from config import Config, ConfigError, TrainConfig
 from engine import checkpoint
 from engine.checkpoint import CheckpointError
 from engine.distributed import SIGNALS, Dist, full_tensor
@@ -105,24 +106,11 @@ def _as_tuples(value):
     return value
 
 
-def capture_train_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                        batches, next_batch: tuple[torch.Tensor, torch.Tensor],
-                        counters: Counters, device: torch.device) -> dict:
-    """The contents of train_state.pt. `next_batch` is the (x, y) already fetched for the next
-    step: the loader's position is past it, so it is stored rather than drawn again."""
-    x, y = next_batch
-    return {"format": STATE_FORMAT, "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "data": batches.state_dict(),
-            "next_batch": {"x": x.detach().cpu(), "y": y.detach().cpu()},
-            "rng": rng_state(device), "counters": asdict(counters)}
-
-
 def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
                         scaler: torch.amp.GradScaler, batches, device: torch.device,
                         source: str) -> tuple[Counters, tuple, list[str]]:
-    """Load a capture_train_state() dict into a freshly built run. Returns the counters, the
-    batch for the next step and notes for the log. Call it after the model is built (building
-    draws from the RNG) and before the first step."""
+    """Load a capture() dict into a freshly built run: returns the counters, the batch for the
+    next step and notes for the log."""
     if state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"{source} has train state format {state.get('format')!r}, this "
                               f"code reads format {STATE_FORMAT}; start a new run from its "
@@ -149,21 +137,42 @@ def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
     return counters, next_batch, notes
 
 
+def resolve_init(t: TrainConfig) -> None:
+    """init_from=auto becomes resume or scratch; any other start refuses an out_dir that holds
+    another run's checkpoints (it would mix with them, pruning would delete them, and its
+    metrics would be overwritten)."""
+    checkpoint.recover(t.out_dir)  # a save killed part-way: tidy up before looking
+    latest = checkpoint.latest_checkpoint(t.out_dir)
+    if t.init_from == "auto":
+        t.init_from = "resume" if latest is not None else "scratch"
+    if t.init_from != "resume" and latest is not None:
+        raise ConfigError(f"{t.out_dir} already holds a run (latest checkpoint {latest.name}); "
+                          "continue it with --init_from=resume, or start a new run in another "
+                          "--out_dir (or delete that one)")
+
+
 def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler, batches, next_batch: tuple[torch.Tensor, torch.Tensor],
             counters: Counters, device: torch.device) -> dict | None:
-    """capture_train_state with what the other ranks hold added: the next global batch and every
-    rank's RNG. Every rank must call it (they gather); returns None on ranks > 0."""
+    """The contents of train_state.pt, on rank 0 (None on the others; every rank must call it:
+    they gather). next_batch is the (x, y) already fetched for the next step: the loader's
+    position is past it, so it is stored (every rank's rows) rather than drawn again."""
+    x, y = next_batch
     if dist.enabled:  # rank r's rows are global[r::W]: (B, W, T) -> (W*B, T)
-        next_batch = tuple(torch.stack(dist.all_gather(t), dim=1).flatten(0, 1)
-                           for t in next_batch)
-    rank_rng = gather_rng(dist, device) if dist.enabled else None
-    state = capture_train_state(full_state(dist, model, optimizer), scaler, batches, next_batch,
-                                counters, device)
+        x, y = (torch.stack(dist.all_gather(t), dim=1).flatten(0, 1) for t in next_batch)
+        rngs = {"torch": torch.get_rng_state()}  # each rank's dropout stream
+        if device.type == "cuda":
+            rngs["cuda"] = torch.cuda.get_rng_state(device)
+        rank_rng = {key: torch.stack(dist.all_gather(rng)) for key, rng in rngs.items()}
+    optimizer_state = full_state(dist, model, optimizer).state_dict()
     if not dist.is_main:
         return None
-    state["world_size"] = dist.world_size
-    if rank_rng is not None:
+    state = {"format": STATE_FORMAT, "optimizer": optimizer_state,
+             "scaler": scaler.state_dict(), "data": batches.state_dict(),
+             "next_batch": {"x": x.detach().cpu(), "y": y.detach().cpu()},
+             "rng": rng_state(device), "counters": asdict(counters),
+             "world_size": dist.world_size}
+    if dist.enabled:
         state["rank_rng"] = rank_rng
     return state
 
@@ -184,14 +193,6 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
                                 (state.get("world_size", 1), dist.world_size))
     return counters, next_batch, notes + restore_rank_rng(dist, state, cfg.system.seed,
                                                           counters.step)
-
-
-def gather_rng(dist: Dist, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every rank's torch RNG state (CPU, and its own GPU's), stacked (W, n)."""
-    states = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return {key: torch.stack(dist.all_gather(state)) for key, state in states.items()}
 
 
 def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> list[str]:
@@ -320,16 +321,26 @@ class StopRequest:
     """Why the loop should stop early, if it should. As a context manager it turns SIGINT and
     SIGTERM into a request to save a checkpoint and exit at the next step boundary (a cluster's
     preemption notice is a SIGTERM); a second signal restores the default handlers and stops at
-    once."""
+    once. synced (several processes): a signal reaches the ranks at different moments, or only
+    one of them, so it is only marked pending; Dist.sync_step shares it and commits it on every
+    rank at the same step boundary."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, synced: bool = False) -> None:
+        self.synced = synced
         self.reason: str | None = None
+        self.pending: str | None = None  # a signal not yet shared (synced only)
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
 
     def request(self, reason: str) -> None:
+        if self.synced and reason in SIGNALS:
+            self.pending = self.pending or reason
+        else:  # stop_after_iters, nonfinite: every rank reaches these at the same step
+            self.commit(reason)
+
+    def commit(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
 
@@ -366,32 +377,8 @@ class StopRequest:
         self._restore()
 
 
-class SyncedStop(StopRequest):
-    """StopRequest for several processes. A signal reaches the ranks at different moments (or
-    only one of them), so here it is only marked pending; Dist.sync_step shares it and every
-    rank stops at the same step boundary, saves together and exits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: str | None = None
-
-    def request(self, reason: str) -> None:
-        if reason in SIGNALS:
-            self.pending = self.pending or reason
-        else:  # stop_after_iters, nonfinite: every rank reaches these at the same step
-            super().request(reason)
-
-    def commit(self, reason: str) -> None:
-        super().request(reason)
-
-
-def stop_request(dist: Dist) -> StopRequest:
-    return SyncedStop() if dist.enabled else StopRequest()
-
-
 class NonFiniteGuard:
     """Counts steps whose loss or gradient norm is not finite; such a step must be skipped.
-
     check() syncs the device once per step (the loop needs the answer before it updates)."""
 
     def __init__(self, limit: int):

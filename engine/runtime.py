@@ -1,8 +1,5 @@
-"""Runtime setup shared by train.py, generate.py and bench.py: device, seeds, threads, precision
-(autocast dtype and TF32), and the device's peak FLOP/s for MFU.
-
-Each system flag is read here and nowhere else; `describe` turns what was honoured into the one
-start-up banner line.
+"""Runtime setup shared by every script: device, seeds, threads, precision (autocast dtype and
+TF32), and the device's peak FLOP/s for MFU. system.device/threads/seed/dtype/tf32 are read here.
 """
 from __future__ import annotations
 
@@ -44,11 +41,7 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype
     tf32: bool
-    notes: list[str]
-
-    @property
-    def device_type(self) -> str:
-        return self.device.type
+    notes: list[str]  # what was not honoured, for the banner
 
     def autocast(self):
         """Mixed precision for the forward pass; a no-op in float32."""
@@ -91,19 +84,15 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
 def setup(system: SystemConfig) -> Runtime:
     """Apply the system section: device, threads, seeds, TF32, precision checks."""
     device = resolve_device(system.device)
     notes: list[str] = []
     if system.threads:
         torch.set_num_threads(system.threads)
-    seed_everything(system.seed)
+    random.seed(system.seed)
+    np.random.seed(system.seed)
+    torch.manual_seed(system.seed)  # also seeds every CUDA device
     dtype = DTYPES[system.dtype]
     if dtype == torch.bfloat16:
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -122,7 +111,7 @@ def setup(system: SystemConfig) -> Runtime:
                      ": off")
         tf32 = False
     if device.type == "cuda":
-        # Reference path keeps full float32 matmuls; TF32 only when asked for.
+        # the reference path keeps full float32 matmuls: TF32 only when asked for
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
     return Runtime(device=device, dtype=dtype, tf32=tf32, notes=notes)
@@ -141,12 +130,3 @@ def peak_flops(rt: Runtime, override: float = 0.0) -> float:
                 return half
             return tf32 if rt.tf32 else fp32
     return 0.0
-
-
-def device_name(rt: Runtime) -> str:
-    if rt.device.type == "cuda":
-        return torch.cuda.get_device_name(rt.device)
-    if rt.device.type == "cpu":
-        import platform
-        return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    return rt.device.type

@@ -258,8 +258,8 @@ def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     saved = Batches(meta, "train", 4, 16, seed=1)
     x, y = saved.next()  # the next global batch, as two processes save it
-    state = resume.capture_train_state(optimizer, scaler, saved, (x, y), resume.Counters(),
-                                         torch.device("cpu"))
+    state = resume.capture(distributed.Dist(), model, optimizer, scaler, saved, (x, y),
+                           resume.Counters(), torch.device("cpu"))
     for rank in range(2):
         batches = Batches(meta, "train", 2, 16, seed=1, rank=rank, world_size=2)
         _, (xr, yr), notes = resume.restore_train_state(state, optimizer, scaler, batches,
@@ -317,16 +317,17 @@ def test_ddp_averages_gradients_on_the_last_micro_step_only(process_group):
 
 
 def test_a_stop_signal_waits_for_the_shared_step_boundary():
-    stop = resume.SyncedStop()
+    stop = resume.StopRequest(synced=True)
     stop.request("SIGTERM")  # what the signal handler does on one rank
     assert not stop and stop.pending == "SIGTERM"  # no rank stops alone
     stop.commit("SIGTERM")  # sync_step found it on some rank: every rank stops here
     assert stop and stop.reason == "SIGTERM"
-    other = resume.SyncedStop()
+    other = resume.StopRequest(synced=True)
     other.request("stop_after_iters")  # the same step on every rank: at once
     assert other and other.reason == "stop_after_iters"
-    assert isinstance(resume.stop_request(distributed.Dist()), resume.StopRequest)
-    assert not isinstance(resume.stop_request(distributed.Dist()), resume.SyncedStop)
+    alone = resume.StopRequest()
+    alone.request("SIGTERM")  # one process: at once
+    assert alone and alone.reason == "SIGTERM"
 
 
 def test_launcher_environment_errors(monkeypatch):
