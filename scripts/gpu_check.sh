@@ -9,8 +9,8 @@
 # Parts, in this order, each under its own time limit inside one overall budget:
 #   env      nvidia-smi, python / torch / CUDA, which optional packages are missing
 #   tests    python -m pytest -m cuda tests/: the CUDA variants of the flag tests (needs pytest)
-#   decode   batch-1 decode tok/s on GPT-2 124M-shaped weights     (bench_memory.py --part decode)
-#   memory   the memory estimate beside the measured CUDA peaks    (bench_memory.py --part train)
+#   decode   batch-1 decode tok/s on GPT-2 124M-shaped weights     (bench.py --memory --part decode)
+#   memory   the memory estimate beside the measured CUDA peaks    (bench.py --memory --part train)
 #   bench    the bench.py chain on GPT-2 124M at context 1024: tok/s and MFU per flag
 #   summary  gpu_check_<gpu>.md / .json: all of the above on one page, and gpu_check_<gpu>.log
 # A part whose package or device is missing is skipped with a line saying so. Without CUDA the
@@ -178,7 +178,7 @@ part_decode() {
     else
         args+=(--decode-model gpt2 --decode-tokens 64)
     fi
-    limited "$PYTHON" -m engine.bench_memory "${args[@]}"
+    limited "$PYTHON" bench.py --memory "${args[@]}"
     finish decode $?
 }
 
@@ -192,7 +192,7 @@ part_memory() {
     else  # GPT-2 124M (configs/bench_gpu.toml), 8 x 1024 tokens, the CUDA-only rows included
         args+=(--batch_size=8 --rows baseline,checkpointing=all,checkpointing=attention,dtype=bfloat16,dtype+weights_dtype=bfloat16,empty_cache=off,prefetch=on)
     fi
-    limited "$PYTHON" -m engine.bench_memory "${args[@]}"
+    limited "$PYTHON" bench.py --memory "${args[@]}"
     finish memory $?
 }
 

@@ -6,15 +6,14 @@
 
 `env` prints the environment (nvidia-smi, python, torch, CUDA, the device, which packages are
 present and which are missing, and what each missing one skips) and writes it as JSON and as
-shell assignments for the script. `summary` reads the files the parts wrote into DIR (the test
-report, bench.py's and bench_memory.py's JSON) and writes gpu_check_SLUG.md and .json: the parts
-with their status and time, the CUDA test counts, tok/s and MFU per flag, decode tok/s, and the
-memory estimate beside the measured peaks. It runs with the python3 the script is given; it needs
-nothing beyond the standard library, and `env` only looks for (or imports) the rest.
+shell assignments for the script. `summary` gathers what the parts wrote into DIR (the test
+report, the tables and JSON of bench.py and bench.py --memory) into gpu_check_SLUG.md and .json:
+the parts with their status and time, the CUDA test counts, tok/s and MFU per flag, decode tok/s,
+and the memory estimate beside the measured peaks. It needs only the standard library; `env`
+looks for (or imports) the rest.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.metadata
 import importlib.util
@@ -28,7 +27,6 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-MIB = 2**20
 # what this check needs: without them no part can start
 REQUIRED = {
     "torch": "everything",
@@ -137,17 +135,17 @@ def print_environment(info: dict) -> None:
         print(f"missing {name}: {skips}")
 
 
-def cmd_env(args: argparse.Namespace) -> int:
-    info = environment(args.cpu)
+def cmd_env(args: dict) -> int:
+    info = environment(args.get("cpu", False))
     print_environment(info)
-    Path(args.json).write_text(json.dumps(info, indent=1) + "\n")
+    Path(args["json"]).write_text(json.dumps(info, indent=1) + "\n")
     shell = {"GC_SLUG": info["slug"], "GC_HAS_CUDA": int(info["has_cuda"]),
              "GC_HAS_PYTEST": int("pytest" not in info["missing"]),
              "GC_HAS_TIKTOKEN": int("tiktoken" not in info["missing"]),
              "GC_CANNOT_RUN": "" if not info["missing_required"] else
              f"required packages missing for {sys.executable}: " + ", ".join(
                  f"{n} ({why})" for n, why in info["missing_required"].items())}
-    Path(args.shell).write_text("".join(f"{k}={shlex.quote(str(v))}\n" for k, v in shell.items()))
+    Path(args["shell"]).write_text("".join(f"{k}={shlex.quote(str(v))}\n" for k, v in shell.items()))
     return 0
 
 
@@ -160,11 +158,9 @@ def read_json(path: Path) -> dict | None:
 
 def read_parts(path: Path) -> list[dict]:
     rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            name, status, seconds, note = (line.split("\t") + ["", "", ""])[:4]
-            rows.append({"part": name, "status": status, "seconds": int(seconds or 0),
-                         "note": note})
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        name, status, seconds, note = (line.split("\t") + ["", "", ""])[:4]
+        rows.append({"part": name, "status": status, "seconds": int(seconds or 0), "note": note})
     return rows
 
 
@@ -190,137 +186,84 @@ def read_tests(path: Path) -> dict | None:
     return {**counts, "failed": failed, "skip_reasons": skipped}
 
 
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def bench_lines(bench: dict) -> tuple[list[str], dict]:
-    c = bench["config"]["model"]
-    ceiling = bench.get("ceiling", {})
-    lines = [f"{c['n_layer']} layers, {c['n_embd']} wide, context {c['block_size']}; "
-             f"{bench['warmup']} warm-up + {bench['measure']} timed steps per row; `{bench['command']}`",
-             "", "| # | step | tok/s | vs base | MFU | MFU (meas.) | peak memory | loss | kernel | note |",
-             "|---|---|---:|---:|---:|---:|---|---:|---|---|"]
-    for i, r in enumerate(bench["rows"]):
-        if r["status"] != "ok":
-            why = r.get("reason") or r.get("error", "")
-            lines.append(f"| {i} | {r['label']} | - | - | - | - | - | - | - | {r['status']}: "
-                         f"{why} |")
-            continue
-        mem = r.get("memory", {})
-        memory = (f"{mem['allocated'] / 2**30:.2f} / {mem['reserved'] / 2**30:.2f} GiB"
-                  if "allocated" in mem else f"{mem.get('rss', 0) / 2**30:.2f} GiB RSS")
-        vs = f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else "-"
-        note = f"first step {r['first_step_s']:.0f} s" if r["settings"].get("compile", "off") \
-            != "off" else ""
-        lines.append(f"| {i} | {r['label']} | {r['tokens_per_s']:,.0f} | {vs} | {pct(r['mfu'])} | "
-                     f"{pct(r['mfu_measured'])} | {memory} | {r['loss']:.4f} | "
-                     f"{', '.join(r['kernels']) or '-'} | {note} |")
-    ok = [r for r in bench["rows"] if r["status"] == "ok"]
-    headline = {}
-    if ok:
-        best = max(ok, key=lambda r: r["tokens_per_s"])
-        headline = {"best_row": best["label"], "best_tokens_per_s": best["tokens_per_s"],
-                    "best_mfu": best["mfu"], "best_mfu_measured": best["mfu_measured"],
-                    "baseline_tokens_per_s": ok[0]["tokens_per_s"],
-                    "datasheet_flops": ceiling.get("datasheet"),
-                    "measured_flops": ceiling.get("measured")}
-        peak = (f"{ceiling['datasheet'] / 1e12:.0f} TFLOP/s datasheet"
-                if ceiling.get("datasheet") else "no datasheet peak")
-        measured = (f"{ceiling['measured'] / 1e12:.1f} TFLOP/s measured"
-                    if ceiling.get("measured") else "no measured ceiling")
-        lines += ["", f"Fastest: {best['label']}, {best['tokens_per_s']:,.0f} tok/s, MFU "
-                      f"{pct(best['mfu'])} of {peak}, {pct(best['mfu_measured'])} of {measured}."]
-    return lines, headline
-
-
-def decode_lines(d: dict) -> tuple[list[str], dict]:
-    limit = d["bandwidth_limit_tokens_per_s"]
-    lines = [f"{d['params'] / 1e6:.1f}M parameters ({d.get('model', 'gpt2')} shape), batch 1, "
-             f"greedy, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens; limit "
-             f"{limit:,.0f} tok/s = {d['copy_bandwidth'] / 1e9:.0f} GB/s copy bandwidth / "
-             f"{d['weight_bytes_per_token'] / MIB:,.0f} MiB of weights", "",
-             "| implementation | tok/s | share of the limit |", "|---|---:|---:|",
-             f"| ours (KV cache) | {d['ours_tokens_per_s']:,.1f} | "
-             f"{100 * d['ours_tokens_per_s'] / limit:.0f}% |"]
-    if "hf_tokens_per_s" in d:
-        lines.append(f"| transformers generate (same tokens: {d['same_tokens']}) | "
-                     f"{d['hf_tokens_per_s']:,.1f} | {100 * d['hf_tokens_per_s'] / limit:.0f}% |")
-    else:
-        lines.append(f"| transformers generate | skipped: {d.get('hf_skipped', '')} | |")
-    if "int8_tokens_per_s" in d:
-        lines.append(f"| ours, int8 {d['int8_layers']} | {d['int8_tokens_per_s']:,.1f} | |")
-    else:
-        lines.append(f"| ours, int8 | skipped: {d.get('int8_skipped', '')} | |")
-    return lines, {k: d.get(k) for k in ("ours_tokens_per_s", "hf_tokens_per_s",
-                                         "int8_tokens_per_s", "bandwidth_limit_tokens_per_s")}
-
-
-def memory_lines(report: dict) -> tuple[list[str], list[dict]]:
-    t = report["config"]["train"]
-    m = report["config"]["model"]
-    lines = [f"micro-batch {t['batch_size']} x {m['block_size']}; step peak = peak during the "
-             "steps minus what was held before them (weights + AdamW); whole = everything "
-             "above the process's start; measured / estimate", "",
-             "| setting | step peak MiB | estimate | ratio | whole peak MiB | estimate | ratio | "
-             "reserved MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    rows = []
-    for r in report["train"]:
-        if r["status"] != "ok":
-            why = f": {r['reason']}" if r.get("reason") else ""
-            lines.append(f"| {r['setting']} | {r['status']}{why} | | | | | | |")
-            continue
-        step_ratio, whole_ratio = r["step_peak"] / r["estimate_step"], r["peak"] / r["estimate"]
-        reserved = f"{r['reserved'] / MIB:,.0f}" if "reserved" in r else "-"
-        lines.append(f"| {r['setting']} | {r['step_peak'] / MIB:,.0f} | "
-                     f"{r['estimate_step'] / MIB:,.0f} | {step_ratio:.2f} | {r['peak'] / MIB:,.0f}"
-                     f" | {r['estimate'] / MIB:,.0f} | {whole_ratio:.2f} | {reserved} |")
-        rows.append({"setting": r["setting"], "step_ratio": step_ratio,
-                     "whole_ratio": whole_ratio})
-    return lines, rows
-
-
 def test_lines(tests: dict | None, part: dict | None) -> list[str]:
     if tests is None:
-        why = part["note"] if part else "the part did not run"
-        return [f"No report from pytest: {why}."]
+        return [f"No report from pytest: {part['note'] if part else 'the part did not run'}."]
     lines = [f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
              f"{tests['skipped']} skipped, of {tests['tests']} selected with `-m cuda`."]
     lines += [f"- FAILED {name}" for name in tests["failed"]]
-    lines += [f"- skipped x{n}: {reason}" for reason, n in tests["skip_reasons"].items()]
-    return lines
+    return lines + [f"- skipped x{n}: {reason}" for reason, n in tests["skip_reasons"].items()]
 
 
-def cmd_summary(args: argparse.Namespace) -> int:
-    folder, slug = Path(args.results), args.slug
-    env = read_json(Path(args.env)) or {}
-    parts = read_parts(Path(args.parts))
-    by_part = {p["part"]: p for p in parts}
-    tests = read_tests(folder / f"gpu_check_{slug}_tests.xml")
-    bench = read_json(folder / f"gpu_check_{slug}_bench.json")
-    decode = (read_json(folder / f"memory_{slug}_decode.json") or {}).get("decode")
-    train = read_json(folder / f"memory_{slug}_train.json")
-    total = sum(p["seconds"] for p in parts)
+def table_of(md: Path) -> list[str]:
+    """A table bench.py wrote, without its own heading."""
+    lines = md.read_text().splitlines() if md.is_file() else ["(no table written)"]
+    return [line for line in lines if not line.startswith("# ")]
+
+
+def bench_headline(bench: dict) -> tuple[list[str], dict]:
+    ok = [r for r in bench["rows"] if r["status"] == "ok"]
+    if not ok:
+        return [], {}
+    best, ceiling = max(ok, key=lambda r: r["tokens_per_s"]), bench.get("ceiling", {})
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    peak = (f"{ceiling['datasheet'] / 1e12:.0f} TFLOP/s datasheet"
+            if ceiling.get("datasheet") else "no datasheet peak")
+    measured = (f"{ceiling['measured'] / 1e12:.1f} TFLOP/s measured"
+                if ceiling.get("measured") else "no measured ceiling")
+    line = (f"Fastest: {best['label']}, {best['tokens_per_s']:,.0f} tok/s, MFU {pct(best['mfu'])} "
+            f"of {peak}, {pct(best['mfu_measured'])} of {measured}.")
+    return ["", line], {"best_row": best["label"], "best_tokens_per_s": best["tokens_per_s"],
+                        "best_mfu": best["mfu"], "best_mfu_measured": best["mfu_measured"],
+                        "baseline_tokens_per_s": ok[0]["tokens_per_s"],
+                        "datasheet_flops": ceiling.get("datasheet"),
+                        "measured_flops": ceiling.get("measured")}
+
+
+def memory_ratios(train: list[dict]) -> list[dict]:
+    return [{"setting": r["setting"], "step_ratio": r["step_peak"] / r["estimate_step"],
+             "whole_ratio": r["peak"] / r["estimate"]} for r in train if r["status"] == "ok"]
+
+
+def header(env: dict, parts: list[dict], budget: str) -> list[str]:
     missing = ", ".join(f"{n} ({why})" for n, why in env.get("missing", {}).items()) or "none"
     lines = [f"# GPU check: {env.get('device', '?')}", "",
-             f"- torch {env.get('packages', {}).get('torch')}, CUDA {env.get('torch_cuda') or '-'}, "
-             f"python {env.get('python')}; nvidia-smi: {env.get('nvidia_smi')}",
+             f"- torch {env.get('packages', {}).get('torch')}, CUDA {env.get('torch_cuda') or '-'}"
+             f", python {env.get('python')}; nvidia-smi: {env.get('nvidia_smi')}",
              f"- missing packages: {missing}",
-             f"- {total} s for the parts, budget {args.budget} s", "",
+             f"- {sum(p['seconds'] for p in parts)} s for the parts, budget {budget} s", "",
              "| part | status | seconds | note |", "|---|---|---:|---|"]
-    lines += [f"| {p['part']} | {p['status']} | {p['seconds']} | {p['note']} |" for p in parts]
-    lines += ["", "## CUDA tests", ""] + test_lines(tests, by_part.get("tests"))
+    return lines + [f"| {p['part']} | {p['status']} | {p['seconds']} | {p['note']} |"
+                    for p in parts]
+
+
+def cmd_summary(args: dict) -> int:
+    folder, slug = Path(args["results"]), args["slug"]
+    env = read_json(Path(args["env"])) or {}
+    parts = read_parts(Path(args["parts"]))
+    tests = read_tests(folder / f"gpu_check_{slug}_tests.xml")
+    lines = header(env, parts, args.get("budget", "0")) + ["", "## CUDA tests", ""]
+    lines += test_lines(tests, next((p for p in parts if p["part"] == "tests"), None))
     summary = {"device": env.get("device"), "slug": slug, "parts": parts, "tests": tests,
                "env": env}
+    bench = read_json(folder / f"gpu_check_{slug}_bench.json")
     if bench:
-        table, summary["bench"] = bench_lines(bench)
-        lines += ["", "## bench.py chain: tok/s and MFU per flag", ""] + table
+        headline, summary["bench"] = bench_headline(bench)
+        lines += ["", "## bench.py chain: tok/s and MFU per flag", ""]
+        lines += table_of(folder / f"gpu_check_{slug}_bench.md") + headline
+    decode = (read_json(folder / f"memory_{slug}_decode.json") or {}).get("decode")
     if decode:
-        table, summary["decode"] = decode_lines(decode)
-        lines += ["", "## Decoding", ""] + table
-    if train and "train" in train:
-        table, summary["memory"] = memory_lines(train)
-        lines += ["", "## Memory estimate vs measured peak", ""] + table
+        summary["decode"] = {k: decode.get(k) for k in (
+            "ours_tokens_per_s", "hf_tokens_per_s", "int8_tokens_per_s",
+            "bandwidth_limit_tokens_per_s")}
+        lines += ["", "## Decoding", ""] + table_of(folder / f"memory_{slug}_decode.md")
+    train = (read_json(folder / f"memory_{slug}_train.json") or {}).get("train")
+    if train:
+        summary["memory"] = memory_ratios(train)
+        lines += ["", "## Memory estimate vs measured peak", "",
+                  "step peak: the peak during the steps minus what was held before them (weights "
+                  "+ AdamW); whole: everything above the process's start; ratio: measured / "
+                  "estimate", ""] + table_of(folder / f"memory_{slug}_train.md")
     text = "\n".join(lines) + "\n"
     (folder / f"gpu_check_{slug}.md").write_text(text)
     (folder / f"gpu_check_{slug}.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -330,20 +273,20 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_check_report.py", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("env", help="print and record this machine's environment")
-    e.add_argument("--json", required=True)
-    e.add_argument("--shell", required=True)
-    e.add_argument("--cpu", action="store_true", help="the CPU pass: results named cpu-check")
-    s = sub.add_parser("summary", help="write gpu_check_SLUG.md/.json from the parts' files")
-    s.add_argument("--results", required=True)
-    s.add_argument("--slug", required=True)
-    s.add_argument("--env", required=True)
-    s.add_argument("--parts", required=True)
-    s.add_argument("--budget", type=int, default=0)
-    args = p.parse_args(argv)
-    return cmd_env(args) if args.command == "env" else cmd_summary(args)
+    argv = sys.argv[1:] if argv is None else argv
+    needs = {"env": ("json", "shell"), "summary": ("results", "slug", "env", "parts")}
+    command, args, i = (argv or [""])[0], {}, 1
+    while i < len(argv):
+        key = argv[i].removeprefix("--")
+        if key == "cpu":  # the CPU pass: results named cpu-check
+            args["cpu"], i = True, i + 1
+        else:
+            args[key], i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
+    missing = [k for k in needs.get(command, ()) if not args.get(k)]
+    if command not in needs or missing:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    return cmd_env(args) if command == "env" else cmd_summary(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,237 @@
+"""The measuring half of bench.py: one row of the ablation (build as train.py does, time the
+steps), the matmul ceiling, and the machinery both benchmarks share: every row runs in a fresh
+process (`python -m engine.benchmark SPEC.json`, or `-m engine.bench_memory`) so its peak memory
+and compile state are its own; the hardware name; one markdown table writer."""
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from config import Config, from_dict
+from data.loader import Batches, DataError, load_meta
+from engine import runtime, speedups, techniques
+from engine.optim import lr_at, make_optimizer
+from engine.runlog import log_line
+from engine.sources import build_model
+from engine.step import train_step
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# datasets the benchmarks prepare themselves: made from the bundled text, no download
+LOCAL_DATASETS = ("shakespeare_char", "shakespeare")
+
+
+def ensure_dataset(cfg: Config) -> dict:
+    try:
+        return load_meta(cfg.data.dataset)
+    except DataError:
+        if cfg.data.dataset not in LOCAL_DATASETS:
+            raise
+    print(f"preparing {cfg.data.dataset} (from the bundled text) ...")
+    importlib.import_module(f"data.{cfg.data.dataset}.prepare").prepare()
+    return load_meta(cfg.data.dataset)
+
+
+def hardware_name(device: torch.device) -> str:
+    """'NVIDIA H200 (140 GiB)' or 'CPU: <model name>, 2 threads'."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    threads = torch.get_num_threads()
+    return f"CPU: {model}, {threads} thread{'s' if threads > 1 else ''}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _relay(stream, tail: collections.deque) -> None:
+    for line in stream:
+        print("    " + line, end="", flush=True)
+        if line.strip():
+            tail.append(line.strip())
+
+
+def run_worker(module: str, spec: dict, workdir: Path, name: str, timeout: float | None = None,
+               env: dict | None = None) -> dict:
+    """Run `python -m module SPEC` in a fresh process, streaming its output, and return the
+    result it wrote; stop it after timeout seconds (what is left of --time-budget)."""
+    spec_path, result_path = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
+    spec_path.write_text(json.dumps({**spec, "result": str(result_path)}))
+    proc = subprocess.Popen([sys.executable, "-m", module, str(spec_path)], cwd=REPO_ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail: collections.deque[str] = collections.deque(maxlen=5)
+    reader = threading.Thread(target=_relay, args=(proc.stdout, tail), daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=None if timeout is None else max(timeout, 1.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join(timeout=5)
+        return {"status": "failed",
+                "error": f"stopped after {max(timeout, 1.0):.0f} s: the --time-budget ran out"}
+    reader.join()
+    if result_path.is_file():
+        return json.loads(result_path.read_text())
+    last = tail[-1] if tail else "no output"
+    return {"status": "failed", "error": f"the row's process exited with {rc} ({last})"[:300]}
+
+
+def serve(spec_path: str, kinds: dict[str, Callable[[dict], dict]]) -> int:
+    """The worker's side of run_worker: run spec["kind"], write its result (or its error)."""
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        result = {"status": "ok", **kinds[spec["kind"]](spec)}
+    except Exception as e:  # noqa: BLE001 - the row is reported failed, the others go on
+        traceback.print_exc()
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        result = {"status": "failed", "error": f"{type(e).__name__}: {first_line}"[:300]}
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0 if result["status"] != "failed" else 1
+
+
+def resolve_auto_dtype(cfg: Config) -> None:
+    if cfg.system.dtype != "auto":
+        return
+    device = runtime.resolve_device(cfg.system.device)
+    bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+    cfg.system.dtype = "bfloat16" if bf16 else "float16"
+
+
+def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measure: int,
+               clock: str = "wall") -> dict:
+    """warmup untimed steps, then measure timed ones (device synced around each). The process
+    clock counts only the CPU time this process ran, not time it waited for the cores."""
+    now = time.process_time if clock == "process" else time.perf_counter
+    t = cfg.train
+    tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
+    batch = parts["batches"].next()
+    times, losses, first_step_s = [], [], 0.0
+
+    def step(i: int):
+        r = train_step(parts["model"], parts["raw_model"], parts["optimizer"], parts["scaler"],
+                       parts["batches"], batch, rt, lr_at(i, cfg), t.grad_accum_steps,
+                       t.grad_clip)
+        return r.loss_sum / t.grad_accum_steps, r.norm, r.next_batch
+
+    for i in range(warmup + measure):
+        if i == warmup:
+            speedups.reset_peak_memory(rt.device)
+        rt.synchronize()
+        t0, wall0 = now(), time.perf_counter()
+        loss, norm, batch = step(i)
+        loss_value = loss.item()
+        rt.synchronize()
+        dt = now() - t0
+        first_step_s = first_step_s or time.perf_counter() - wall0  # compiling: wall time
+        if i >= warmup:
+            times.append(dt)
+            losses.append(loss_value)
+        kind = "warm-up" if i < warmup else "timed  "
+        print(f"{kind} " + log_line(i + 1, loss_value, lr_at(i, cfg), norm.item(), 1000 * dt,
+                                    tokens_per_step / dt, None), flush=True)
+    memory = speedups.peak_memory(rt.device)
+    kernels = speedups.attention_kernels(lambda: step(warmup + measure))  # one more, untimed
+    return {"tokens_per_step": tokens_per_step, "step_s": times, "losses": losses,
+            "loss": losses[-1], "tokens_per_s": tokens_per_step / statistics.median(times),
+            "first_step_s": first_step_s, "memory": memory, "kernels": kernels}
+
+
+def run_row(spec: dict) -> dict:
+    """Build everything as train.py does, then time the steps; a row whose settings come out
+    the same as the previous row's on this device is skipped with the reason."""
+    cfg = from_dict(spec["config"])
+    resolve_auto_dtype(cfg)
+    rt = runtime.setup(cfg.system)
+    meta = load_meta(cfg.data.dataset)
+    raw_model, _ = build_model(cfg, meta, rt.device)
+    batch_note = speedups.auto_micro_batch(cfg, raw_model, rt)
+    optimizer, fused_note = make_optimizer(raw_model, cfg, rt.device)
+    t = cfg.train
+    parts = {"raw_model": raw_model, "optimizer": optimizer,
+             "scaler": torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16),
+             "batches": Batches(meta, "train", t.batch_size, cfg.model.block_size,
+                                cfg.system.seed, rt.device, cfg.data.pin_memory,
+                                prefetch=cfg.data.prefetch)}
+    parts["model"], compile_note = techniques.compile_model(raw_model, cfg.system, rt)
+    values = speedups.settings(cfg, rt, fused_note, compile_note, batch_note)
+    print(speedups.banner(values, rt.notes), flush=True)
+    # the model's useful FLOPs: padded vocabulary rows are extra work, not extra model
+    padding = (raw_model.padded_vocab - raw_model.vocab_size) * cfg.model.n_embd
+    result = {"settings": values, "notes": rt.notes, "dtype": cfg.system.dtype,
+              "micro_batch": t.batch_size, "grad_accum_steps": t.grad_accum_steps,
+              "params": raw_model.num_params(False),
+              "flops_per_token": raw_model.flops_per_token() - 6 * padding}
+    previous = spec.get("previous")
+    if previous and speedups.effective(values) == speedups.effective(previous["settings"]):
+        changed = [f"{k}={v}" for k, v in values.items() if v != previous["settings"].get(k)]
+        changed += [n for n in rt.notes if n not in previous.get("notes", [])]
+        return {**result, "status": "skipped",
+                "reason": "changes nothing here: " + "; ".join(changed or ["same settings"])}
+    raw_model.train()
+    return {**result, **time_steps(parts, cfg, rt, spec["warmup"], spec["measure"],
+                                   spec["clock"])}
+
+
+def matmul_flops(n: int, dtype: torch.dtype, device: torch.device, iters: int,
+                 clock: str = "wall") -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = time.process_time if clock == "process" else time.perf_counter
+    sync()
+    t0 = now()
+    for _ in range(iters):
+        a @ b
+    sync()
+    return 2 * n**3 * iters / (now() - t0)
+
+
+def measure_ceiling(spec: dict) -> dict:
+    """The device's dense matmul ceiling (the best of its fast dtypes) and its datasheet peak."""
+    system = from_dict(spec["config"]).system
+    device = runtime.setup(system).device
+    if device.type == "cuda":
+        dtypes = [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
+        n, iters = 8192, 30
+    else:
+        dtypes = [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else [])
+        n, iters = 2048, 5
+    n = spec.get("matmul_n") or n
+    measured = {str(d).removeprefix("torch."): matmul_flops(n, d, device, iters, spec["clock"])
+                for d in dtypes}
+    best = max(measured, key=measured.get)
+    half = runtime.Runtime(device=device, dtype=torch.bfloat16, tf32=False, notes=[])
+    return {"hardware": hardware_name(device), "device": device.type,
+            "measured": measured[best], "measured_dtype": best, "measured_all": measured,
+            "matmul_n": n, "datasheet": runtime.peak_flops(half, system.peak_flops),
+            "torch": torch.__version__}
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1], {"row": run_row, "ceiling": measure_ceiling}))
