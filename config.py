@@ -482,18 +482,44 @@ def resolve_command_line(line: CommandLine, script: type | None = None
     cfg = copy.deepcopy(from_file)
     for key, value in line.overrides:
         apply_override(cfg, key, value, problems)
-    options = script() if script is not None else None
+    options = _script_options(line, script, problems) if script is not None else None
+    _raise_problems(problems + validate(cfg))
+    return from_file, cfg, options
+
+
+def _script_options(line: CommandLine, script: type, problems: list[str]) -> Any:
+    options = script()
     for name, value in line.script:
         try:
             setattr(options, name, _coerce(value, _field_types(script)[name], f"--{name}"))
         except ValueError as e:
             problems.append(str(e))
-    problems += validate(cfg)
+    return options
+
+
+def _raise_problems(problems: list[str], what: str = "config") -> None:
     if len(problems) == 1:  # one problem, one line
-        raise ConfigError(f"invalid config: {problems[0]}")
+        raise ConfigError(f"invalid {what}: {problems[0]}")
     if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
-    return from_file, cfg, options
+        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(problems))
+
+
+def load_options(argv: list[str], script: type, prog: str, about: str = "") -> Any:
+    """Only a script's own options, for scripts that build no model (data preparation): the
+    same --name=value, --name value and bare-switch syntax; -h/--help lists them and exits."""
+    line = parse_command_line(argv, script)
+    if line.wants_help:
+        print("\n".join([f"usage: python {prog} [options]", "", about.strip(), "",
+                         *_script_help(prog, script())]))
+        raise SystemExit(0)
+    names = [f.name for f in dataclasses.fields(script)]
+    problems = line.problems + [_unknown_key_message(key, "command line", names)
+                                for key, _ in line.overrides]
+    if line.config_name != DEFAULT_CONFIG:
+        problems.append(f"{prog} reads no config: --config is not one of its options")
+    options = _script_options(line, script, problems)
+    _raise_problems(problems, "options")
+    return options
 
 
 def _config_label(name: str) -> str:

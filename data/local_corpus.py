@@ -12,11 +12,18 @@ installation. Pass folders to use other text (*.py, *.md, *.rst, *.txt, README*,
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from config import ConfigError, load_options, opt  # noqa: E402
 
 SUFFIXES = (".py", ".md", ".rst", ".txt")
 NAMES = ("LICENSE", "README")
@@ -34,19 +41,21 @@ def text_files(roots: list[Path]) -> list[Path]:
     return sorted(files)
 
 
-def main(argv: list[str] | None = None) -> int:
-    paths = sysconfig.get_paths()
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folders", nargs="*", type=Path, default=[Path(paths["stdlib"])],
-                        help="folders to read (default: the standard library)")
-    parser.add_argument("--out", type=Path, required=True, help="the .jsonl file to write")
-    parser.add_argument("--max-mb", type=float, default=24.0, help="stop after this much text")
-    args = parser.parse_args(argv)
-    budget, written, docs = int(args.max_mb * 2**20), 0, 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        for path in text_files(args.folders):
+@dataclass
+class CorpusOptions:
+    positional: ClassVar[str] = "folders"
+    folders: str = opt("", "folders to read, comma-separated (also the first bare argument); "
+                       "'' = the standard library")
+    out: str = opt("", "the .jsonl file to write")
+    max_mb: float = opt(24.0, "stop after this much text (MiB)")
+
+
+def write_corpus(files: list[Path], out: Path, budget: int) -> tuple[int, int]:
+    """One JSON line per readable, non-empty text file until `budget` bytes; (documents, bytes)."""
+    written = docs = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for path in files:
             try:
                 text = path.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
@@ -57,7 +66,21 @@ def main(argv: list[str] | None = None) -> int:
             written, docs = written + len(text.encode()), docs + 1
             if written >= budget:
                 break
-    print(f"{args.out}: {docs:,} documents, {written / 2**20:.1f} MiB of text")
+    return docs, written
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        o = load_options(sys.argv[1:] if argv is None else argv, CorpusOptions,
+                         prog="data/local_corpus.py", about=__doc__)
+        if not o.out:
+            raise ConfigError("--out FILE.jsonl is required")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    roots = [Path(f) for f in o.folders.split(",") if f] or [Path(sysconfig.get_paths()["stdlib"])]
+    docs, written = write_corpus(text_files(roots), Path(o.out), int(o.max_mb * 2**20))
+    print(f"{o.out}: {docs:,} documents, {written / 2**20:.1f} MiB of text")
     return 0
 
 

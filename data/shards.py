@@ -1,5 +1,5 @@
-"""Sharded GPT-2 token datasets for corpora of any size: streamed, tokenized in parallel worker
-processes, written as fixed-size shards, and resumable after an interruption.
+"""Sharded GPT-2 token datasets for corpora of any size: streamed and tokenized in worker
+processes (data/stream.py), written as fixed-size shards, resumable after an interruption.
 
     python data/fineweb_edu/prepare.py                     # the 10B-token FineWeb-Edu sample
     python data/openwebtext/prepare.py --workers 8
@@ -24,10 +24,8 @@ so an interrupted and resumed preparation writes exactly the bytes of an uninter
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import re
 import resource
@@ -35,198 +33,18 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
-from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from config import ConfigError, load_options, opt
 from data.dataset import DataError, token_dtype, write_atomic
+from data.stream import Batch, Source, open_stream, peak_rss_mib, read_batches, tokenize_in_order
 from engine.tokenizer import GPT2Tokenizer
-
-if TYPE_CHECKING:
-    import datasets  # imported where used: it is slow to import and the workers never need it
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")
-SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-TASK_CHARS = 2**20  # text per tokenizer task at most: long documents make smaller tasks
-
-
-@dataclass
-class Source:
-    """Where the documents come from: a Hugging Face Hub dataset (streamed), a builder over local
-    files (`json`, `text`, `parquet`, `csv` with data_files), or a folder written by
-    `Dataset.save_to_disk`."""
-
-    dataset: str
-    name: str | None = None
-    split: str = "train"
-    data_files: list[str] | None = None
-    text_field: str = "text"
-    revision: str | None = None
-
-    def describe(self) -> str:
-        parts = [self.dataset, self.name or "", f"split={self.split}"]
-        if self.data_files:
-            parts.append(f"files={','.join(self.data_files)}")
-        return " ".join(p for p in parts if p)
-
-
-@dataclass
-class Batch:
-    """Documents handed to one tokenizer task, and where they sit in the stream."""
-
-    first_doc: int  # index of texts[0] in the document stream
-    count: int
-    stream_state: dict | None  # the dataset iterator's state just before texts[0]
-
-
-def open_stream(source: Source) -> datasets.IterableDataset:
-    """The documents as a datasets.IterableDataset (streamed: memory stays flat)."""
-    import datasets
-
-    path = Path(source.dataset)
-    try:
-        if path.is_dir() and any((path / m).is_file() for m in SAVED_DATASET_MARKERS):
-            ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                if source.split not in ds:
-                    raise DataError(f"saved dataset {path} has splits {sorted(ds)}, not "
-                                    f"'{source.split}'; pass --split")
-                ds = ds[source.split]
-            ds = ds.to_iterable_dataset()
-        else:
-            ds = datasets.load_dataset(source.dataset, source.name, split=source.split,
-                                       data_files=source.data_files, revision=source.revision,
-                                       streaming=True)
-    except DataError:
-        raise
-    except Exception as e:  # hub, network, file and script errors all land here
-        raise DataError(_open_error(source, e)) from None
-    columns = ds.column_names
-    if columns is not None and source.text_field not in columns:
-        raise DataError(f"documents in {source.describe()} have no '{source.text_field}' field "
-                        f"(fields: {', '.join(columns)}); pass --text-field")
-    if columns is not None and len(columns) > 1:
-        ds = ds.select_columns([source.text_field])  # skip decoding the other columns
-    return ds
-
-
-def _open_error(source: Source, e: Exception) -> str:
-    first = str(e).splitlines()[0] if str(e) else ""
-    hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
-            "or --dataset text) or a folder saved with Dataset.save_to_disk")
-    if "scripts are no longer supported" in str(e):
-        hint = ("this hub dataset still ships a loading script, which datasets>=4 refuses; pass "
-                "--revision refs/convert/parquet (the hub's parquet export) or a parquet mirror")
-    return f"could not open {source.describe()}: {type(e).__name__}: {first}; {hint}"
-
-
-def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, skip: int, docs_per_task: int,
-                 stream_state: dict | None) -> Iterator[tuple[Batch, list[str]]]:
-    """Documents in batches, from document `start_doc + skip`. The iterator resumes from
-    `stream_state` (saved at document start_doc) when the dataset supports it; otherwise it
-    re-reads and drops the first start_doc documents."""
-    resumable = hasattr(ds, "state_dict")
-    if stream_state is not None and resumable:
-        ds.load_state_dict(stream_state)
-    else:
-        skip += start_doc
-        start_doc = 0
-    rows = iter(ds)
-    for _ in islice(rows, skip):
-        pass
-    doc = start_doc + skip
-    while True:
-        state = ds.state_dict() if resumable else None
-        texts, chars = [], 0
-        for row in rows:  # a task ends at docs_per_task documents or TASK_CHARS of text
-            texts.append(_text(row, text_field, doc + len(texts)))
-            chars += len(texts[-1])
-            if len(texts) == docs_per_task or chars >= TASK_CHARS:
-                break
-        if not texts:
-            return
-        yield Batch(doc, len(texts), state), texts
-        doc += len(texts)
-
-
-def _text(row: dict, field: str, index: int) -> str:
-    try:
-        text = row[field]
-    except KeyError:
-        raise DataError(f"document {index} has no '{field}' field (fields: "
-                        f"{', '.join(row)}); pass --text-field") from None
-    if not isinstance(text, str):
-        raise DataError(f"document {index}: '{field}' is {type(text).__name__}, not text; "
-                        "pass --text-field naming a text column")
-    return text
-
-
-_worker_tokenizer: GPT2Tokenizer | None = None
-
-
-def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """GPT-2 tokens of each document followed by <|endoftext|>, concatenated, and each document's
-    token count (the separator included)."""
-    global _worker_tokenizer
-    if _worker_tokenizer is None:
-        _worker_tokenizer = GPT2Tokenizer()
-    tok = _worker_tokenizer
-    docs = [tok.encode_ordinary(text) for text in texts]
-    lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
-    flat = np.empty(int(lengths.sum()), dtype=np.uint16)
-    ends = np.cumsum(lengths)
-    for d, end in zip(docs, ends):
-        flat[end - len(d) - 1:end - 1] = d
-        flat[end - 1] = tok.eot_id
-    return flat, lengths
-
-
-def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, float]:
-    """encode_batch, plus the worker's peak resident memory so far (MiB)."""
-    return (*encode_batch(texts), peak_rss_mib())
-
-
-def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
-                      ) -> Iterator[tuple[Batch, np.ndarray, np.ndarray, float]]:
-    """encode_in_worker over the batches in `workers` processes, results in input order. At most
-    2 * workers + 1 batches are in flight, so memory stays bounded however long the stream."""
-    if workers == 1:
-        for batch, texts in batches:
-            yield (batch, *encode_in_worker(texts))
-        return
-    # spawn, not fork: the datasets/fsspec stack runs threads that fork would copy mid-flight
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint) as pool:
-        pending: deque = deque()
-        try:
-            for batch, texts in batches:
-                pending.append((batch, pool.submit(encode_in_worker, texts)))
-                if len(pending) > 2 * workers:
-                    done, future = pending.popleft()
-                    yield (done, *future.result())
-            while pending:
-                done, future = pending.popleft()
-                yield (done, *future.result())
-        except BrokenProcessPool:
-            raise DataError("a tokenizer worker process died (out of memory, killed, or it "
-                            "could not start: run the preparation as a script, not from stdin "
-                            "or a notebook cell); run the same command again to resume, or "
-                            "use --workers 1") from None
-        finally:
-            for _, future in pending:
-                future.cancel()
-
-
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the main process, which stops at a consistent point."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class GracefulInterrupt:
@@ -454,19 +272,6 @@ def cpu_seconds() -> dict[str, float]:
             "workers": children.ru_utime + children.ru_stime}
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory in MiB. On Linux from VmHWM, which belongs to the
-    running program: ru_maxrss would also count the parent's memory at the fork before exec."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
-
-
 def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000,
             val_tokens: int = 10_000_000, max_tokens: int = 0, workers: int = 1,
             docs_per_task: int = 256, commit_tokens: int = 16_000_000,
@@ -585,14 +390,12 @@ def parse_count(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9_.eE+]+)\s*([kKmMbB]?)\s*", text)
     scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}
     try:
-        if not match:
-            raise ValueError
         value = float(match.group(1).replace("_", "")) * scale[match.group(2).lower()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; write e.g. 100M, "
-                                         "2.5B or 1000000") from None
+    except (AttributeError, ValueError):  # no match, or not a number
+        raise ConfigError(f"{text!r} is not a token count; write e.g. 100M, 2.5B or "
+                          "1000000") from None
     if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+        raise ConfigError(f"{text!r} is not a whole number of tokens")
     return int(value)
 
 
@@ -609,49 +412,58 @@ class Defaults:
     val_tokens: int = 10_000_000
 
 
+@dataclass
+class PrepareOptions:
+    """The command line of every sharded prepare script; '' = the script's own default."""
+
+    dataset: str = opt("", "hub dataset id, a builder over local files (json, text, parquet, "
+                       "csv; with --data-files) or a folder saved with save_to_disk")
+    name: str = opt("", "hub dataset config (the script's own for its dataset)")
+    split: str = opt("", "split to read (default train)")
+    data_files: str = opt("", "local files or globs for the json/text/parquet/csv builders, "
+                          "comma-separated")
+    text_field: str = opt("text", "column holding the document text")
+    revision: str = opt("", "hub revision (branch, tag or commit)")
+    out_dir: str = opt("", "where the shards go (default: the script's folder); a bare name in "
+                       "train.py's --dataset is a folder under data/")
+    shard_tokens: str = opt("", "tokens per shard, e.g. 100M")
+    val_tokens: str = opt("", "tokens held out as val, from the start of the stream (default "
+                          "10M, or a tenth of --max-tokens when that is smaller)")
+    max_tokens: str = opt("0", "stop after this many tokens in all (0: the whole dataset); "
+                          "e.g. 20M to try it small")
+    workers: int = opt(0, "tokenizer processes; 0 = CPU cores - 1")
+    docs_per_task: int = opt(256, "documents per tokenizer task")
+    no_progress: bool = opt(False, "no progress bar")
+
+
+def prepare_from_options(defaults: Defaults, o: PrepareOptions) -> dict:
+    max_tokens = parse_count(o.max_tokens)
+    val_tokens = parse_count(o.val_tokens) if o.val_tokens else (
+        max(1, min(defaults.val_tokens, max_tokens // 10)) if max_tokens else defaults.val_tokens)
+    dataset = o.dataset or defaults.dataset
+    own = dataset == defaults.dataset  # the script's config and size apply to its dataset
+    files = [f for f in o.data_files.split(",") if f] or None
+    source = Source(dataset, o.name or (defaults.name if own else None), o.split or defaults.split,
+                    files, o.text_field, o.revision or None)
+    shard_tokens = parse_count(o.shard_tokens) if o.shard_tokens else defaults.shard_tokens
+    return prepare(source, o.out_dir or defaults.out_dir, shard_tokens, val_tokens, max_tokens,
+                   o.workers or max(1, (os.cpu_count() or 2) - 1), o.docs_per_task,
+                   expected_tokens=defaults.expected_tokens if own else 0,
+                   progress=not o.no_progress)
+
+
 def main(defaults: Defaults, argv: list[str] | None = None, description: str = "") -> int:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = parser.add_argument
-    a("--dataset", default=defaults.dataset, help="hub dataset id, a builder over local files "
-      "(json, text, parquet, csv; with --data-files) or a folder saved with save_to_disk "
-      f"(default {defaults.dataset})")
-    a("--name", help=f"hub dataset config (default {defaults.name} for {defaults.dataset})")
-    a("--split", default=defaults.split, help=f"split to read (default {defaults.split})")
-    a("--data-files", nargs="+", help="local files or globs for the json/text/parquet/csv builders")
-    a("--text-field", default="text", help="column holding the document text (default text)")
-    a("--revision", help="hub revision (branch, tag or commit)")
-    a("--out-dir", default=str(defaults.out_dir), help=f"where the shards go (default "
-      f"{defaults.out_dir}); a bare name in train.py's --dataset is a folder under data/")
-    a("--shard-tokens", type=parse_count, default=defaults.shard_tokens,
-      help=f"tokens per shard (default {defaults.shard_tokens:,})")
-    a("--val-tokens", type=parse_count, help=f"tokens held out as val, from the start of the "
-      f"stream (default {defaults.val_tokens:,}, or a tenth of --max-tokens when that is smaller)")
-    a("--max-tokens", type=parse_count, default=0, help="stop after this many tokens in all "
-      "(default 0: the whole dataset); e.g. 20M to try it small")
-    a("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-      help="tokenizer processes (default: CPU cores - 1)")
-    a("--docs-per-task", type=int, default=256, help="documents per tokenizer task (default 256)")
-    a("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    val_tokens = args.val_tokens
-    if val_tokens is None:
-        val_tokens = defaults.val_tokens
-        if args.max_tokens:
-            val_tokens = max(1, min(val_tokens, args.max_tokens // 10))
-    own = args.dataset == defaults.dataset  # the script's config and size apply to its dataset
-    source = Source(args.dataset, args.name or (defaults.name if own else None), args.split,
-                    args.data_files, args.text_field, args.revision)
+    out_dir = defaults.out_dir
     try:
-        prepare(source, args.out_dir, args.shard_tokens, val_tokens, args.max_tokens,
-                args.workers, args.docs_per_task,
-                expected_tokens=defaults.expected_tokens if own else 0,
-                progress=not args.no_progress)
-    except DataError as e:
+        options = load_options(sys.argv[1:] if argv is None else argv, PrepareOptions,
+                               prog=sys.argv[0], about=description)
+        out_dir = options.out_dir or out_dir
+        prepare_from_options(defaults, options)
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\ninterrupted: run the same command again to resume from the last commit in "
-              f"{args.out_dir}", file=sys.stderr)
+              f"{out_dir}", file=sys.stderr)
         return 130
     return 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import data.shards as shards
+import data.stream as stream
 from data.loader import Batches, DataError, ShardBatches, load_meta, open_batches
 from data.shards import Source, prepare
 from engine.tokenizer import GPT2Tokenizer
@@ -94,7 +95,7 @@ def test_shards_decode_to_the_documents(corpus, reference):
 
 
 def test_two_workers_equal_one(corpus, reference, tmp_path, monkeypatch):
-    monkeypatch.setattr(shards, "TASK_CHARS", 2000)  # tasks end by size as well as by count
+    monkeypatch.setattr(stream, "TASK_CHARS", 2000)  # tasks end by size as well as by count
     result = run(corpus[1], tmp_path, workers=2, docs_per_task=50)
     assert result["run"]["workers"] == 2 and result["run"]["peak_mib"]["worker"] > 0
     assert shard_bytes(tmp_path) == shard_bytes(reference)
@@ -123,7 +124,7 @@ def crash_on_call(n: int, original, after: bool = False):
 def test_interrupted_run_resumes_to_identical_shards(corpus, reference, tmp_path, monkeypatch,
                                                      where):
     if where in ("mid-shard", "twice"):  # tokens written after the last commit are dropped
-        monkeypatch.setattr(shards, "encode_batch", crash_on_call(4, shards.encode_batch))
+        monkeypatch.setattr(stream, "encode_batch", crash_on_call(4, stream.encode_batch))
     else:
         # the 2nd shard closed is the last val shard (switching to train), the 3rd a full one
         after = where == "after-rename"
@@ -142,7 +143,7 @@ def test_interrupted_run_resumes_to_identical_shards(corpus, reference, tmp_path
         assert list(tmp_path.glob(".*.partial"))
     monkeypatch.undo()
     if where == "twice":
-        monkeypatch.setattr(shards, "encode_batch", crash_on_call(3, shards.encode_batch))
+        monkeypatch.setattr(stream, "encode_batch", crash_on_call(3, stream.encode_batch))
         with pytest.raises(Crash):
             run(corpus[1], tmp_path, workers=1)
         monkeypatch.undo()
@@ -154,7 +155,7 @@ def test_interrupted_run_resumes_to_identical_shards(corpus, reference, tmp_path
 
 
 def test_ctrl_c_commits_the_batch_then_stops(corpus, reference, tmp_path, monkeypatch):
-    encode = shards.encode_batch
+    encode = stream.encode_batch
     calls = []
 
     def interrupted_in_fourth_batch(texts):
@@ -162,7 +163,7 @@ def test_ctrl_c_commits_the_batch_then_stops(corpus, reference, tmp_path, monkey
         if len(calls) == 4:
             os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
         return encode(texts)
-    monkeypatch.setattr(shards, "encode_batch", interrupted_in_fourth_batch)
+    monkeypatch.setattr(stream, "encode_batch", interrupted_in_fourth_batch)
     with pytest.raises(KeyboardInterrupt):
         run(corpus[1], tmp_path, workers=1, commit_tokens=10**9)  # no periodic commits
     state = json.loads((tmp_path / "prepare_state.json").read_text())
@@ -211,7 +212,8 @@ def test_command_line(corpus, tmp_path, capsys):
     defaults = shards.Defaults(dataset="org/hub-corpus", name="big-config",
                                out_dir=tmp_path / "default")
     out = tmp_path / "cli"
-    code = shards.main(defaults, ["--dataset", "json", "--data-files", *corpus[1], "--out-dir",
+    code = shards.main(defaults, ["--dataset", "json", "--data-files", ",".join(corpus[1]),
+                                  "--out-dir",
                                   str(out), "--shard-tokens", "2k", "--max-tokens", "6k",
                                   "--workers", "1", "--no-progress"])
     assert code == 0
@@ -221,9 +223,11 @@ def test_command_line(corpus, tmp_path, capsys):
     assert meta["settings"]["name"] is None  # the script's hub config is not applied to json
     assert "done: 6,000 tokens" in capsys.readouterr().out
     assert shards.parse_count("2.5B") == 2_500_000_000 and shards.parse_count("1e6") == 10**6
-    with pytest.raises(SystemExit):
-        shards.main(defaults, ["--max-tokens", "lots"])
+    assert shards.main(defaults, ["--max-tokens", "lots"]) == 2
     assert "'lots' is not a token count" in capsys.readouterr().err
+    assert shards.main(defaults, ["--max-token", "1M"]) == 2
+    assert "unknown key 'max_token' in command line; did you mean max_tokens" \
+        in capsys.readouterr().err
 
 
 def write_synthetic(folder: Path, lengths: list[int], val: int = 400) -> dict:

@@ -16,10 +16,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from data.shards import Defaults, main  # noqa: E402
-
-DEFAULTS = Defaults(dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT",
-                    out_dir=Path(__file__).resolve().parent, expected_tokens=10_000_000_000)
-
-if __name__ == "__main__":
-    sys.exit(main(DEFAULTS, description=__doc__))
+if __name__ == "__main__":  # imports here: the spawned tokenizer workers re-import this file
+    from data.shards import Defaults, main
+    defaults = Defaults(dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT",
+                        out_dir=Path(__file__).resolve().parent, expected_tokens=10_000_000_000)
+    sys.exit(main(defaults, description=__doc__))

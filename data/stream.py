@@ -1,0 +1,208 @@
+"""Documents in, GPT-2 tokens out, for data/shards.py: a dataset streamed with `datasets` (the
+hub, local json/text/parquet/csv files, or a save_to_disk folder), read in batches that can
+resume mid-stream, tokenized in worker processes in input order.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import signal
+import sys
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from data.dataset import DataError
+from engine.tokenizer import GPT2Tokenizer
+
+if TYPE_CHECKING:
+    import datasets  # imported where used: it is slow to import and the workers never need it
+
+SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+TASK_CHARS = 2**20  # text per tokenizer task at most: long documents make smaller tasks
+
+
+@dataclass
+class Source:
+    """Where the documents come from: a Hugging Face Hub dataset (streamed), a builder over local
+    files (`json`, `text`, `parquet`, `csv` with data_files), or a save_to_disk folder."""
+
+    dataset: str
+    name: str | None = None
+    split: str = "train"
+    data_files: list[str] | None = None
+    text_field: str = "text"
+    revision: str | None = None
+
+    def describe(self) -> str:
+        parts = [self.dataset, self.name or "", f"split={self.split}",
+                 f"files={','.join(self.data_files)}" if self.data_files else ""]
+        return " ".join(p for p in parts if p)
+
+
+@dataclass
+class Batch:
+    """Documents handed to one tokenizer task, and where they sit in the stream."""
+
+    first_doc: int  # index of texts[0] in the document stream
+    count: int
+    stream_state: dict | None  # the dataset iterator's state just before texts[0]
+
+
+def open_stream(source: Source) -> datasets.IterableDataset:
+    """The documents as a datasets.IterableDataset (streamed: memory stays flat)."""
+    import datasets
+
+    path = Path(source.dataset)
+    try:
+        if path.is_dir() and any((path / m).is_file() for m in SAVED_DATASET_MARKERS):
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if source.split not in ds:
+                    raise DataError(f"saved dataset {path} has splits {sorted(ds)}, not "
+                                    f"'{source.split}'; pass --split")
+                ds = ds[source.split]
+            ds = ds.to_iterable_dataset()
+        else:
+            ds = datasets.load_dataset(source.dataset, source.name, split=source.split,
+                                       data_files=source.data_files, revision=source.revision,
+                                       streaming=True)
+    except DataError:
+        raise
+    except Exception as e:  # hub, network, file and script errors all land here
+        raise DataError(_open_error(source, e)) from None
+    columns = ds.column_names
+    if columns is not None and source.text_field not in columns:
+        raise DataError(f"documents in {source.describe()} have no '{source.text_field}' field "
+                        f"(fields: {', '.join(columns)}); pass --text-field")
+    if columns is not None and len(columns) > 1:
+        ds = ds.select_columns([source.text_field])  # skip decoding the other columns
+    return ds
+
+
+def _open_error(source: Source, e: Exception) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
+            "or --dataset text) or a folder saved with Dataset.save_to_disk")
+    if "scripts are no longer supported" in str(e):
+        hint = ("this hub dataset still ships a loading script, which datasets>=4 refuses; pass "
+                "--revision refs/convert/parquet (the hub's parquet export) or a parquet mirror")
+    return f"could not open {source.describe()}: {type(e).__name__}: {first}; {hint}"
+
+
+def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, skip: int,
+                 docs_per_task: int, stream_state: dict | None
+                 ) -> Iterator[tuple[Batch, list[str]]]:
+    """Documents in batches, from document `start_doc + skip`. The iterator resumes from
+    `stream_state` (saved at document start_doc) when the dataset supports it; otherwise it
+    re-reads and drops the first start_doc documents."""
+    resumable = hasattr(ds, "state_dict")
+    if stream_state is not None and resumable:
+        ds.load_state_dict(stream_state)
+    else:
+        start_doc, skip = 0, skip + start_doc
+    rows = iter(ds)
+    for _ in islice(rows, skip):
+        pass
+    doc = start_doc + skip
+    while True:
+        state = ds.state_dict() if resumable else None
+        texts, chars = [], 0
+        for row in rows:  # a task ends at docs_per_task documents or TASK_CHARS of text
+            texts.append(_text(row, text_field, doc + len(texts)))
+            chars += len(texts[-1])
+            if len(texts) == docs_per_task or chars >= TASK_CHARS:
+                break
+        if not texts:
+            return
+        yield Batch(doc, len(texts), state), texts
+        doc += len(texts)
+
+
+def _text(row: dict, field: str, index: int) -> str:
+    if field not in row:
+        raise DataError(f"document {index} has no '{field}' field (fields: "
+                        f"{', '.join(row)}); pass --text-field")
+    if not isinstance(row[field], str):
+        raise DataError(f"document {index}: '{field}' is {type(row[field]).__name__}, not text; "
+                        "pass --text-field naming a text column")
+    return row[field]
+
+
+_worker_tokenizer: GPT2Tokenizer | None = None
+
+
+def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """GPT-2 tokens of each document followed by <|endoftext|>, concatenated, and each document's
+    token count (the separator included)."""
+    global _worker_tokenizer
+    if _worker_tokenizer is None:
+        _worker_tokenizer = GPT2Tokenizer()
+    tok = _worker_tokenizer
+    docs = [tok.encode_ordinary(text) for text in texts]
+    lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    flat = np.empty(int(lengths.sum()), dtype=np.uint16)
+    for d, end in zip(docs, np.cumsum(lengths)):
+        flat[end - len(d) - 1:end - 1] = d
+        flat[end - 1] = tok.eot_id
+    return flat, lengths
+
+
+def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, float]:
+    """encode_batch, plus the worker's peak resident memory so far (MiB)."""
+    return (*encode_batch(texts), peak_rss_mib())
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the main process, which stops at a consistent point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
+                      ) -> Iterator[tuple[Batch, np.ndarray, np.ndarray, float]]:
+    """encode_in_worker over the batches in `workers` processes, results in input order. At most
+    2 * workers + 1 batches are in flight, so memory stays bounded however long the stream."""
+    if workers == 1:
+        for batch, texts in batches:
+            yield (batch, *encode_in_worker(texts))
+        return
+    # spawn, not fork: the datasets/fsspec stack runs threads that fork would copy mid-flight
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint) as pool:
+        pending: deque = deque()
+        try:
+            for batch, texts in batches:
+                pending.append((batch, pool.submit(encode_in_worker, texts)))
+                if len(pending) > 2 * workers:
+                    done, future = pending.popleft()
+                    yield (done, *future.result())
+            while pending:
+                done, future = pending.popleft()
+                yield (done, *future.result())
+        except BrokenProcessPool:
+            raise DataError("a tokenizer worker process died (out of memory, killed, or it "
+                            "could not start: run the preparation as a script, not from stdin "
+                            "or a notebook cell); run the same command again to resume, or "
+                            "use --workers 1") from None
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB. On Linux from VmHWM, which belongs to the
+    running program: ru_maxrss would also count the parent's memory at the fork before exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
