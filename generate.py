@@ -5,14 +5,11 @@
     python generate.py --prompt FILE:prompt.txt --num_samples 3 --top_p 0.9 --seed 7
     python generate.py --init-from gpt2 --prompt "Hello, I'm a language model,"   # OpenAI's GPT-2
 
-Tokens stream to stdout as they are produced. With the KV cache each new token costs the same
-however long the text; when the context fills up, the oldest half is dropped and the rest
-re-read once (the uncached path follows the same rule, so both give the same tokens).
+Tokens stream to stdout as they come; engine/sampling.py does the decoding.
 """
 from __future__ import annotations
 
 import codecs
-import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -20,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-import load_gpt2_weights
 from config import Config, ConfigError, load_config, opt
-from engine import checkpoint, quantize, runtime, techniques
+from engine import checkpoint, hf, quantize, runtime, sources, techniques
 from engine.sampling import generate_tokens, warm_up
 from engine.tokenizer import TokenizerError, from_meta
 from model import GPT
@@ -83,34 +79,23 @@ class GenerateOptions:
                          "sample.checkpoint, else the latest checkpoint in train.out_dir")
 
 
-def load_hf_for_sampling(cfg: Config, source: str, device: torch.device) -> tuple[GPT, dict, str]:
-    """A Hugging Face GPT-2 at its full context, with this config's implementation switches."""
-    model, hf_dir = load_gpt2_weights.load_hf(source, copy.deepcopy(cfg.model))
-    vocab = model.config.vocab_size
-    tokenizer = load_gpt2_weights.tokenizer_meta(vocab)
-    if tokenizer["kind"] != "gpt2":
-        raise TokenizerError(f"{source} has a {vocab}-token vocabulary, not GPT-2's "
-                             f"{load_gpt2_weights.GPT2_VOCAB}: there is no tokenizer for it here")
-    label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
-    return model.to(device), {"tokenizer": tokenizer}, label
-
-
 def load_for_sampling(cfg: Config, device: torch.device,
-                      init_from: str = "") -> tuple[GPT, Config, dict, Path | str]:
+                      init_from: str = "") -> tuple[GPT, Config, dict, str]:
+    """(model, its config, meta, label): --init-from, else sample.checkpoint, else the latest
+    checkpoint in train.out_dir."""
     if init_from and cfg.sample.checkpoint:
         raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
                           "name a model to sample from; pass one of them")
     if init_from == "scratch":
         raise ConfigError("--init-from scratch has nothing to sample from; pass a GPT-2 id, a "
                           "Hugging Face directory or one of our checkpoints")
-    if init_from and load_gpt2_weights.is_gpt2_source(init_from):
-        model, meta, label = load_hf_for_sampling(cfg, init_from, device)
-        return model, cfg, meta, label
     if init_from in ("", "resume", "auto"):
         init_from = cfg.sample.checkpoint or cfg.train.out_dir
-    path = checkpoint.resolve(init_from)
-    model, stored, meta = checkpoint.load_model(path, device)
-    return model, stored, meta, path
+    model, stored, meta, label = sources.load_model(init_from, cfg, device)
+    if meta["tokenizer"]["kind"] == "unknown":
+        raise TokenizerError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not "
+                             f"GPT-2's {hf.GPT2_VOCAB}: there is no tokenizer for it here")
+    return model, stored, meta, label
 
 
 def sample(cfg: Config, init_from: str = "") -> list[str]:

@@ -1,14 +1,12 @@
-"""The GPT-2 model, self-contained: its config, blocks, one KV cache, init, context cropping and
-optimizer groups. Every part switches between a plain reference implementation and a fast one.
+"""The GPT-2 model, self-contained: config, blocks, one KV cache, init, context cropping and
+optimizer groups; each part switches between a written-out reference and a fast implementation.
 
-    model = GPT(ModelConfig(vocab_size=65))
-    logits, loss = model(idx, targets)              # (B, T, vocab), float32 loss (or None)
-    cache = model.new_kv_cache(batch)               # decoding: write keys/values at positions
-    logits, _ = model(idx, kv_cache=cache, input_pos=torch.arange(T))
+    logits, loss = GPT(ModelConfig(vocab_size=65))(idx, targets)   # (B, T, vocab), float32 loss
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,30 +61,25 @@ def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
     """model.activation_checkpointing -> what each block recomputes in backward: '' (nothing),
     'block', 'attention' (ln_1 + attention) or 'mlp' (ln_2 + MLP). Raises ValueError."""
     spec = spec.strip().lower()
-    where = f"model.activation_checkpointing={spec!r}"
-    if spec == "none":
-        return [""] * n_layer
-    if spec in CHECKPOINT_PARTS:
-        return [CHECKPOINT_PARTS[spec]] * n_layer
+    if spec == "none" or spec in CHECKPOINT_PARTS:
+        return [CHECKPOINT_PARTS.get(spec, "")] * n_layer
     kind, _, arg = spec.partition(":")
-    try:
-        numbers = [int(a) for a in arg.split(",")] if arg else []
-    except ValueError:
-        numbers = None
-    if kind == "every" and numbers and len(numbers) == 1 and numbers[0] > 0:
+    listed = re.fullmatch(r"\s*-?\d+\s*(,\s*-?\d+\s*)*", arg)
+    numbers = [int(a) for a in arg.split(",")] if listed else []
+    bad = [b for b in numbers if not 0 <= b < n_layer]
+    if kind == "every" and len(numbers) == 1 and numbers[0] > 0:
         return ["block" if i % numbers[0] == 0 else "" for i in range(n_layer)]
-    if kind == "blocks" and numbers:
-        bad = [b for b in numbers if not 0 <= b < n_layer]
-        if bad:
-            raise ValueError(f"{where} names blocks {bad}, but the model has blocks 0.."
-                             f"{n_layer - 1}")
+    if kind == "blocks" and numbers and not bad:
         return ["block" if i in numbers else "" for i in range(n_layer)]
+    where = f"model.activation_checkpointing={spec!r}"
+    if kind == "blocks" and bad:
+        raise ValueError(f"{where} names blocks {bad}, but the model has blocks 0..{n_layer - 1}")
     raise ValueError(f"{where} is not understood; use none, all, attention, mlp, every:K "
                      "(K >= 1) or blocks:I,J,...")
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias; 'scratch' writes the math out, 'native' calls F.layer_norm."""
+    """LayerNorm with an optional bias: the math written out (scratch), or F.layer_norm (native)."""
 
     def __init__(self, dim: int, bias: bool, eps: float, impl: str):
         super().__init__()
@@ -115,10 +108,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Preallocated keys and values, (B, nh, max_len, hs) per layer, written at the positions the
-    caller gives. Attention always reads the whole cache under a mask of the positions up to each
-    query's own, so every decode step has the same shapes (compiled code never recompiles), and
-    anything stored beyond (a padded prompt's tail, an older context) is never seen."""
+    """Keys and values, (B, nh, max_len, hs) per layer, written at the positions the caller gives.
+    Attention reads the whole cache under a mask of the positions up to each query's, so decode
+    steps keep one shape (no recompiles) and whatever lies beyond (padding, an old context) is
+    never seen."""
 
     def __init__(self, n_layer: int, batch: int, n_head: int, max_len: int, head_size: int,
                  device: torch.device | str, dtype: torch.dtype):
