@@ -8,14 +8,12 @@ one plot; with --memory, what each memory strategy costs and saves (engine/bench
     python bench.py --time-budget 150                 # rows not reached in 150 s are skipped
     python bench.py --memory --part train,decode      # the memory benchmark (--help lists parts)
 
-The baseline is the reference path: every flag of the order at its reference value. Each row is
-a fresh process (clean peak memory; no compile cache, TF32 or allocator state carried over) that
-builds the model from the same seed and trains it on real token data: a few warm-up steps
-(compilation happens there), then a few timed steps. The table reports tokens/s (median of the
-timed steps), the speedup over the previous row and over the baseline, MFU, peak memory, the loss
-after the timed steps and which attention kernel ran. A flag that changes nothing on this device
-(TF32 on a CPU) is reported as skipped with the reason. Default config: bench_gpu on CUDA, else
-bench_cpu. Results go to stdout and to bench_results/NAME.json, NAME.md and NAME.png.
+The baseline has every flag of the order at its reference value. Each row is a fresh process
+(its own peak memory, compile cache and TF32 state) that builds the model from the same seed and
+trains it on real tokens: warm-up steps (compiling there), then timed ones. The table: tokens/s
+(median timed step), speedup over the previous row and the baseline, MFU, peak memory, loss, the
+attention kernel; a flag that changes nothing here (TF32 on a CPU) is skipped with the reason.
+Default config: bench_gpu on CUDA, else bench_cpu. Output: stdout and RESULTS/NAME.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -68,6 +66,8 @@ FLAGS = {f.name: f for f in [
     Flag("batch_size_auto", ("train.batch_size_auto",), "false", "true"),
 ]}
 DEFAULT_ORDER = ",".join(FLAGS)
+
+
 @dataclass
 class BenchOptions:
     """bench.py's own options (the rest of the command line is the config, as for train.py)."""
@@ -291,33 +291,30 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
 
 def describe(report: dict) -> str:
     """The lines above the table: hardware, model, batch, steps, MFU denominators."""
-    c, ceiling = report["config"], report["ceiling"]
+    c, ceiling, r = report["config"], report["ceiling"], report
     m, t = c["model"], c["train"]
-    first = next((r for r in report["rows"] if "params" in r), {})
+    first = next((row for row in r["rows"] if "params" in row), {})
     datasheet = (f"{ceiling['datasheet'] / 1e12:.0f} TFLOP/s (dense bf16, datasheet)"
                  if ceiling.get("datasheet") else "no datasheet peak for this device")
     measured = (f"{ceiling['measured'] / 1e12:.2f} TFLOP/s measured ({ceiling['measured_dtype']} "
                 f"{ceiling['matmul_n']}^3 matmul)" if ceiling.get("measured") else "not measured")
-    load = report.get("load_average")
+    load = r.get("load_average")
     shared = (f" | load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (other "
               "processes shared the machine)" if load and max(load) > 0.5 * os.cpu_count() else "")
+    passes = f" in each of {r['repeat']} passes" if r.get("repeat", 1) > 1 else ""
+    clock = ", timed by the process's CPU time (--clock=process)" * (r.get("clock") == "process")
+    vocab = first.get("settings", {}).get("vocab", m["vocab_size"])
     return "\n".join([
-        f"hardware: {ceiling.get('hardware', report['device'])} | torch {report['torch']} | "
-        f"{report['date']}{shared}",
+        f"hardware: {ceiling.get('hardware', r['device'])} | torch {r['torch']} | {r['date']}"
+        + shared,
         f"model: {m['n_layer']} layers, {m['n_head']} heads, {m['n_embd']} wide, context "
-        f"{m['block_size']}, vocab {first.get('settings', {}).get('vocab', m['vocab_size'])} "
-        f"({first.get('params', 0) / 1e6:.1f}M parameters) | data: {c['data']['dataset']} | "
-        f"{t['batch_size'] * t['grad_accum_steps']} sequences "
-        f"({t['batch_size']} x {t['grad_accum_steps']} accumulated) per step | "
-        f"{report['warmup']} warm-up + {report['measure']} timed steps per row"
-        + (f" in each of {report['repeat']} passes" if report.get("repeat", 1) > 1 else "")
-        + ", each row in a fresh process"
-        + (", timed by the process's CPU time (--clock=process)"
-           if report.get("clock") == "process" else ""),
+        f"{m['block_size']}, vocab {vocab} ({first.get('params', 0) / 1e6:.1f}M parameters) | "
+        f"data: {c['data']['dataset']} | {t['batch_size'] * t['grad_accum_steps']} sequences "
+        f"({t['batch_size']} x {t['grad_accum_steps']} accumulated) per step | {r['warmup']} "
+        f"warm-up + {r['measure']} timed steps per row{passes}, each row in a fresh process{clock}",
         f"MFU: {first.get('flops_per_token', 0) / 1e6:,.1f}M FLOPs per token (6N + 12*L*H*Q*T) "
         f"x tokens/s, against {datasheet}; MFU (meas.) against {measured}",
-        f"command: {report['command']}",
-    ])
+        f"command: {r['command']}"])
 
 
 def plot(report: dict, path: Path) -> bool:

@@ -29,10 +29,8 @@ from config import Config, ConfigError, from_dict, load_config
 from data.loader import Batches, load_meta
 from engine import checkpoint, memory, quantize, runtime, speedups
 from engine import hf as hf_weights
-from engine.benchmark import REPO_ROOT, hardware_name, markdown_table, run_worker, serve
-from engine.optim import make_optimizer
+from engine.benchmark import REPO_ROOT, build, hardware_name, markdown_table, run_worker, serve
 from engine.sampling import generate_tokens
-from engine.sources import build_model
 from engine.step import evaluate, train_step
 from model import GPT, ModelConfig
 
@@ -72,19 +70,15 @@ def train_row(spec: dict) -> dict:
     peak, and tokens/s over the steps after the evaluation."""
     cfg, steps = from_dict(spec["config"]), spec["steps"]
     rt = runtime.setup(cfg.system)
-    meta = load_meta(cfg.data.dataset)
     start = in_use(rt.device)
-    model, _ = build_model(cfg, meta, rt.device)
-    optimizer, _ = make_optimizer(model, cfg, rt.device)
-    t = cfg.train
-    batches = Batches(meta, "train", t.batch_size, cfg.model.block_size, cfg.system.seed,
-                      rt.device, cfg.data.pin_memory, prefetch=cfg.data.prefetch)
-    val = Batches(meta, "val", t.batch_size, cfg.model.block_size, cfg.system.seed, rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=False)  # float32 or bfloat16 rows
+    parts, _ = build(cfg, rt)
+    model, optimizer, batches, t = parts["model"], parts["optimizer"], parts["batches"], cfg.train
+    val = Batches(parts["meta"], "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
+                  rt.device)
 
     def step(batch):
-        r = train_step(model, model, optimizer, scaler, batches, batch, rt, t.learning_rate,
-                       t.grad_accum_steps, t.grad_clip)
+        r = train_step(model, parts["raw_model"], optimizer, parts["scaler"], batches, batch, rt,
+                       t.learning_rate, t.grad_accum_steps, t.grad_clip)
         r.loss_sum.item()
         rt.synchronize()
         return r.next_batch

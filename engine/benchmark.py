@@ -160,18 +160,15 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
             "first_step_s": first_step_s, "memory": memory, "kernels": kernels}
 
 
-def run_row(spec: dict) -> dict:
-    """Build everything as train.py does, then time the steps; a row whose settings come out
-    the same as the previous row's on this device is skipped with the reason."""
-    cfg = from_dict(spec["config"])
-    resolve_auto_dtype(cfg)
-    rt = runtime.setup(cfg.system)
+def build(cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
+    """Model, optimizer, scaler and batches as train.py builds them; (parts, the banner's
+    settings), the banner printed."""
     meta = load_meta(cfg.data.dataset)
     raw_model, _ = build_model(cfg, meta, rt.device)
     batch_note = speedups.auto_micro_batch(cfg, raw_model, rt)
     optimizer, fused_note = make_optimizer(raw_model, cfg, rt.device)
     t = cfg.train
-    parts = {"raw_model": raw_model, "optimizer": optimizer,
+    parts = {"raw_model": raw_model, "optimizer": optimizer, "meta": meta,
              "scaler": torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16),
              "batches": Batches(meta, "train", t.batch_size, cfg.model.block_size,
                                 cfg.system.seed, rt.device, cfg.data.pin_memory,
@@ -179,6 +176,17 @@ def run_row(spec: dict) -> dict:
     parts["model"], compile_note = techniques.compile_model(raw_model, cfg.system, rt)
     values = speedups.settings(cfg, rt, fused_note, compile_note, batch_note)
     print(speedups.banner(values, rt.notes), flush=True)
+    return parts, values
+
+
+def run_row(spec: dict) -> dict:
+    """Build, then time the steps; a row whose settings come out the same as the previous
+    row's on this device is skipped with the reason."""
+    cfg = from_dict(spec["config"])
+    resolve_auto_dtype(cfg)
+    rt = runtime.setup(cfg.system)
+    parts, values = build(cfg, rt)
+    raw_model, t = parts["raw_model"], cfg.train
     # the model's useful FLOPs: padded vocabulary rows are extra work, not extra model
     padding = (raw_model.padded_vocab - raw_model.vocab_size) * cfg.model.n_embd
     result = {"settings": values, "notes": rt.notes, "dtype": cfg.system.dtype,

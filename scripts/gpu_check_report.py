@@ -55,14 +55,13 @@ def slugify(name: str) -> str:
 
 
 def package_version(name: str, load: bool) -> str | None:
-    """The installed version of a package ('' when unknown); None when it is missing. load:
-    import it, so that a broken install counts as missing; else only look it up (fast)."""
+    """The installed version ('' when unknown), None when missing. load: import it, so that a
+    broken install counts as missing; else only look it up (fast)."""
     if load:
         try:
-            module = importlib.import_module(name)
+            return str(getattr(importlib.import_module(name), "__version__", ""))
         except Exception:  # noqa: BLE001 - a broken install counts as missing
             return None
-        return str(getattr(module, "__version__", ""))
     if importlib.util.find_spec(name) is None:
         return None
     try:
@@ -76,8 +75,7 @@ def nvidia_smi() -> str:
         return "not found"
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=20)
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"failed ({e})"
     return out.stdout.strip().replace("\n", "; ") or f"failed ({out.stderr.strip()[:200]})"
@@ -85,18 +83,12 @@ def nvidia_smi() -> str:
 
 def environment(cpu_mode: bool) -> dict:
     info = {"python": platform.python_version(), "executable": sys.executable,
-            "nvidia_smi": nvidia_smi(), "packages": {}, "missing": {}, "missing_required": {}}
-    for name, needed_by in REQUIRED.items():
-        version = package_version(name, load=True)
-        info["packages"][name] = version
-        if version is None:
-            info["missing_required"][name] = needed_by
-    for name, skips in OPTIONAL.items():
-        version = package_version(name, load=name in USED)
-        info["packages"][name] = version
-        if version is None:
-            info["missing"][name] = skips
-    info.update(has_cuda=False, device="cpu", slug="cpu-check")
+            "nvidia_smi": nvidia_smi(), "has_cuda": False, "device": "cpu", "slug": "cpu-check"}
+    info["packages"] = {name: package_version(name, load=name in REQUIRED or name in USED)
+                        for name in [*REQUIRED, *OPTIONAL]}
+    info["missing_required"] = {n: why for n, why in REQUIRED.items()
+                                if info["packages"][n] is None}
+    info["missing"] = {n: why for n, why in OPTIONAL.items() if info["packages"][n] is None}
     if info["packages"]["torch"] is not None:
         import torch
         info.update(torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()
@@ -107,45 +99,39 @@ def environment(cpu_mode: bool) -> dict:
                         capability=f"{props.major}.{props.minor}",
                         bf16=bool(torch.cuda.is_bf16_supported()),
                         device_count=torch.cuda.device_count())
-            if not cpu_mode:
-                info["slug"] = slugify(props.name)
+            info["slug"] = "cpu-check" if cpu_mode else slugify(props.name)
     return info
 
 
-def print_environment(info: dict) -> None:
-    print(f"nvidia-smi: {info['nvidia_smi']}")
-    print(f"python {info['python']} ({info['executable']})")
+def environment_lines(info: dict) -> list[str]:
     torch_version = info["packages"].get("torch")
-    if torch_version is None:
-        print("torch: not importable")
-    else:
-        print(f"torch {torch_version} | CUDA {info.get('torch_cuda') or '-'} | "
-              f"cuDNN {info.get('cudnn') or '-'}")
-    if info["has_cuda"]:
-        print(f"device: {info['device']} ({info['memory_gib']:.1f} GiB, compute capability "
-              f"{info['capability']}, bf16 {'yes' if info['bf16'] else 'no'}, "
-              f"{info['device_count']} visible)")
-    else:
-        print("device: no CUDA device (torch.cuda.is_available() is False)")
-    present = [f"{n} {v}".strip() for n, v in info["packages"].items() if v is not None]
-    print("present: " + ", ".join(present))
-    for name, needed_by in info["missing_required"].items():
-        print(f"MISSING (required) {name}: needed by {needed_by}")
-    for name, skips in info["missing"].items():
-        print(f"missing {name}: {skips}")
+    lines = [f"nvidia-smi: {info['nvidia_smi']}", f"python {info['python']} ({info['executable']})",
+             "torch: not importable" if torch_version is None else
+             f"torch {torch_version} | CUDA {info.get('torch_cuda') or '-'} | "
+             f"cuDNN {info.get('cudnn') or '-'}",
+             f"device: {info['device']} ({info['memory_gib']:.1f} GiB, compute capability "
+             f"{info['capability']}, bf16 {'yes' if info['bf16'] else 'no'}, "
+             f"{info['device_count']} visible)" if info["has_cuda"] else
+             "device: no CUDA device (torch.cuda.is_available() is False)",
+             "present: " + ", ".join(f"{n} {v}".strip() for n, v in info["packages"].items()
+                                     if v is not None)]
+    lines += [f"MISSING (required) {n}: needed by {why}"
+              for n, why in info["missing_required"].items()]
+    return lines + [f"missing {n}: {why}" for n, why in info["missing"].items()]
 
 
 def cmd_env(args: dict) -> int:
     info = environment(args.get("cpu", False))
-    print_environment(info)
+    print("\n".join(environment_lines(info)))
     Path(args["json"]).write_text(json.dumps(info, indent=1) + "\n")
+    cannot = ", ".join(f"{n} ({why})" for n, why in info["missing_required"].items())
     shell = {"GC_SLUG": info["slug"], "GC_HAS_CUDA": int(info["has_cuda"]),
              "GC_HAS_PYTEST": int("pytest" not in info["missing"]),
              "GC_HAS_TIKTOKEN": int("tiktoken" not in info["missing"]),
-             "GC_CANNOT_RUN": "" if not info["missing_required"] else
-             f"required packages missing for {sys.executable}: " + ", ".join(
-                 f"{n} ({why})" for n, why in info["missing_required"].items())}
-    Path(args["shell"]).write_text("".join(f"{k}={shlex.quote(str(v))}\n" for k, v in shell.items()))
+             "GC_CANNOT_RUN": f"required packages missing for {sys.executable}: {cannot}"
+             if cannot else ""}
+    Path(args["shell"]).write_text("".join(f"{k}={shlex.quote(str(v))}\n"
+                                           for k, v in shell.items()))
     return 0
 
 
