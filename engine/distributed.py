@@ -107,8 +107,6 @@ def rank_device(system: SystemConfig, local_rank: int, world: int) -> tuple[str,
     """The device this rank trains on and a note for the log: GPU LOCAL_RANK of this node with
     --device=auto or cuda, else the CPU."""
     name = system.device
-    if world == 1:
-        return name, ""
     cuda = torch.cuda.is_available()
     if name in ("auto", "cuda") and cuda:
         count = torch.cuda.device_count()
@@ -133,8 +131,8 @@ def rank_device(system: SystemConfig, local_rank: int, world: int) -> tuple[str,
 
 @dataclass
 class Dist:
-    """This process's place in the job, and the collectives the training loop needs. With one
-    process (world_size 1) every method is a no-op or returns its input."""
+    """This process's place in the job, and the collectives the loop needs (each called by every
+    rank at the same point). With one process every method is a no-op or returns its input."""
 
     rank: int = 0
     local_rank: int = 0
@@ -178,16 +176,14 @@ class Dist:
         return f"{layout}{notes}\n{text}"
 
     def close(self) -> None:
-        """Leave the job at the end of a run: every rank first waits for the others to finish
-        their last collective, so none tears its connections down under another."""
+        """Leave the job: every rank first waits for the others' last collective, so none tears
+        its connections down under another."""
         if self._stdout is not None:
             sys.stdout.close()
             sys.stdout, self._stdout = self._stdout, None
         if torch_dist.is_initialized():
             torch_dist.barrier()
             torch_dist.destroy_process_group()
-
-    # collectives: each is called by every rank at the same point of the loop
 
     def _all_reduce(self, values: torch.Tensor, op=torch_dist.ReduceOp.SUM) -> torch.Tensor:
         out = values.detach().to(self.comm_device, torch.float64 if values.is_floating_point()
@@ -211,10 +207,7 @@ class Dist:
 
     def same_everywhere(self, value: int, what: str) -> None:
         """Raise when the ranks disagree on an integer they must share."""
-        if not self.enabled:
-            return
-        lo_hi = self._all_reduce(torch.tensor([value, -value]), torch_dist.ReduceOp.MIN)
-        lo, hi = int(lo_hi[0]), -int(lo_hi[1])
+        lo, hi = self.min_int(value), -self.min_int(-value)
         if lo != hi:
             raise runtime.SetupError(f"the processes disagree on {what} (from {lo} to {hi}; this "
                                      f"one has {value})")

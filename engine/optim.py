@@ -16,7 +16,6 @@ from model import GPT
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup to the peak, then cosine (or constant) decay to min_lr_ratio * peak."""
     t = cfg.train
     peak = t.learning_rate
     if step < t.warmup_iters:
@@ -48,8 +47,7 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device
 class MasterWeights:
     """An optimizer over float32 copies of bf16 weights: step() moves the bf16 gradients onto
     the float32 masters, steps there, and writes the rounded result back into the model, so small
-    updates accumulate in float32 instead of vanishing in bf16. Quacks like the optimizer it
-    wraps (param_groups, step, zero_grad, state_dict, load_state_dict)."""
+    updates accumulate in float32 instead of vanishing in bf16. Quacks like the wrapped one."""
 
     def __init__(self, groups: list[dict], make: type, **kwargs):
         self.model_params = [p for g in groups for p in g["params"]]

@@ -1,15 +1,10 @@
-"""What a run shows while it runs and when it ends.
-
-In the run directory (out_dir):
-    metrics.jsonl     one JSON object per event: kind=train (every log_interval steps),
-                      kind=eval, kind=skip (a non-finite step that was skipped)
-    metrics.csv       the same rows with fixed columns, for spreadsheets and pandas
-    loss_curve.png    train and val loss, redrawn at every evaluation
-    summary.json      the final summary (also printed)
-and optionally the same metrics in Weights & Biases (the [wandb] config section).
-
-A resumed run first drops the rows written after its checkpoint (the part of the killed run
-that is being redone), so the files read as one uninterrupted run.
+"""What a run shows while it runs and when it ends: the log line, and in out_dir
+    metrics.jsonl / metrics.csv   one row per event: kind=train (every log_interval steps),
+                                  eval, skip (a non-finite step), hellaswag
+    loss_curve.png                train and val loss, redrawn at every evaluation
+    summary.json                  the final summary (also printed)
+and optionally the same metrics in Weights & Biases (the [wandb] section). A resumed run first
+drops the rows written after its checkpoint, so the files read as one uninterrupted run.
 """
 from __future__ import annotations
 
@@ -35,18 +30,16 @@ def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+    for unit, big, small, small_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"),
+                                         (60, "m", 1, "s")):
+        if s >= unit:
+            return f"{s // unit}{big}{s % unit // small:02d}{small_unit}"
+    return f"{s}s"
 
 
 def plot_losses(records: list[dict], path: Path, title: str) -> None:
-    """Train loss at each logged step and train/val loss at each evaluation, as a PNG. Uses
-    matplotlib's Figure directly (Agg), so no GUI backend or pyplot state is touched."""
+    """Train loss at each logged step and train/val loss at each evaluation, as a PNG (through
+    matplotlib's Figure: no GUI backend or pyplot state touched)."""
     from matplotlib.figure import Figure
 
     def finite(kind: str, key: str) -> list[tuple[int, float]]:
@@ -112,15 +105,13 @@ class RunLog:
 
     def __init__(self, cfg: Config, start_step: int, resumed: bool, train_seconds: float = 0.0,
                  wandb_id: str = "", files: bool = True):
-        """files=False (ranks > 0 of a distributed run) keeps the counts and the summary but
-        writes nothing: rank 0 writes for the whole run."""
+        """files=False (ranks > 0) keeps the counts and the summary but writes nothing."""
         self.files = files
         self.out_dir = Path(cfg.train.out_dir)
         if files:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = self.out_dir / "metrics.jsonl"
-        self.csv = self.out_dir / "metrics.csv"
-        self.png = self.out_dir / "loss_curve.png"
+        self.jsonl, self.csv, self.png = (self.out_dir / name for name in (
+            "metrics.jsonl", "metrics.csv", "loss_curve.png"))
         self.title = f"{self.out_dir.name}: {cfg.model.n_layer} layers, {cfg.model.n_embd} wide"
         self.max_iters = cfg.train.max_iters
         self.records = self._earlier_records(start_step) if resumed and files else []
@@ -206,10 +197,9 @@ class RunLog:
 
     def finish(self, counters: Counters, reason: str, start_step: int,
                ckpt: Path | None) -> dict:
-        """Print the final summary, write summary.json, close the wandb run; returns the summary:
-        stop_reason (done | stop_after_iters | SIGINT | SIGTERM | nonfinite), step, steps (in this
-        invocation), seconds (this invocation), train_seconds (all of the run), final (the last
-        evaluation's losses), best_val, tokens_seen, skipped_steps, checkpoint (the latest)."""
+        """Print the final summary, write summary.json, close the wandb run; returns the summary
+        (stop_reason: done | stop_after_iters | SIGINT | SIGTERM | nonfinite; steps and seconds
+        of this invocation, train_seconds of the whole run; final: the last evaluation)."""
         summary = {"stop_reason": reason, "step": counters.step,
                    "steps": counters.step - start_step,
                    "seconds": time.perf_counter() - self.clock_start,
@@ -231,19 +221,17 @@ class RunLog:
         clean = _strict_json(summary)
         if self.files:
             (self.out_dir / "summary.json").write_text(json.dumps(clean, indent=1) + "\n")
-        if self.wandb is not None:
-            for key in ("best_val", "tokens_seen", "train_seconds", "checkpoint", "stop_reason"):
-                if clean.get(key) is not None:
-                    self.wandb.summary[key] = clean[key]
-            self.wandb.finish(exit_code=0 if reason != "nonfinite" else 1)
-            self.wandb = None
+        for key in ("best_val", "tokens_seen", "train_seconds", "checkpoint", "stop_reason"):
+            if self.wandb is not None and clean.get(key) is not None:
+                self.wandb.summary[key] = clean[key]
+        self.__exit__(None if reason != "nonfinite" else RuntimeError)
         return summary
 
     def __enter__(self) -> "RunLog":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        """A loop that ends with an exception still closes its wandb run, marked failed."""
+        """Close the wandb run, marked failed when the loop ended with an exception."""
         if self.wandb is not None:
             self.wandb.finish(exit_code=1 if exc_type else 0)
             self.wandb = None

@@ -1,8 +1,8 @@
-"""One training step and one evaluation: what train.py's loop and bench.py both run.
+"""One training step and one evaluation: what train.py's loop and the benchmarks run.
 
     train_step   forward + backward over grad_accum_steps micro-batches (fetching the next batch
-                 while the device works), unscale, clip, then the optimizer update, unless a
-                 guard says the loss or gradient norm is not finite (the step is then skipped)
+                 while the device works), unscale, clip, then the update unless the guard finds
+                 the loss or gradient norm non-finite (the step is then skipped)
     evaluate     mean loss per split over fixed batches
 """
 from __future__ import annotations

@@ -2,24 +2,19 @@
 
     model, notes = techniques.apply(raw_model, cfg, rt, dist)   # then make the optimizer
 
-apply() runs, in this order:
-    1. global batch      train.tokens_per_step -> grad_accum_steps           set_global_batch
-    2. micro-batch       train.batch_size_auto: the largest that fits         auto_micro_batch
-    3. weights dtype     system.weights_dtype=bfloat16 (float32 masters: optim.MasterWeights)
-                                                                              hold_weights
-    4. activation checkpointing   model.activation_checkpointing: read in model.Block, which
-                         recomputes what model.checkpoint_plan names during backward
-    5. attention kernel  the SDPA kernel that runs at the training shape     probe_attention
-    6. DDP / FSDP2       system.parallel over several processes               wrap, grad_sync
-    7. compile           system.compile / compile_mode, then every shape compiled before step 1
-                                                                              compile_model, warm_up
-The returned model is what the loop trains; raw_model stays the plain GPT (saving, eval, sampling).
-Make the optimizer after apply(): FSDP replaces the parameters with sharded ones.
-
-settings / banner print what every speedup flag became as one start-up line. The other flags act
-where they are read: attention, mask, norm, GELU and vocab padding in model.py; dtype and TF32 in
-runtime.setup; fused AdamW in optim.make_optimizer; pinned memory, prefetch and loader workers in
-data/loader.py; empty_cache in memory.release_cached.
+apply() runs, in order:  (flag -> function)
+    1. train.tokens_per_step       -> set_global_batch (grad_accum_steps from the token budget)
+    2. train.batch_size_auto       -> auto_micro_batch (the largest micro-batch that fits)
+    3. system.weights_dtype        -> hold_weights (float32 masters: optim.MasterWeights)
+    4. model.activation_checkpointing is read in model.Block (model.checkpoint_plan)
+    5. model.attention=sdpa        -> probe_attention (the kernel that runs, for the banner)
+    6. system.parallel             -> wrap (DDP or FSDP2 shard) and grad_sync
+    7. system.compile/compile_mode -> compile_model, then warm_up (every shape before step 1)
+raw_model stays the plain GPT (saving, evaluation, sampling); FSDP replaces its parameters, so
+the optimizer is made after apply(). settings/banner: what every speedup flag became, one line.
+The other flags act where they are read: attention, mask, norm, GELU, vocab padding in model.py;
+dtype and TF32 in runtime.setup; fused AdamW in optim.make_optimizer; pinned memory, prefetch
+and loader workers in data/loader.py; empty_cache in memory.release_cached.
 """
 from __future__ import annotations
 
@@ -59,7 +54,7 @@ SDPA_KERNELS = {  # aten op -> the kernel's name
 
 @dataclass
 class Notes:
-    """What each technique became on this device (banner values), and notes said at start-up."""
+    """What each technique became on this device (banner values), and start-up notes."""
 
     batch: str = ""
     weights: str = "float32"
@@ -72,7 +67,6 @@ class Notes:
 
 def apply(raw_model: GPT, cfg: Config, rt: runtime.Runtime,
           dist: Dist) -> tuple[torch.nn.Module, Notes]:
-    """Every technique, in order, on a freshly built model; returns (model to train, notes)."""
     t = cfg.train
     notes = Notes(accumulation=set_global_batch(t, cfg.model.block_size, dist.world_size))
     notes.batch = auto_micro_batch(cfg, raw_model, rt, dist)  # may change the micro-batch
@@ -110,21 +104,15 @@ def set_global_batch(t: TrainConfig, block_size: int, world_size: int) -> str:
     return note
 
 
-def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
-    """Binary search for the largest candidate (ascending) that fits, assuming that everything
-    below a fitting size fits too. None when even the smallest does not."""
-    lo, hi = -1, len(candidates)  # candidates[lo] fits, candidates[hi] does not
+def split_global_batch(global_batch: int, fits: Callable[[int], bool]) -> tuple[int, int] | None:
+    """(micro_batch, grad_accum_steps) for the largest divisor of the global batch that fits,
+    found by binary search (everything below a fitting size fits too); None if 1 does not."""
+    divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    lo, hi = -1, len(divisors)  # divisors[lo] fits, divisors[hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(candidates[mid]) else (lo, mid)
-    return candidates[lo] if lo >= 0 else None
-
-
-def split_global_batch(global_batch: int, fits: Callable[[int], bool]) -> tuple[int, int] | None:
-    """(micro_batch, grad_accum_steps): the largest fitting divisor of the global batch."""
-    divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
-    micro = largest_fitting(divisors, fits)
-    return None if micro is None else (micro, global_batch // micro)
+        lo, hi = (mid, hi) if fits(divisors[mid]) else (lo, mid)
+    return (divisors[lo], global_batch // divisors[lo]) if lo >= 0 else None
 
 
 def _trial_step(model: GPT, rt: runtime.Runtime, micro_batch: int) -> None:
@@ -157,11 +145,9 @@ def _fits(model: GPT, rt: runtime.Runtime, micro_batch: int, budget: int) -> boo
 def auto_micro_batch(cfg: Config, model: GPT, rt: runtime.Runtime, dist: Dist | None = None) -> str:
     """train.batch_size_auto: the global batch (batch_size x grad_accum_steps sequences) stays;
     the micro-batch becomes its largest divisor whose training step fits in device memory (the
-    smallest such over the processes), and grad_accum_steps makes up the rest. Updates
-    cfg.train; returns the banner value.
-
-    The trials run the uncompiled model (compiling every candidate would take minutes); compiled
-    code keeps fewer activations, so a size that fits eagerly fits compiled."""
+    smallest over the processes), grad_accum_steps the rest. Updates cfg.train; returns the
+    banner value. The trials run uncompiled (compiling each would take minutes); compiled code
+    keeps fewer activations, so a size that fits eagerly fits compiled."""
     t = cfg.train
     plain = f"{t.batch_size}x{t.grad_accum_steps}"
     if not t.batch_size_auto:
