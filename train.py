@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from config import Config, ConfigError, load_config, opt
-from data.loader import Batches, DataError
+from data.loader import Batches, DataError, open_batches
 from data.workers import SharedMemoryBatches
 from engine import checkpoint, distributed, hellaswag, memory, resume, runlog, runtime, techniques
 from engine.optim import lr_at, make_optimizer
@@ -72,9 +72,10 @@ def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed
     """This rank's training batches (prefetched, or read ahead by worker processes, as
     configured), both splits' loaders, and the fixed evaluation batches."""
     t, d = cfg.train, cfg.data
-    split = {split: Batches(meta, split, t.batch_size, cfg.model.block_size, cfg.system.seed,
-                            rt.device, d.pin_memory, dist.rank, dist.world_size,
-                            prefetch=d.prefetch and split == "train") for split in ("train", "val")}
+    split = {split: open_batches(meta, split, t.batch_size, cfg.model.block_size,
+                                 cfg.system.seed, rt.device, d.pin_memory, dist.rank,
+                                 dist.world_size, prefetch=d.prefetch and split == "train")
+             for split in ("train", "val")}
     eval_sets = {name: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
                  for i, (name, b) in enumerate(split.items())}
     batches = split["train"]
