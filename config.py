@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import difflib
 import json
-import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -200,44 +199,33 @@ def _all_keys() -> dict[str, list[str]]:
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
     """Turn a TOML or command-line value into the field's type, or raise ValueError."""
+    kind = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(typ)
+    if kind is None:
+        raise ValueError(f"{where}: unsupported field type {typ}")
+    wrong = ValueError(f"{where}: expected {kind}, got {value!r}")
     if typ is bool:
-        if isinstance(value, bool):
-            return value
         text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{where}: expected true/false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, bool) or text in BOOL_WORDS:
+            return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
+        raise wrong
+    if isinstance(value, (dict, list)) or (typ is not str and isinstance(value, bool)):
+        raise wrong
+    if typ is str:
+        return str(value)
+    try:
+        if typ is float:
+            return float(value)
         if isinstance(value, int):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
         try:
             return int(str(value).replace("_", ""))
         except ValueError:
-            try:
-                as_float = float(str(value))
-            except ValueError:
-                as_float = math.nan
-            if as_float.is_integer():
-                return int(as_float)
-            raise ValueError(f"{where}: expected an integer, got {value!r}") from None
-    if typ is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: expected a number, got {value!r}") from None
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    raise ValueError(f"{where}: unsupported field type {typ}")
+            as_float = float(str(value))  # 1e6, 3.0
+        if as_float.is_integer():
+            return int(as_float)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    raise wrong
 
 
 def _unknown_key_message(key: str, source: str, candidates: list[str]) -> str:
@@ -329,47 +317,40 @@ def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> No
     _apply(cfg, owners[key][0], key, value, source, problems)
 
 
+POSITIVE, NON_NEGATIVE = ("> 0", lambda v: v > 0), (">= 0", lambda v: v >= 0)
+FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
+RULES = {  # dotted key -> (what it must be, the test)
+    **dict.fromkeys(("model.block_size", "model.n_layer", "model.n_head", "model.n_embd",
+                     "model.vocab_pad_multiple", "model.layer_norm_eps", "train.batch_size",
+                     "train.grad_accum_steps", "train.learning_rate", "train.eval_iters",
+                     "train.eval_interval", "train.log_interval", "train.keep_checkpoints",
+                     "train.max_nonfinite_steps", "system.dist_timeout",
+                     "sample.prompt_bucket"), POSITIVE),
+    **dict.fromkeys(("model.vocab_size", "train.max_iters", "train.warmup_iters",
+                     "train.weight_decay", "train.grad_clip", "train.stop_after_iters",
+                     "train.tokens_per_step", "train.hellaswag_interval",
+                     "train.hellaswag_examples", "sample.max_new_tokens", "sample.temperature",
+                     "sample.top_k", "system.threads", "system.peak_flops",
+                     "data.loader_workers"), NON_NEGATIVE),
+    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2"), FRACTION),
+    "train.min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "sample.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "sample.num_samples": (">= 1", lambda v: v >= 1),
+}
+
+
 def validate(cfg: Config) -> list[str]:
     """Every problem with the values, as a list of messages (empty when the config is usable)."""
-    problems: list[str] = []
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for f in dataclasses.fields(obj):
-            choices = f.metadata.get("choices")
-            value = getattr(obj, f.name)
-            if choices and value not in choices:
-                problems.append(f"{section}.{f.name}={value!r} is not one of {', '.join(choices)}")
-    m, t, s = cfg.model, cfg.train, cfg.sample
-    positive = {
-        "model.block_size": m.block_size, "model.n_layer": m.n_layer,
-        "model.n_head": m.n_head, "model.n_embd": m.n_embd,
-        "model.vocab_pad_multiple": m.vocab_pad_multiple,
-        "train.batch_size": t.batch_size, "train.grad_accum_steps": t.grad_accum_steps,
-        "train.learning_rate": t.learning_rate, "train.eval_iters": t.eval_iters,
-        "train.eval_interval": t.eval_interval, "train.log_interval": t.log_interval,
-        "train.keep_checkpoints": t.keep_checkpoints, "model.layer_norm_eps": m.layer_norm_eps,
-        "train.max_nonfinite_steps": t.max_nonfinite_steps,
-        "system.dist_timeout": cfg.system.dist_timeout,
-        "sample.prompt_bucket": s.prompt_bucket,
-    }
-    for name, value in positive.items():
-        if not value > 0:
-            problems.append(f"{name} must be > 0, got {value}")
-    non_negative = {
-        "model.vocab_size": m.vocab_size, "train.max_iters": t.max_iters,
-        "train.warmup_iters": t.warmup_iters, "train.weight_decay": t.weight_decay,
-        "train.grad_clip": t.grad_clip, "train.stop_after_iters": t.stop_after_iters,
-        "train.tokens_per_step": t.tokens_per_step,
-        "train.hellaswag_interval": t.hellaswag_interval,
-        "train.hellaswag_examples": t.hellaswag_examples,
-        "sample.max_new_tokens": s.max_new_tokens,
-        "sample.temperature": s.temperature, "sample.top_k": s.top_k,
-        "system.threads": cfg.system.threads, "system.peak_flops": cfg.system.peak_flops,
-        "data.loader_workers": cfg.data.loader_workers,
-    }
-    for name, value in non_negative.items():
-        if value < 0:
-            problems.append(f"{name} must be >= 0, got {value}")
+    problems = [f"{section}.{f.name}={getattr(getattr(cfg, section), f.name)!r} is not one of "
+                f"{', '.join(f.metadata['choices'])}"
+                for section in SECTIONS for f in dataclasses.fields(SECTIONS[section])
+                if f.metadata.get("choices")
+                and getattr(getattr(cfg, section), f.name) not in f.metadata["choices"]]
+    for key, (text, ok) in RULES.items():
+        section, name = key.split(".")
+        if not ok(value := getattr(getattr(cfg, section), name)):
+            problems.append(f"{key} must be {text}, got {value}")
+    m, t = cfg.model, cfg.train
     if cfg.system.weights_dtype == "bfloat16" and cfg.system.dtype != "bfloat16":
         problems.append(f"system.weights_dtype=bfloat16 needs --dtype=bfloat16 (autocast), "
                         f"got dtype={cfg.system.dtype}")
@@ -383,17 +364,6 @@ def validate(cfg: Config) -> list[str]:
     if t.tokens_per_step > 0 and per_sequence > 0 and t.tokens_per_step % per_sequence:
         problems.append(f"train.tokens_per_step={t.tokens_per_step} must be a multiple of "
                         f"batch_size x block_size = {per_sequence} (x the number of processes)")
-    if not 0.0 <= m.dropout < 1.0:
-        problems.append(f"model.dropout must be in [0, 1), got {m.dropout}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        problems.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    for name, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
-        if not 0.0 <= beta < 1.0:
-            problems.append(f"{name} must be in [0, 1), got {beta}")
-    if not 0.0 < s.top_p <= 1.0:
-        problems.append(f"sample.top_p must be in (0, 1], got {s.top_p}")
-    if s.num_samples < 1:
-        problems.append(f"sample.num_samples must be >= 1, got {s.num_samples}")
     return problems
 
 

@@ -1,18 +1,16 @@
 """Checkpoints: written atomically, loaded without unsafe pickle.
 
-A checkpoint is a directory `out_dir/ckpt_0001000/` holding
-    model.safetensors   the weights (the tied LM head stored once, as transformer.wte.weight)
-    config.json         the resolved config of the run, so generate.py needs no flags
-    meta.json           step, losses, tokens seen, the tokenizer's metadata
-    train_state.pt      optimizer, RNG and data-loader state for resuming (torch.save of plain
-                        tensors and containers; read back with torch.load(weights_only=True))
-It is written into a hidden temporary directory and renamed into place, so a crash mid-save
-never leaves a half-written checkpoint where a loader would find it, and a full disk ends in one
-error line (bytes needed, bytes free) with the previous checkpoint intact. Directories and files
-get the modes the umask gives (0755 / 0644 under umask 022), so teammates can read them.
+A checkpoint is a directory `out_dir/ckpt_0001000/` holding model.safetensors (the tied LM
+head stored once), config.json (the run's resolved config: generate.py needs no flags),
+meta.json (step, losses, tokens seen, tokenizer) and train_state.pt (optimizer, RNG and data
+position, plain tensors read back with torch.load(weights_only=True)). It is written into a
+hidden directory and renamed into place: a crash never leaves half a checkpoint where a loader
+looks, a full disk ends in one error line with the previous checkpoint intact. Files get the
+modes the umask gives, so teammates can read them.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -64,16 +62,12 @@ def sync_files(directory: Path) -> None:
 
 
 def sync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def check_out_dir(out_dir: str | Path, flag: str = "--out_dir") -> None:
@@ -287,20 +281,20 @@ def resolve(path: str | Path) -> Path:
                           "or pass --checkpoint=PATH to an existing one")
 
 
-def read_config(ckpt: Path) -> config_mod.Config:
+def _read_json(ckpt: Path, name: str) -> dict:
     try:
-        return config_mod.from_dict(json.loads((ckpt / "config.json").read_text()))
+        return json.loads((ckpt / name).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt}/config.json is unreadable ({e}); the checkpoint is "
+        raise CheckpointError(f"{ckpt}/{name} is unreadable ({e}); the checkpoint is "
                               "incomplete or corrupt") from None
+
+
+def read_config(ckpt: Path) -> config_mod.Config:
+    return config_mod.from_dict(_read_json(ckpt, "config.json"))
 
 
 def read_meta(ckpt: Path) -> dict:
-    try:
-        return json.loads((ckpt / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({e}); the checkpoint is "
-                              "incomplete or corrupt") from None
+    return _read_json(ckpt, "meta.json")
 
 
 def load_weights(model: GPT, ckpt: Path) -> None:
@@ -375,14 +369,10 @@ def check_tokenizer(ckpt: Path, data_meta: dict) -> None:
 
 def load_model(path: str | Path, device: torch.device | str = "cpu",
                model_overrides: dict | None = None) -> tuple[GPT, config_mod.Config, dict]:
-    """Build the model a checkpoint describes and load its weights. Returns (model, cfg, meta).
-
-    model_overrides may change implementation choices (attention, norm, ...) that do not change
-    the weights' shapes.
-    """
+    """(model, cfg, meta) of a checkpoint or run directory; model_overrides may change
+    implementation choices (attention, norm, ...) that keep the weights' shapes."""
     ckpt = resolve(path)
-    cfg = read_config(ckpt)
-    meta = read_meta(ckpt)
+    cfg, meta = read_config(ckpt), read_meta(ckpt)
     for key, value in (model_overrides or {}).items():
         setattr(cfg.model, key, value)
     model = GPT(cfg.model)
