@@ -1,20 +1,16 @@
-"""What lets a long run survive interruption: the complete resumable state, stop requests and
-non-finite steps.
+"""What lets a long run survive interruption.
 
-    capture / restore   everything a resumed run needs to continue exactly as if it had never
-        stopped: optimizer, gradient scaler, the loop's counters (step, best val loss, tokens
-        seen), the data loader's position plus the batch already fetched for the next step, and
-        every RNG (Python, numpy, torch CPU, CUDA or MPS; every rank's). Under FSDP the full
-        weights and optimizer state are gathered onto rank 0, so a checkpoint has the
-        single-process format and any world size resumes it.
     resolve_init     init_from=auto -> resume or scratch; an out_dir holding another run refused
-    StopRequest      SIGINT/SIGTERM (or a step budget) ask the loop to save a checkpoint and exit
-                     at the next step boundary; a second signal stops at once
-    NonFiniteGuard   a step whose loss or gradient norm is NaN/inf is skipped (no update) and
-                     counted; after `limit` such steps in a row the run stops without saving
-
-Everything in the train state is a tensor, number, string or plain container, so it round-trips
-through torch.save / torch.load(weights_only=True).
+    capture / restore   everything a resumed run needs to continue exactly as if it had never
+        stopped: optimizer, scaler, the loop's Counters, the loader's position plus the batch
+        already fetched, every RNG (Python, numpy, torch, CUDA/MPS; every rank's). FSDP's shards
+        are gathered onto rank 0 (full_weights, FullStateOptimizer): a checkpoint has the
+        single-process format, and any world size resumes it. Plain tensors, numbers and
+        containers only, so it loads with torch.load(weights_only=True).
+    StopRequest      SIGINT/SIGTERM (or a step budget): save and exit at the next step boundary;
+                     a second signal stops at once
+    NonFiniteGuard   a NaN/inf loss or gradient norm skips the update; `limit` in a row stop the
+                     run without saving
 """
 from __future__ import annotations
 
@@ -57,7 +53,7 @@ class Counters:
 
 
 def rng_state(device: torch.device) -> dict:
-    """Every random number generator the run may draw from."""
+    """Every random number generator the run may draw from, as plain tensors and numbers."""
     np_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
@@ -75,8 +71,8 @@ def rng_state(device: torch.device) -> dict:
 
 
 def restore_rng_state(state: dict, device: torch.device) -> list[str]:
-    """Put every generator back where rng_state() found it. Returns notes on what could not be
-    restored (e.g. a different number of GPUs), for the log."""
+    """Put every generator back where rng_state() found it; returns notes on what could not be
+    (e.g. another number of GPUs)."""
     notes = []
     random.setstate(_as_tuples(state["python"]))
     np_state = state["numpy"]
