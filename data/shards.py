@@ -2,25 +2,16 @@
 processes (data/stream.py), written as fixed-size shards, resumable after an interruption.
 
     python data/fineweb_edu/prepare.py                     # the 10B-token FineWeb-Edu sample
-    python data/openwebtext/prepare.py --workers 8
     python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
         --out-dir data/mycorpus --max-tokens 5M --shard-tokens 1M
 
-The token stream is every document's GPT-2 tokens followed by <|endoftext|>, in the dataset's
-order. Its first val_tokens tokens (extended to the end of that document) are the val split, the
-rest is train. Each split is cut into shards of shard_tokens tokens (its last shard shorter):
-
-    val_000000.bin, train_000000.bin, ...   flat uint16 token ids, memory-mapped by the loader
-    meta.json                               tokenizer, dtype, every shard with its token count
-    prepare_state.json                      the progress record a second run resumes from
-
-A shard is written to a hidden `.NAME.partial` file and renamed when full, so a file with a shard's
-name is always complete; meta.json is written last, so the dataset is usable only when complete.
-The progress record is committed (after an fsync of the partial file) every commit_tokens tokens
-and at every shard boundary; it holds the stream position (document index, tokens of that document
-already written, the dataset iterator's resumable state) that matches the committed length of the
-partial shard. A second run truncates the partial shard to that length and carries on from there,
-so an interrupted and resumed preparation writes exactly the bytes of an uninterrupted one.
+The stream is every document's tokens followed by <|endoftext|>; its first val_tokens (to the
+end of that document) are the val split, the rest train, each cut into shards
+(val_000000.bin, train_000000.bin, ...) listed in meta.json, written last. A shard is written
+as a hidden `.NAME.partial` and renamed when full. prepare_state.json, committed after an fsync
+every commit_tokens and at every shard boundary, holds the stream position matching the partial
+shard's committed length: a second run truncates it there and carries on, so an interrupted
+and resumed preparation writes exactly the bytes of an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -307,15 +298,14 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
            "tokens_per_s": round(tokens / seconds), "stream_seconds": round(stream_seconds, 2),
            "stream_tokens_per_s": round(tokens / max(stream_seconds, 1e-9)), "cpu_s": cpu,
            "peak_mib": {"main": round(peak_rss_mib()), "worker": round(worker_peak)}}
-    parallel = workers > 1
+    both = workers > 1
     print(f"done: {tokens:,} tokens in {seconds:.1f}s ({run['tokens_per_s']:,} tok/s; "
           f"{run['stream_tokens_per_s']:,} tok/s after start-up) with {workers} worker(s) | "
-          f"{len(meta['shards']['val'])} val + "
-          f"{len(meta['shards']['train'])} train shards, {meta['splits']['val']:,} val / "
-          f"{meta['splits']['train']:,} train tokens | cpu: main {cpu['main']}s"
-          + (f", workers {cpu['workers']}s" if parallel else "")
+          f"{len(meta['shards']['val'])} val + {len(meta['shards']['train'])} train shards, "
+          f"{meta['splits']['val']:,} val / {meta['splits']['train']:,} train tokens | cpu: "
+          f"main {cpu['main']}s" + (f", workers {cpu['workers']}s" if both else "")
           + f" | peak memory: main {run['peak_mib']['main']} MiB"
-          + (f", largest worker {run['peak_mib']['worker']} MiB" if parallel else ""))
+          + (f", largest worker {run['peak_mib']['worker']} MiB" if both else ""))
     return {**meta, "run": run}
 
 
