@@ -18,6 +18,7 @@ Default config: bench_gpu on CUDA, else bench_cpu. Output: stdout and RESULTS/NA
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
 import os
@@ -252,13 +253,6 @@ def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, comma
             "ceiling": ceiling, "config": cfg.to_dict(), "rows": results}
 
 
-def memory_text(mem: dict) -> str:
-    gib = lambda n: f"{n / 2**30:.2f}" if n < 10 * 2**30 else f"{n / 2**30:.1f}"  # noqa: E731
-    if "allocated" in mem:
-        return f"{gib(mem['allocated'])} / {gib(mem['reserved'])} GiB"
-    return f"{gib(mem['rss'])} GiB RSS" if "rss" in mem else "-"
-
-
 def row_note(r: dict) -> str:
     note = [f"micro-batch {r['micro_batch']}x{r['grad_accum_steps']}"] \
         if r["flag"] == "batch_size_auto" else []
@@ -276,6 +270,9 @@ def row_note(r: dict) -> str:
 def table_rows(rows: list[dict]) -> list[list[str]]:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     times = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    gib = lambda n: f"{n / 2**30:.2f}" if n < 10 * 2**30 else f"{n / 2**30:.1f}"  # noqa: E731
+    memory = lambda m: (f"{gib(m['allocated'])} / {gib(m['reserved'])} GiB" if "allocated" in m
+                        else f"{gib(m['rss'])} GiB RSS" if "rss" in m else "-")  # noqa: E731
     out = []
     for i, r in enumerate(rows):
         if r["status"] != "ok":
@@ -284,7 +281,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
             continue
         out.append([str(i), r["label"], f"{r['tokens_per_s']:,.0f}", times(r["vs_previous"]),
                     times(r["vs_baseline"]), pct(r["mfu"]), pct(r["mfu_measured"]),
-                    memory_text(r["memory"]), f"{r['loss']:.4f}",
+                    memory(r["memory"]), f"{r['loss']:.4f}",
                     ", ".join(r["kernels"]) or "-", row_note(r)])
     return out
 
@@ -340,10 +337,10 @@ def plot(report: dict, path: Path) -> bool:
         ax2.text(memory[i], i, f" {memory[i]:.2f}" if ok else "", va="center", fontsize=8)
     ax1.set_yticks(range(len(rows)), [r["label"] for r in rows])
     ax1.invert_yaxis()
-    ax1.set_xlabel("tokens/s (median of timed steps)")
     cuda = rows and "allocated" in rows[0].get("memory", {})
-    ax2.set_xlabel(f"peak memory, GiB ({'CUDA max allocated' if cuda else 'peak RSS'})")
-    for ax in (ax1, ax2):
+    for ax, what in ((ax1, "tokens/s (median of timed steps)"), (ax2, "peak memory, GiB ("
+                     + ("CUDA max allocated" if cuda else "peak RSS") + ")")):
+        ax.set_xlabel(what)
         ax.margins(x=0.25)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"bench.py {report['mode']}: {report['ceiling'].get('hardware', '')}",
@@ -355,6 +352,12 @@ def plot(report: dict, path: Path) -> bool:
 
 
 def write_outputs(report: dict, folder: Path, stem: str) -> list[Path]:
+    """NAME.json, .md and .png; NAME by default the device (cpu, nvidia-h200), _only for --only."""
+    if not stem:
+        hardware = report["ceiling"].get("hardware", report["device"])
+        stem = report["device"] if report["device"] == "cpu" else \
+            re.sub(r"[^a-z0-9]+", "-", hardware.split(" (")[0].lower()).strip("-")
+        stem += "_only" if report["mode"] == "only" else ""
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
     paths[0].write_text(json.dumps(report, indent=1) + "\n")
@@ -366,15 +369,6 @@ def write_outputs(report: dict, folder: Path, stem: str) -> list[Path]:
     else:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
     return paths
-
-
-def output_stem(opts: BenchOptions, report: dict) -> str:
-    if opts.name:
-        return opts.name
-    hardware = report["ceiling"].get("hardware", report["device"])
-    stem = report["device"] if report["device"] == "cpu" else \
-        re.sub(r"[^a-z0-9]+", "-", hardware.split(" (")[0].lower()).strip("-")
-    return stem + ("_only" if report["mode"] == "only" else "")
 
 
 def load_bench_config(argv: list[str]) -> tuple[Config, BenchOptions, list[str]]:
@@ -401,9 +395,12 @@ def check_options(opts: BenchOptions, cfg: Config) -> None:
     if opts.time_budget < 0 or opts.ceiling_size < 0:
         raise BenchError("--time-budget and --ceiling-size must be >= 0 (0: no limit, "
                          "the default size)")
-    if opts.clock not in ("wall", "process"):
-        raise BenchError(f"--clock={opts.clock!r}: use wall or process")
-    if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
+    for f in dataclasses.fields(opts):  # the loader checks the config's choices, not these
+        if f.metadata["choices"] and getattr(opts, f.name) not in f.metadata["choices"]:
+            raise BenchError(f"--{f.name.replace('_', '-')}={getattr(opts, f.name)!r}: use "
+                             + " or ".join(f.metadata["choices"]))
+    if opts.clock == "process" and not opts.memory and (cfg.system.device != "cpu"
+                                                        or cfg.system.threads != 1):
         raise BenchError("--clock=process times this process's CPU time: it needs "
                          "--device=cpu and --threads=1 (the CPU time of several threads "
                          "adds up, and a GPU's work is not CPU time)")
@@ -414,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     command = ("python bench.py " + shlex.join(argv)).strip()
     try:
         cfg, opts, config_args = load_bench_config(argv)
+        check_options(opts, cfg)
         if opts.memory:
             bench_memory.check(opts)
         else:
-            check_options(opts, cfg)
             cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
             only = bool(opts.only)
             rows = plan(cfg, parse_steps(opts.order if opts.only in ("", "all") else opts.only),
@@ -429,11 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.memory:
         return bench_memory.run(cfg, opts, config_args, command)
     print(f"bench: {len(rows)} rows on {cfg.system.device}, each {opts.warmup_steps} warm-up + "
-          f"{opts.measure_steps} timed steps in its own process"
-          + (f", {opts.repeat} passes" if opts.repeat > 1 else ""), flush=True)
+          f"{opts.measure_steps} timed steps in its own process" + (
+              f", {opts.repeat} passes" if opts.repeat > 1 else ""), flush=True)
     report = run_all(rows, cfg, opts, only, command)
     print("\n" + describe(report) + "\n\n" + markdown_table(COLUMNS, table_rows(report["rows"])))
-    paths = write_outputs(report, Path(opts.results), output_stem(opts, report))
+    paths = write_outputs(report, Path(opts.results), opts.name)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if any(r["status"] == "ok" for r in report["rows"]) else 1
 

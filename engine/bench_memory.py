@@ -152,10 +152,17 @@ def row_text(row: dict) -> str:
 def decode_rate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
                 rt: runtime.Runtime) -> tuple[float, torch.Tensor]:
     """Batch-1 greedy decoding with our KV cache: (tokens/s after the prompt, the tokens)."""
-    generate_tokens(model, prompt, 4, temperature=0, autocast=rt.autocast)  # warm-up
+    run = lambda n: generate_tokens(model, prompt, n, temperature=0,  # noqa: E731
+                                    autocast=rt.autocast)
+    return timed_rate(run, new_tokens, rt)
+
+
+def timed_rate(run, new_tokens: int, rt: runtime.Runtime) -> tuple[float, torch.Tensor]:
+    """run(4) to warm up, then (tokens/s of run(new_tokens), its tokens)."""
+    run(4)
     rt.synchronize()
     t0 = time.perf_counter()
-    out = generate_tokens(model, prompt, new_tokens, temperature=0, autocast=rt.autocast)
+    out = run(new_tokens)
     rt.synchronize()
     return new_tokens / (time.perf_counter() - t0), out
 
@@ -254,15 +261,11 @@ def hf_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int,
     hf = GPT2LMHeadModel(GPT2Config(**hf_weights.hf_config(ours.config)))
     missing, _ = hf.load_state_dict(hf_weights.ours_to_hf(ours), strict=False)
     hf = hf.to(rt.device).eval()
-    kwargs = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, use_cache=True,
-                  pad_token_id=0, attention_mask=torch.ones_like(prompt))
     with torch.no_grad():
-        hf.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        rt.synchronize()
-        t0 = time.perf_counter()
-        tokens = hf.generate(prompt, **kwargs)
-        rt.synchronize()
-    return {"hf_tokens_per_s": new / (time.perf_counter() - t0), "hf_tokens": tokens,
+        rate, tokens = timed_rate(lambda n: hf.generate(
+            prompt, do_sample=False, max_new_tokens=n, min_new_tokens=n, use_cache=True,
+            pad_token_id=0, attention_mask=torch.ones_like(prompt)), new, rt)
+    return {"hf_tokens_per_s": rate, "hf_tokens": tokens,
             "hf_missing_keys": [k for k in missing  # buffers, and the head HF ties itself
                                 if not k.endswith("attn.bias") and k != "lm_head.weight"]}
 
@@ -371,8 +374,6 @@ def check(opts) -> None:
     parts = [p.strip() for p in opts.part.split(",") if p.strip()]
     if not parts or not set(parts) <= set(PARTS):
         raise ConfigError(f"--part={opts.part!r}: use a comma list of {', '.join(PARTS)}")
-    if opts.decode_model not in DECODE_SHAPES:
-        raise ConfigError(f"--decode-model={opts.decode_model!r}: use {' or '.join(DECODE_SHAPES)}")
     train_rows(opts.rows)
     quantize.quantize_targets(opts.quantize_layers)
 
