@@ -1,18 +1,14 @@
-"""HellaSwag (Zellers et al. 2019): pick the right one of four endings; scored zero-shot.
+"""HellaSwag (Zellers et al. 2019): pick the right one of four endings, scored zero-shot.
 
     python -m engine.hellaswag --model out/gpt2_124m       # our checkpoint (or its run directory)
     python -m engine.hellaswag --model gpt2 --device cuda  # OpenAI's GPT-2 from the hub
     python -m engine.hellaswag --model out/run --limit 500 --data path/to/hellaswag_val.jsonl
 
-Scoring, the completion style used for GPT-2-size models: each ending (with a leading space)
-is appended to the context and the model's cross-entropy is taken over the ending's tokens only.
-`acc` picks the ending with the lowest summed loss, `acc_norm` the one with the lowest loss per
-token (length-normalised). References on the 10,042 validation examples: GPT-2 124M acc_norm
-0.2955 with this scoring; GPT-3 Small (125M) 0.337 in the GPT-3 paper (trained on 300B tokens).
-
-The official validation file is downloaded once to data/hellaswag/hellaswag_val.jsonl on a
-machine with a network; elsewhere, copy it there or pass --data. train.py scores it every
-train.hellaswag_interval steps when that is set.
+Each ending (with a leading space) follows the context; the model's cross-entropy over the
+ending's tokens scores it. `acc` picks the lowest summed loss, `acc_norm` the lowest per token.
+On the 10,042 validation examples GPT-2 124M gets acc_norm 0.2955 this way (GPT-3 Small: 0.337).
+The file is downloaded once to data/hellaswag/ (or pass --data); train.py scores it every
+train.hellaswag_interval steps.
 """
 from __future__ import annotations
 

@@ -54,10 +54,8 @@ class CharTokenizer:
 
 
 def load_ranks(path: Path) -> dict[bytes, int]:
-    """Read a .tiktoken ranks file ("base64-token rank" per line) after checking its sha256.
-
-    Read directly rather than through tiktoken's loader, whose cache is keyed by path and would
-    hide a file changed after its first load."""
+    """A .tiktoken ranks file ("base64-token rank" per line), its sha256 checked. Read here, not
+    by tiktoken's loader, whose cache is keyed by path and would hide a changed file."""
     if not path.is_file():
         raise TokenizerError(f"GPT-2 BPE ranks not found at {path}; they ship with the "
                              "repository as data/gpt2.tiktoken")
