@@ -1,6 +1,6 @@
 """Sample text from a trained model.
 
-    python generate.py --prompt "ROMEO:"                       # latest checkpoint of the default run
+    python generate.py --prompt "ROMEO:"                       # the default run's last checkpoint
     python generate.py --checkpoint out/tiny --temperature 0   # greedy, from another run
     python generate.py --prompt FILE:prompt.txt --num_samples 3 --top_p 0.9 --seed 7
     python generate.py --init-from gpt2 --prompt "Hello, I'm a language model,"   # OpenAI's GPT-2
@@ -33,11 +33,8 @@ class StreamPrinter:
 
     def __call__(self, token: torch.Tensor) -> None:
         ids = [int(token[0, 0])]
-        if hasattr(self.tokenizer, "decode_bytes"):
-            text = self.utf8.decode(self.tokenizer.decode_bytes(ids))
-        else:
-            text = self.tokenizer.decode(ids)
-        self.out.write(text)
+        as_bytes = getattr(self.tokenizer, "decode_bytes", None)  # GPT-2 BPE: bytes, maybe partial
+        self.out.write(self.utf8.decode(as_bytes(ids)) if as_bytes else self.tokenizer.decode(ids))
         self.out.flush()
 
     def finish(self) -> None:
@@ -66,23 +63,20 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
     if len(ids) > block_size:
         print(f"note: prompt has {len(ids)} tokens but block_size is {block_size}; keeping the "
               f"last {block_size}", file=sys.stderr)
-        ids = ids[-block_size:]
-    return ids
+    return ids[-block_size:]
 
 
 @dataclass
 class GenerateOptions:
     """generate.py's own options (the rest of the command line is the config)."""
 
-    init_from: str = opt("", "sample from gpt2 | gpt2-medium | gpt2-large | gpt2-xl | "
-                         "hf:ORG/NAME | a local HF directory | one of our checkpoints; not given: "
-                         "sample.checkpoint, else the latest checkpoint in train.out_dir")
+    init_from: str = opt("", "sample from gpt2[-medium|-large|-xl] | hf:ORG/NAME | a local HF "
+                         "dir | our checkpoint; default: sample.checkpoint, else train.out_dir")
 
 
 def load_for_sampling(cfg: Config, device: torch.device,
                       init_from: str = "") -> tuple[GPT, Config, dict, str]:
-    """(model, its config, meta, label): --init-from, else sample.checkpoint, else the latest
-    checkpoint in train.out_dir."""
+    """(model, its config, meta, label) from --init-from, sample.checkpoint or train.out_dir."""
     if init_from and cfg.sample.checkpoint:
         raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
                           "name a model to sample from; pass one of them")
@@ -99,12 +93,12 @@ def load_for_sampling(cfg: Config, device: torch.device,
 
 
 def sample(cfg: Config, init_from: str = "") -> list[str]:
-    """Generate cfg.sample.num_samples texts, streaming them to stdout; returns them. init_from
-    (a GPT-2 id, HF directory or checkpoint) overrides the checkpoint the config points at."""
+    """Generate sample.num_samples texts from init_from (or the config's checkpoint), streaming
+    them to stdout; returns them."""
     rt = runtime.setup(cfg.system)
     if cfg.sample.quantize != "none":
         quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
-    model, stored, meta, path = load_for_sampling(cfg, rt.device, init_from)
+    model, _, meta, path = load_for_sampling(cfg, rt.device, init_from)
     model.eval()
     if cfg.sample.quantize == "int8":
         chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
@@ -114,7 +108,7 @@ def sample(cfg: Config, init_from: str = "") -> list[str]:
     s = cfg.sample
     prompt_ids = encode_prompt(tokenizer, read_prompt(s.prompt), model.config.block_size)
     bucket = 0
-    if cfg.system.compile and s.kv_cache:  # static cache + bucketed prompts: no recompiles
+    if cfg.system.compile and s.kv_cache:  # bucketed prompts: a few shapes, no recompiles
         model, note = techniques.compile_model(model, cfg.system, rt)
         bucket, t0 = s.prompt_bucket, time.perf_counter()
         warm_up(model, len(prompt_ids), s.max_new_tokens, bucket, rt.autocast)

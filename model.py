@@ -43,26 +43,22 @@ class ModelConfig:
                          ("scratch", "sdpa"))
     causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
                            ("buffer", "on_the_fly"))
-    norm: str = opt("scratch", "LayerNorm: written out by hand, or F.layer_norm",
-                    ("scratch", "native"))
+    norm: str = opt("scratch", "LayerNorm: written out, or F.layer_norm", ("scratch", "native"))
     gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu", ("scratch", "native"))
     vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
                                   "(64: 50257 -> 50304); padded logits never win")
-    activation_checkpointing: str = opt("none", "recompute activations in backward instead of "
-                                        "storing them (less memory, ~1/3 more compute): none | "
-                                        "all | attention | mlp (that part of every block) | "
-                                        "every:K (every K-th block) | blocks:0,3,5")
-
-
-CHECKPOINT_PARTS = {"all": "block", "attention": "attention", "mlp": "mlp"}
+    activation_checkpointing: str = opt("none", "recompute activations in backward (less memory, "
+                                        "~1/3 more compute): none | all | attention | mlp (that "
+                                        "part of each block) | every:K (blocks) | blocks:0,3,5")
 
 
 def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
     """model.activation_checkpointing -> what each block recomputes in backward: '' (nothing),
     'block', 'attention' (ln_1 + attention) or 'mlp' (ln_2 + MLP). Raises ValueError."""
+    parts = {"none": "", "all": "block", "attention": "attention", "mlp": "mlp"}
     spec = spec.strip().lower()
-    if spec == "none" or spec in CHECKPOINT_PARTS:
-        return [CHECKPOINT_PARTS.get(spec, "")] * n_layer
+    if spec in parts:
+        return [parts[spec]] * n_layer
     kind, _, arg = spec.partition(":")
     listed = re.fullmatch(r"\s*-?\d+\s*(,\s*-?\d+\s*)*", arg)
     numbers = [int(a) for a in arg.split(",")] if listed else []
@@ -85,8 +81,7 @@ class LayerNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-        self.eps = eps
-        self.impl = impl
+        self.eps, self.impl = eps, impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # precision policy: statistics and affine in float32 whatever the weights' dtype (no-op
@@ -108,16 +103,15 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values, (B, nh, max_len, hs) per layer, written at the positions the caller gives.
-    Attention reads the whole cache under a mask of the positions up to each query's, so decode
-    steps keep one shape (no recompiles) and whatever lies beyond (padding, an old context) is
-    never seen."""
+    """Keys and values, (B, nh, max_len, hs) per layer, written at the positions the caller gives
+    and read whole under a mask of each query's past: one shape for every decode step (compiled
+    code never recompiles), and what lies beyond (padding, an older context) is never seen."""
 
-    def __init__(self, n_layer: int, batch: int, n_head: int, max_len: int, head_size: int,
-                 device: torch.device | str, dtype: torch.dtype):
-        shape = (batch, n_head, max_len, head_size)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str,
+                 dtype: torch.dtype):
+        shape = (batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.slots = torch.arange(max_len, device=device)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
@@ -143,7 +137,6 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_dropout = nn.Dropout(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.dropout = cfg.dropout
         if cfg.causal_mask == "buffer":
             mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).tril()
             self.register_buffer("mask", mask, persistent=False)
@@ -152,24 +145,22 @@ class CausalSelfAttention(nn.Module):
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.size()
         hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        mask = None  # None: plain causal attention over these T tokens, built on the fly
+        q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))
+        mask = None  # sdpa without a cache or buffer: is_causal
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, input_pos, k, v)  # (B, nh, max_len, hs)
             mask = kv_cache.mask(input_pos)  # (T, max_len)
         elif hasattr(self, "mask"):
             mask = self.mask[:T, :T]
-        dropout_p = self.dropout if self.training else 0.0
+        elif self.impl == "scratch":  # built on the fly
+            pos = torch.arange(T, device=x.device)
+            mask = pos[None, :] <= pos[:, None]
+        dropout_p = self.attn_dropout.p if self.training else 0.0
         if self.impl == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                is_causal=mask is None)
         else:
-            if mask is None:
-                pos = torch.arange(T, device=x.device)
-                mask = pos[None, :] <= pos[:, None]
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T_k)
             att = att.masked_fill(~mask, float("-inf"))
             att = F.softmax(att.float(), dim=-1).to(q.dtype)
@@ -208,9 +199,8 @@ class Block(nn.Module):
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_2(x))
 
-    def body(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-             input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn_branch(x, kv_cache, input_pos)
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn_branch(x)
         return x + self.mlp_branch(x)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
@@ -222,11 +212,11 @@ class Block(nn.Module):
             return checkpoint(self.body, x, use_reentrant=False)
         if part == "attention":
             x = x + checkpoint(self.attn_branch, x, use_reentrant=False)
-            return x + self.mlp_branch(x)
+        else:
+            x = x + self.attn_branch(x, kv_cache, input_pos)
         if part == "mlp":
-            x = x + self.attn_branch(x)
             return x + checkpoint(self.mlp_branch, x, use_reentrant=False)
-        return self.body(x, kv_cache, input_pos)
+        return x + self.mlp_branch(x)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -259,12 +249,10 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the LM head is tied). non_embedding drops wte and wpe."""
@@ -274,8 +262,7 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6N for the matmuls plus 12*L*H*Q*T for attention (PaLM
-        appendix B), where N counts the weights that multiply (all but the position table)."""
+        """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B), N without the wpe."""
         cfg = self.config
         T = seq_len or cfg.block_size
         n = self.num_params(non_embedding=False) - self.transformer.wpe.weight.numel()
@@ -306,9 +293,9 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch: int, max_len: int | None = None,
                      dtype: torch.dtype | None = None) -> KVCache:
-        cfg, p = self.config, self.transformer.wte.weight
-        return KVCache(cfg.n_layer, batch, cfg.n_head, max_len or cfg.block_size,
-                       cfg.n_embd // cfg.n_head, p.device, dtype or p.dtype)
+        p = self.transformer.wte.weight
+        return KVCache(self.config, batch, max_len or self.config.block_size, p.device,
+                       dtype or p.dtype)
 
     def crop_block_size(self, block_size: int) -> None:
         """Shorten the context (e.g. 1024 -> 256) by keeping the first position embeddings."""
