@@ -261,28 +261,34 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str,
         problems.append(str(e))
 
 
+def apply_sections(cfg: Config, data: dict, source: str, problems: list[str],
+                   strict: bool = True) -> None:
+    """Set cfg from {section: {key: value}}; unknown sections and keys are problems when strict,
+    skipped otherwise (a stored config may hold keys dropped since)."""
+    for section, body in data.items():
+        if section not in SECTIONS or not isinstance(body, dict):
+            if strict and section not in SECTIONS:
+                problems.append(_unknown_key_message(section, source, list(SECTIONS)) +
+                                " (top-level tables must be sections)")
+            elif strict:
+                problems.append(f"{source}: [{section}] must be a table, got {body!r}")
+            continue
+        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        for key, value in body.items():
+            if key in names:
+                _apply(cfg, section, key, value, source, problems)
+            elif strict:
+                problems.append(_unknown_key_message(f"{section}.{key}", source,
+                                                     [f"{section}.{n}" for n in names]))
+
+
 def apply_toml(cfg: Config, path: Path, problems: list[str]) -> None:
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         problems.append(f"{path}: invalid TOML: {e}")
         return
-    source = str(path)
-    for section, body in data.items():
-        if section not in SECTIONS:
-            problems.append(_unknown_key_message(section, source, list(SECTIONS)) +
-                            " (top-level tables must be sections)")
-            continue
-        if not isinstance(body, dict):
-            problems.append(f"{source}: [{section}] must be a table, got {body!r}")
-            continue
-        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
-        for key, value in body.items():
-            if key not in names:
-                problems.append(_unknown_key_message(f"{section}.{key}", source,
-                                                     [f"{section}.{n}" for n in names]))
-                continue
-            _apply(cfg, section, key, value, source, problems)
+    apply_sections(cfg, data, str(path), problems)
 
 
 def split_override(arg: str, next_arg: str | None) -> tuple[str, str, bool]:
@@ -369,15 +375,8 @@ def validate(cfg: Config) -> list[str]:
 
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (as stored in checkpoints)."""
-    cfg = Config()
-    problems: list[str] = []
-    for section, body in data.items():
-        if section not in SECTIONS:
-            continue
-        names = {f.name for f in dataclasses.fields(SECTIONS[section])}
-        for key, value in body.items():
-            if key in names:  # keys dropped in later versions are ignored
-                _apply(cfg, section, key, value, "stored config", problems)
+    cfg, problems = Config(), []
+    apply_sections(cfg, data, "stored config", problems, strict=False)
     if problems:
         raise ConfigError("stored config is invalid:\n  " + "\n  ".join(problems))
     return cfg
