@@ -160,6 +160,20 @@ def test_kv_cache_matches_full_forward(attention, mask, device):
     assert cache.k[0].shape == (2, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
 
 
+def test_crop_block_size_keeps_the_first_positions():
+    cfg = tiny_model_config()  # block_size 16, causal mask buffer
+    model = GPT(cfg).eval()
+    x, _ = batch(cfg, B=2, T=8)
+    before, _ = model(x)
+    first = model.transformer.wpe.weight[:8].clone()
+    model.crop_block_size(8)
+    assert torch.equal(model.transformer.wpe.weight, first)
+    assert model.transformer.h[0].attn.mask.shape == (8, 8)
+    torch.testing.assert_close(model(x)[0], before, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="longer than block_size 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
 def test_too_long_input_is_refused():
     cfg = tiny_model_config()
     model = GPT(cfg)
