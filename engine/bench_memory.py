@@ -27,7 +27,7 @@ import torch
 
 from config import Config, ConfigError, from_dict, load_config
 from data.loader import Batches, load_meta
-from engine import checkpoint, memory, quantize, runtime, speedups
+from engine import checkpoint, memory, quantize, runtime
 from engine import hf as hf_weights
 from engine.benchmark import REPO_ROOT, build, hardware_name, markdown_table, run_worker, serve
 from engine.sampling import generate_tokens
@@ -86,7 +86,7 @@ def train_row(spec: dict) -> dict:
     model.train()
     batch = step(batches.next())
     resident = in_use(rt.device)
-    speedups.reset_peak_memory(rt.device)
+    memory.reset_peak_memory(rt.device)
     times = []
     for i in range(2 * steps):
         if i == steps:
@@ -96,7 +96,7 @@ def train_row(spec: dict) -> dict:
         batch = step(batch)
         if i >= steps:
             times.append(time.perf_counter() - t0)
-    peak = speedups.peak_memory(rt.device)
+    peak = memory.peak_memory(rt.device)
     peak = peak["allocated"] if rt.device.type == "cuda" else peak.get("rss", 0)
     e = memory.estimate(cfg)
     return {"tokens_per_s": t.batch_size * t.grad_accum_steps * cfg.model.block_size

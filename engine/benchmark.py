@@ -22,7 +22,8 @@ import torch
 
 from config import Config, from_dict
 from data.loader import Batches, DataError, load_meta
-from engine import runtime, speedups, techniques
+from engine import memory, runtime, techniques
+from engine.distributed import Dist
 from engine.optim import lr_at, make_optimizer
 from engine.runlog import log_line
 from engine.sources import build_model
@@ -139,7 +140,7 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
 
     for i in range(warmup + measure):
         if i == warmup:
-            speedups.reset_peak_memory(rt.device)
+            memory.reset_peak_memory(rt.device)
         rt.synchronize()
         t0, wall0 = now(), time.perf_counter()
         loss, norm, batch = step(i)
@@ -153,29 +154,28 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
         kind = "warm-up" if i < warmup else "timed  "
         print(f"{kind} " + log_line(i + 1, loss_value, lr_at(i, cfg), norm.item(), 1000 * dt,
                                     tokens_per_step / dt, None), flush=True)
-    memory = speedups.peak_memory(rt.device)
-    kernels = speedups.attention_kernels(lambda: step(warmup + measure))  # one more, untimed
+    peak = memory.peak_memory(rt.device)
+    kernels = techniques.attention_kernels(lambda: step(warmup + measure))  # one more, untimed
     return {"tokens_per_step": tokens_per_step, "step_s": times, "losses": losses,
             "loss": losses[-1], "tokens_per_s": tokens_per_step / statistics.median(times),
-            "first_step_s": first_step_s, "memory": memory, "kernels": kernels}
+            "first_step_s": first_step_s, "memory": peak, "kernels": kernels}
 
 
 def build(cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
-    """Model, optimizer, scaler and batches as train.py builds them; (parts, the banner's
-    settings), the banner printed."""
+    """Model, optimizer, scaler and batches as train.py builds them (techniques.apply, then the
+    optimizer); (parts, the banner's settings), the banner printed."""
     meta = load_meta(cfg.data.dataset)
     raw_model, _ = build_model(cfg, meta, rt.device)
-    batch_note = speedups.auto_micro_batch(cfg, raw_model, rt)
-    optimizer, fused_note = make_optimizer(raw_model, cfg, rt.device)
+    model, notes = techniques.apply(raw_model, cfg, rt, Dist())
+    optimizer, notes.fused_adamw = make_optimizer(raw_model, cfg, rt.device)
     t = cfg.train
-    parts = {"raw_model": raw_model, "optimizer": optimizer, "meta": meta,
+    parts = {"raw_model": raw_model, "model": model, "optimizer": optimizer, "meta": meta,
              "scaler": torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16),
              "batches": Batches(meta, "train", t.batch_size, cfg.model.block_size,
                                 cfg.system.seed, rt.device, cfg.data.pin_memory,
                                 prefetch=cfg.data.prefetch)}
-    parts["model"], compile_note = techniques.compile_model(raw_model, cfg.system, rt)
-    values = speedups.settings(cfg, rt, fused_note, compile_note, batch_note)
-    print(speedups.banner(values, rt.notes), flush=True)
+    values = techniques.settings(cfg, rt, notes)
+    print(techniques.banner(values, rt.notes), flush=True)
     return parts, values
 
 
@@ -194,7 +194,7 @@ def run_row(spec: dict) -> dict:
               "params": raw_model.num_params(False),
               "flops_per_token": raw_model.flops_per_token() - 6 * padding}
     previous = spec.get("previous")
-    if previous and speedups.effective(values) == speedups.effective(previous["settings"]):
+    if previous and techniques.effective(values) == techniques.effective(previous["settings"]):
         changed = [f"{k}={v}" for k, v in values.items() if v != previous["settings"].get(k)]
         changed += [n for n in rt.notes if n not in previous.get("notes", [])]
         return {**result, "status": "skipped",
