@@ -257,7 +257,7 @@ def row_note(r: dict) -> str:
     note = [f"micro-batch {r['micro_batch']}x{r['grad_accum_steps']}"] \
         if r["flag"] == "batch_size_auto" else []
     if r["settings"].get("compile", "off") != "off":
-        note.append(f"first step {r['first_step_s']:.0f} s (compiling)")
+        note.append(f"built and compiled in {r['build_s']:.0f} s")
     fastest, slowest = (r["tokens_per_step"] / s for s in (min(r["step_s"]), max(r["step_s"])))
     if fastest > 1.2 * slowest:  # say so when the timed steps disagree
         note.append(f"steps ranged {slowest:,.0f}-{fastest:,.0f} tok/s")

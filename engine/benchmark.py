@@ -130,7 +130,7 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
     t = cfg.train
     tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
     batch = parts["batches"].next()
-    times, losses, first_step_s = [], [], 0.0
+    times, losses = [], []
 
     def step(i: int):
         r = train_step(parts["model"], parts["raw_model"], parts["optimizer"], parts["scaler"],
@@ -142,12 +142,11 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
         if i == warmup:
             memory.reset_peak_memory(rt.device)
         rt.synchronize()
-        t0, wall0 = now(), time.perf_counter()
+        t0 = now()
         loss, norm, batch = step(i)
         loss_value = loss.item()
         rt.synchronize()
         dt = now() - t0
-        first_step_s = first_step_s or time.perf_counter() - wall0  # compiling: wall time
         if i >= warmup:
             times.append(dt)
             losses.append(loss_value)
@@ -158,7 +157,7 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
     kernels = techniques.attention_kernels(lambda: step(warmup + measure))  # one more, untimed
     return {"tokens_per_step": tokens_per_step, "step_s": times, "losses": losses,
             "loss": losses[-1], "tokens_per_s": tokens_per_step / statistics.median(times),
-            "first_step_s": first_step_s, "memory": peak, "kernels": kernels}
+            "memory": peak, "kernels": kernels}
 
 
 def build(cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
@@ -185,13 +184,14 @@ def run_row(spec: dict) -> dict:
     cfg = from_dict(spec["config"])
     resolve_auto_dtype(cfg)
     rt = runtime.setup(cfg.system)
-    parts, values = build(cfg, rt)
+    start = time.perf_counter()
+    parts, values = build(cfg, rt)  # compiles here, when asked: techniques.warm_up
     raw_model, t = parts["raw_model"], cfg.train
     # the model's useful FLOPs: padded vocabulary rows are extra work, not extra model
     padding = (raw_model.padded_vocab - raw_model.vocab_size) * cfg.model.n_embd
     result = {"settings": values, "notes": rt.notes, "dtype": cfg.system.dtype,
               "micro_batch": t.batch_size, "grad_accum_steps": t.grad_accum_steps,
-              "params": raw_model.num_params(False),
+              "params": raw_model.num_params(False), "build_s": time.perf_counter() - start,
               "flops_per_token": raw_model.flops_per_token() - 6 * padding}
     previous = spec.get("previous")
     if previous and techniques.effective(values) == techniques.effective(previous["settings"]):
