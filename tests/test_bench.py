@@ -60,6 +60,11 @@ def test_unknown_or_repeated_flag_and_bad_value(capsys):
     assert "--measure-steps" in capsys.readouterr().err
     assert bench.main(["--clock=process", "--device=cpu", "--threads=2"]) == 2
     assert "needs --device=cpu and --threads=1" in capsys.readouterr().err
+    assert bench.main(["--clock=sundial", "--device=cpu"]) == 2
+    assert "--clock='sundial': use wall or process" in capsys.readouterr().err
+    assert bench.main(["--memory", "--part", "train,speed", "--device=cpu"]) == 2
+    assert "--part='train,speed': use a comma list of train, quant, loader, decode" in \
+        capsys.readouterr().err
 
 
 def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, capsys):
