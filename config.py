@@ -1,14 +1,9 @@
-"""The one config: model / data / train / sample / system / wandb sections.
-
-Defaults live only in the dataclasses below. `configs/NAME.toml` overrides them, and the command
-line overrides both:
+"""The one config: model / data / train / sample / system / wandb sections, defaults in the
+dataclasses, `configs/NAME.toml` over them, the command line over both:
 
     python train.py --config gpt2_124m --train.batch_size=8 --learning_rate=3e-4 --compile true
 
-`--section.key=value` always works; `--key=value` works when the key names one field only.
-Values are coerced from the field's type, unknown keys name their source and close matches, and
-validation collects every problem before raising once. `--help` lists every key with the value
-that config and those overrides resolve to.
+`--key=value` works when the key names one field only; `--help` lists every resolved value.
 """
 from __future__ import annotations
 
@@ -37,14 +32,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("shakespeare_char", "folder under data/ holding meta.json with train.bin "
-                       "+ val.bin or shards (or a path to such a folder)")
-    pin_memory: bool = opt(False, "pinned host batches copied with non_blocking=True (CUDA)")
-    prefetch: bool = opt(False, "copy each batch host->GPU on a side CUDA stream, overlapping "
-                         "the step that runs meanwhile (implies pinned memory; CUDA)")
-    loader_workers: int = opt(0, "processes that read training batches into shared memory "
-                              "ahead of the trainer (data/workers.py); 0 = in the training "
-                              "process")
+    dataset: str = opt("shakespeare_char", "folder under data/ (or a path) with meta.json and "
+                       "train.bin + val.bin or shards")
+    pin_memory: bool = opt(False, "pinned host batches, copied with non_blocking=True (CUDA)")
+    prefetch: bool = opt(False, "copy the next batch to the GPU on a side CUDA stream during "
+                         "the step (implies pin_memory; CUDA)")
+    loader_workers: int = opt(0, "processes reading training batches into shared memory "
+                              "(data/workers.py); 0 = in the training process")
     hellaswag_path: str = opt("", "hellaswag_val.jsonl for train.hellaswag_interval; '' = "
                               "data/hellaswag/hellaswag_val.jsonl, downloaded if missing")
 
@@ -53,19 +47,16 @@ class DataConfig:
 class TrainConfig:
     out_dir: str = opt("out/shakespeare_char", "run directory: checkpoints and metrics")
     init_from: str = opt("scratch", "scratch | resume (latest checkpoint in out_dir) | auto "
-                         "(resume if out_dir has a checkpoint, else scratch) | "
-                         "path to one of our checkpoints | a GPT-2 from Hugging Face: gpt2, "
-                         "gpt2-medium, gpt2-large, gpt2-xl, hf:ORG/NAME or a local HF directory "
-                         "(block_size may be shorter than its context: cropped)")
+                         "(resume if there is one) | a checkpoint path | a Hugging Face GPT-2: "
+                         "gpt2[-medium|-large|-xl], hf:ORG/NAME or a local HF directory "
+                         "(cropped to block_size)")
     batch_size: int = opt(32, "micro-batch size (sequences per forward pass)")
     grad_accum_steps: int = opt(1, "micro-batches per optimizer step")
-    tokens_per_step: int = opt(0, "the global batch in tokens: when set, grad_accum_steps "
-                               "becomes tokens_per_step / (batch_size x block_size x processes), "
-                               "so the batch is the same on any number of GPUs; 0 = batch_size x "
-                               "grad_accum_steps x block_size x processes")
-    batch_size_auto: bool = opt(False, "keep batch_size x grad_accum_steps sequences per step "
-                                "but make the micro-batch the largest divisor of it that fits "
-                                "in device memory (searched at start; CUDA)")
+    tokens_per_step: int = opt(0, "global batch in tokens, the same on any number of GPUs: sets "
+                               "grad_accum_steps = tokens_per_step / (batch_size x block_size "
+                               "x processes); 0 = off")
+    batch_size_auto: bool = opt(False, "keep the sequences per step but use the largest "
+                                "micro-batch dividing them that fits in memory (CUDA)")
     max_iters: int = opt(2000, "optimizer steps")
     learning_rate: float = opt(1e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
@@ -83,28 +74,23 @@ class TrainConfig:
     save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
     hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "
                                   "(GPT-2-tokenized data only); 0 = off")
-    hellaswag_examples: int = opt(0, "HellaSwag validation examples scored each time; "
-                                  "0 = all 10,042")
-    stop_after_iters: int = opt(0, "end this invocation after this many steps with a checkpoint "
-                                "(jobs with a time limit); continue with init_from=resume; "
-                                "0 = run to max_iters")
-    max_nonfinite_steps: int = opt(10, "stop after this many steps in a row with a NaN/inf loss "
-                                   "or gradient norm (each is skipped, no update); the last "
-                                   "good checkpoint is kept")
+    hellaswag_examples: int = opt(0, "HellaSwag examples scored each time; 0 = all 10,042")
+    stop_after_iters: int = opt(0, "end this invocation with a checkpoint after this many steps "
+                                "(then init_from=resume); 0 = run to max_iters")
+    max_nonfinite_steps: int = opt(10, "stop after this many NaN/inf steps in a row (each "
+                                   "skipped); the last good checkpoint is kept")
 
 
 @dataclass
 class WandbConfig:
-    """Optional Weights & Biases logging, on top of metrics.jsonl/csv and loss_curve.png."""
-
-    enabled: bool = opt(False, "log metrics to Weights & Biases (pip install wandb)")
+    enabled: bool = opt(False, "also log metrics to Weights & Biases (pip install wandb)")
     project: str = opt("gpt2-scratch", "W&B project")
     entity: str = opt("", "W&B team or user; '' = your default")
     name: str = opt("", "W&B run name; '' = the out_dir's folder name")
     group: str = opt("", "W&B group, to gather related runs")
     tags: str = opt("", "comma-separated W&B tags")
-    mode: str = opt("auto", "auto = WANDB_MODE or online; offline logs locally for a later "
-                    "`wandb sync`", ("auto", "online", "offline"))
+    mode: str = opt("auto", "auto = WANDB_MODE or online; offline = local, `wandb sync` later",
+                    ("auto", "online", "offline"))
 
 
 @dataclass
@@ -117,55 +103,41 @@ class SampleConfig:
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = off")
     top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off")
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
-    prompt_bucket: int = opt(64, "with --compile: a static KV cache, and prompts right-padded "
-                             "to a multiple of this many tokens, so compiled decoding sees a "
-                             "few fixed shapes and never recompiles")
-    quantize: str = opt("none", "int8: int8 weight-only Linear layers for sampling (torchao): "
-                        "about half the weight bytes of bf16, a quarter of float32",
-                        ("none", "int8"))
-    quantize_layers: str = opt("attn,mlp", "which Linear layers sample.quantize converts, a "
-                               "comma list of attn, mlp, c_attn, attn.c_proj, c_fc, mlp.c_proj; "
-                               "embeddings and the tied LM head stay floating point")
+    prompt_bucket: int = opt(64, "with --compile: a static KV cache and prompts right-padded to "
+                             "a multiple of this, so decoding never recompiles")
+    quantize: str = opt("none", "int8: int8 weight-only Linear layers (torchao), about half "
+                        "the weight bytes of bf16", ("none", "int8"))
+    quantize_layers: str = opt("attn,mlp", "Linear layers sample.quantize converts: comma list "
+                               "of attn, mlp, c_attn, attn.c_proj, c_fc, mlp.c_proj")
 
 
 @dataclass
 class SystemConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     dtype: str = opt("float32", "autocast precision", ("float32", "bfloat16", "float16"))
-    weights_dtype: str = opt("float32", "how the model's weights are held: bfloat16 halves "
-                             "weight and gradient memory, AdamW keeps a float32 master copy and "
-                             "its state (needs --dtype=bfloat16; not with fsdp, whose "
-                             "mixed precision does this)", ("float32", "bfloat16"))
+    weights_dtype: str = opt("float32", "bfloat16 halves weight and gradient memory (AdamW keeps "
+                             "float32 master weights; needs dtype=bfloat16; not with fsdp)",
+                             ("float32", "bfloat16"))
     tf32: bool = opt(False, "TF32 tensor-core matmuls for float32 (CUDA, Ampere and newer)")
     compile: bool = opt(False, "torch.compile the model")
-    compile_mode: str = opt("default", "torch.compile mode",
-                            ("default", "reduce-overhead", "max-autotune",
-                             "max-autotune-no-cudagraphs"))
+    compile_mode: str = opt("default", "torch.compile mode", ("default", "reduce-overhead",
+                            "max-autotune", "max-autotune-no-cudagraphs"))
     seed: int = opt(1337, "seed for weights, data order and sampling")
-    empty_cache: bool = opt(True, "return cached CUDA memory to the driver after each "
-                            "evaluation, sampling and checkpoint save (never inside a step)")
+    empty_cache: bool = opt(True, "return cached CUDA memory after each evaluation, sampling "
+                            "and checkpoint save (never inside a step)")
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default")
     peak_flops: float = opt(0.0, "device peak FLOP/s for MFU; 0 = look the device up")
-    parallel: str = opt("ddp", "with several processes (torchrun, accelerate launch): ddp = a "
-                        "full replica per GPU, gradients averaged; fsdp = weights, gradients and "
-                        "AdamW state sharded over the GPUs (FSDP2), for models too big for ddp",
+    parallel: str = opt("ddp", "several processes (torchrun, accelerate launch): ddp = a replica "
+                        "per GPU; fsdp = weights, gradients, AdamW state sharded (FSDP2)",
                         ("ddp", "fsdp"))
-    fsdp_reshard: bool = opt(True, "fsdp: free each block's gathered weights after its forward "
-                             "and gather them again for backward (least memory); false keeps "
-                             "them until backward (less traffic, more memory)")
-    dist_timeout: float = opt(600.0, "seconds a process waits for the others in a collective "
-                              "before the job fails (a hung rank); must exceed the slowest "
-                              "checkpoint save or evaluation")
+    fsdp_reshard: bool = opt(True, "fsdp: free gathered weights after each block's forward "
+                             "(least memory); false keeps them until backward (less traffic)")
+    dist_timeout: float = opt(600.0, "seconds a process waits in a collective before the job "
+                              "fails; must exceed the slowest checkpoint save or evaluation")
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "sample": SampleConfig,
-    "system": SystemConfig,
-    "wandb": WandbConfig,
-}
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+                             "sample": SampleConfig, "system": SystemConfig, "wandb": WandbConfig}
 
 
 @dataclass
@@ -184,10 +156,6 @@ class Config:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def _field_types(section_cls: type) -> dict[str, type]:
-    return typing.get_type_hints(section_cls)
-
-
 def _all_keys() -> dict[str, list[str]]:
     """bare key -> the sections that have it"""
     owners: dict[str, list[str]] = {}
@@ -202,30 +170,24 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
     kind = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(typ)
     if kind is None:
         raise ValueError(f"{where}: unsupported field type {typ}")
-    wrong = ValueError(f"{where}: expected {kind}, got {value!r}")
-    if typ is bool:
-        text = str(value).strip().lower()
-        if isinstance(value, bool) or text in BOOL_WORDS:
-            return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
-        raise wrong
-    if isinstance(value, (dict, list)) or (typ is not str and isinstance(value, bool)):
-        raise wrong
-    if typ is str:
+    text = str(value).strip().lower()
+    if typ is bool and (isinstance(value, bool) or text in BOOL_WORDS):
+        return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
+    if typ is str and not isinstance(value, (dict, list)):
         return str(value)
-    try:
-        if typ is float:
-            return float(value)
-        if isinstance(value, int):
-            return value
+    if typ in (int, float) and not isinstance(value, (bool, dict, list)):
         try:
-            return int(str(value).replace("_", ""))
-        except ValueError:
-            as_float = float(str(value))  # 1e6, 3.0
-        if as_float.is_integer():
-            return int(as_float)
-    except (TypeError, ValueError, OverflowError):
-        pass
-    raise wrong
+            if typ is float or isinstance(value, int):
+                return typ(value)
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                as_float = float(str(value))  # 1e6, 3.0
+            if as_float.is_integer():
+                return int(as_float)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    raise ValueError(f"{where}: expected {kind}, got {value!r}")
 
 
 def _unknown_key_message(key: str, source: str, candidates: list[str]) -> str:
@@ -254,7 +216,7 @@ def resolve_config_path(name: str) -> Path:
 def _apply(cfg: Config, section: str, key: str, value: Any, source: str,
            problems: list[str]) -> None:
     section_obj = getattr(cfg, section)
-    typ = _field_types(type(section_obj))[key]
+    typ = typing.get_type_hints(type(section_obj))[key]
     try:
         setattr(section_obj, key, _coerce(value, typ, f"{section}.{key} ({source})"))
     except ValueError as e:
@@ -266,29 +228,19 @@ def apply_sections(cfg: Config, data: dict, source: str, problems: list[str],
     """Set cfg from {section: {key: value}}; unknown sections and keys are problems when strict,
     skipped otherwise (a stored config may hold keys dropped since)."""
     for section, body in data.items():
-        if section not in SECTIONS or not isinstance(body, dict):
-            if strict and section not in SECTIONS:
-                problems.append(_unknown_key_message(section, source, list(SECTIONS)) +
-                                " (top-level tables must be sections)")
-            elif strict:
-                problems.append(f"{source}: [{section}] must be a table, got {body!r}")
-            continue
-        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
-        for key, value in body.items():
-            if key in names:
-                _apply(cfg, section, key, value, source, problems)
-            elif strict:
-                problems.append(_unknown_key_message(f"{section}.{key}", source,
-                                                     [f"{section}.{n}" for n in names]))
-
-
-def apply_toml(cfg: Config, path: Path, problems: list[str]) -> None:
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        problems.append(f"{path}: invalid TOML: {e}")
-        return
-    apply_sections(cfg, data, str(path), problems)
+        if section in SECTIONS and isinstance(body, dict):
+            names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+            for key, value in body.items():
+                if key in names:
+                    _apply(cfg, section, key, value, source, problems)
+                elif strict:
+                    problems.append(_unknown_key_message(f"{section}.{key}", source,
+                                                         [f"{section}.{n}" for n in names]))
+        elif strict and section not in SECTIONS:
+            problems.append(_unknown_key_message(section, source, list(SECTIONS)) +
+                            " (top-level tables must be sections)")
+        elif strict:
+            problems.append(f"{source}: [{section}] must be a table, got {body!r}")
 
 
 def split_override(arg: str, next_arg: str | None) -> tuple[str, str, bool]:
@@ -303,42 +255,36 @@ def split_override(arg: str, next_arg: str | None) -> tuple[str, str, bool]:
 
 
 def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> None:
-    source = "command line"
     owners = _all_keys()
-    if "." in key:
-        section, name = key.split(".", 1)
-        if section in SECTIONS and name in owners and section in owners[name]:
-            _apply(cfg, section, name, value, source, problems)
-            return
+    section, name = key.split(".", 1) if "." in key else (None, key)
+    sections = owners.get(name, [])
+    if section is not None and section not in sections:
         dotted = [f"{s}.{n}" for n, ss in owners.items() for s in ss]
-        problems.append(_unknown_key_message(key, source, dotted))
-        return
-    if key not in owners:
-        problems.append(_unknown_key_message(key, source, list(owners)))
-        return
-    if len(owners[key]) > 1:
-        choices = " or ".join(f"--{s}.{key}" for s in owners[key])
-        problems.append(f"'{key}' is ambiguous ({source}); use {choices}")
-        return
-    _apply(cfg, owners[key][0], key, value, source, problems)
+        problems.append(_unknown_key_message(key, "command line", dotted))
+    elif not sections:
+        problems.append(_unknown_key_message(key, "command line", list(owners)))
+    elif section is None and len(sections) > 1:
+        choices = " or ".join(f"--{s}.{key}" for s in sections)
+        problems.append(f"'{key}' is ambiguous (command line); use {choices}")
+    else:
+        _apply(cfg, section or sections[0], name, value, "command line", problems)
 
 
 POSITIVE, NON_NEGATIVE = ("> 0", lambda v: v > 0), (">= 0", lambda v: v >= 0)
-FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
 RULES = {  # dotted key -> (what it must be, the test)
-    **dict.fromkeys(("model.block_size", "model.n_layer", "model.n_head", "model.n_embd",
-                     "model.vocab_pad_multiple", "model.layer_norm_eps", "train.batch_size",
-                     "train.grad_accum_steps", "train.learning_rate", "train.eval_iters",
-                     "train.eval_interval", "train.log_interval", "train.keep_checkpoints",
-                     "train.max_nonfinite_steps", "system.dist_timeout",
-                     "sample.prompt_bucket"), POSITIVE),
-    **dict.fromkeys(("model.vocab_size", "train.max_iters", "train.warmup_iters",
-                     "train.weight_decay", "train.grad_clip", "train.stop_after_iters",
-                     "train.tokens_per_step", "train.hellaswag_interval",
-                     "train.hellaswag_examples", "sample.max_new_tokens", "sample.temperature",
-                     "sample.top_k", "system.threads", "system.peak_flops",
-                     "data.loader_workers"), NON_NEGATIVE),
-    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2"), FRACTION),
+    **dict.fromkeys("model.block_size model.n_layer model.n_head model.n_embd "
+                    "model.vocab_pad_multiple model.layer_norm_eps train.batch_size "
+                    "train.grad_accum_steps train.learning_rate train.eval_iters "
+                    "train.eval_interval train.log_interval train.keep_checkpoints "
+                    "train.max_nonfinite_steps system.dist_timeout sample.prompt_bucket"
+                    .split(), POSITIVE),
+    **dict.fromkeys("model.vocab_size train.max_iters train.warmup_iters train.weight_decay "
+                    "train.grad_clip train.stop_after_iters train.tokens_per_step "
+                    "train.hellaswag_interval train.hellaswag_examples sample.max_new_tokens "
+                    "sample.temperature sample.top_k system.threads system.peak_flops "
+                    "data.loader_workers".split(), NON_NEGATIVE),
+    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2"),
+                    ("in [0, 1)", lambda v: 0 <= v < 1)),
     "train.min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
     "sample.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
     "sample.num_samples": (">= 1", lambda v: v >= 1),
@@ -393,14 +339,6 @@ class CommandLine:
     problems: list[str] = field(default_factory=list)
 
 
-def script_field(script: type | None, arg: str) -> dataclasses.Field | None:
-    """The script option `--name`, `--name=value` or `--some-name` refers to, if any."""
-    if script is None or not arg.startswith("--"):
-        return None
-    name = arg[2:].split("=", 1)[0].replace("-", "_")
-    return next((f for f in dataclasses.fields(script) if f.name == name), None)
-
-
 def parse_command_line(argv: list[str], script: type | None = None) -> CommandLine:
     """Split argv: --config, -h/--help, the script's own options (a dataclass of opt() fields,
     which win over config keys of the same bare name) and --key=value config overrides."""
@@ -421,8 +359,10 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
                 line.problems.append(f"unexpected argument {arg!r}; overrides look like "
                                      "--key=value")
             continue
-        option = script_field(script, arg)
-        if option is not None and "=" not in arg and _field_types(script)[option.name] is bool \
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        fields = dataclasses.fields(script) if script is not None else ()
+        option = next((f for f in fields if f.name == name), None)
+        if option is not None and "=" not in arg and typing.get_type_hints(script)[name] is bool \
                 and (following is None or following.lower() not in BOOL_WORDS):
             line.script.append((option.name, "true"))  # a bare switch: --estimate-memory
             continue
@@ -441,36 +381,38 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
     return line
 
 
-def resolve_command_line(line: CommandLine, script: type | None = None
-                         ) -> tuple[Config, Config, Any]:
-    """(the config file over the defaults, that plus the command line, the script's options),
-    validated; raises ConfigError listing every problem."""
-    problems = list(line.problems)
-    from_file = Config()
-    apply_toml(from_file, resolve_config_path(line.config_name), problems)
-    cfg = copy.deepcopy(from_file)
-    for key, value in line.overrides:
-        apply_override(cfg, key, value, problems)
-    options = _script_options(line, script, problems) if script is not None else None
-    _raise_problems(problems + validate(cfg))
-    return from_file, cfg, options
-
-
 def _script_options(line: CommandLine, script: type, problems: list[str]) -> Any:
-    options = script()
+    options, types = script(), typing.get_type_hints(script)
     for name, value in line.script:
         try:
-            setattr(options, name, _coerce(value, _field_types(script)[name], f"--{name}"))
+            setattr(options, name, _coerce(value, types[name], f"--{name}"))
         except ValueError as e:
             problems.append(str(e))
     return options
 
 
 def _raise_problems(problems: list[str], what: str = "config") -> None:
-    if len(problems) == 1:  # one problem, one line
-        raise ConfigError(f"invalid {what}: {problems[0]}")
-    if problems:
-        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(problems))
+    if problems:  # one problem, one line
+        separator = " " if len(problems) == 1 else "\n  "
+        raise ConfigError(f"invalid {what}:{separator}" + "\n  ".join(problems))
+
+
+def resolve_command_line(line: CommandLine, script: type | None = None
+                         ) -> tuple[Config, Config, Any]:
+    """(the config file over the defaults, that plus the command line, the script's options),
+    validated; raises ConfigError listing every problem."""
+    problems = list(line.problems)
+    from_file, path = Config(), resolve_config_path(line.config_name)
+    try:
+        apply_sections(from_file, tomllib.loads(path.read_text()), str(path), problems)
+    except tomllib.TOMLDecodeError as e:
+        problems.append(f"{path}: invalid TOML: {e}")
+    cfg = copy.deepcopy(from_file)
+    for key, value in line.overrides:
+        apply_override(cfg, key, value, problems)
+    options = _script_options(line, script, problems) if script is not None else None
+    _raise_problems(problems + validate(cfg))
+    return from_file, cfg, options
 
 
 def load_options(argv: list[str], script: type, prog: str, about: str = "") -> Any:
@@ -491,26 +433,20 @@ def load_options(argv: list[str], script: type, prog: str, about: str = "") -> A
     return options
 
 
-def _config_label(name: str) -> str:
-    path = resolve_config_path(name).resolve()
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
-
-
 def _help_header(prog: str, line: CommandLine) -> list[str]:
     count = len(line.overrides)
     overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
-    name = Path(line.config_name).stem
-    options = {"--config NAME": f"configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
-               "-h, --help": "this list, for the config and overrides given with it"}
-    width = max(len(flag) for flag in options)
+    path = resolve_config_path(line.config_name).resolve()
+    label = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
     return [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
             "--key=value ...]", "",
-            f"config: {line.config_name} ({_config_label(line.config_name)}){overrides}",
+            f"config: {line.config_name} ({label}){overrides}",
             "Each key shows the value this command line resolves to; where that is not the "
             "built-in default,",
-            f"it says where it was set: (config {name}; default ...) or "
+            f"it says where it was set: (config {Path(line.config_name).stem}; default ...) or "
             "(command line; default ...).", "",
-            *(f"  {flag:<{width}}  {text}" for flag, text in options.items()), ""]
+            f"  {'--config NAME':<13}  configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
+            f"  {'-h, --help':<13}  this list, for the config and overrides given with it", ""]
 
 
 def _option_line(setting: str, f: dataclasses.Field) -> str:
@@ -531,9 +467,7 @@ def _script_help(prog: str, options: Any) -> list[str]:
 
 
 def _section_help(section: str, cfg: Config, from_file: Config, config_name: str) -> list[str]:
-    owners = _all_keys()
-    default = SECTIONS[section]()
-    lines = [f"[{section}]"]
+    owners, default, lines = _all_keys(), SECTIONS[section](), [f"[{section}]"]
     for f in dataclasses.fields(default):
         value = getattr(getattr(cfg, section), f.name)
         setting = f"--{section}.{f.name}={value!r}"
@@ -542,25 +476,22 @@ def _section_help(section: str, cfg: Config, from_file: Config, config_name: str
                          if value == getattr(getattr(from_file, section), f.name)
                          else "command line")
             setting += f" ({came_from}; default {getattr(default, f.name)!r})"
-        line = _option_line(setting, f)
-        lines.append(line + (" (use the section prefix)" if len(owners[f.name]) > 1 else ""))
+        shared = " (use the section prefix)" if len(owners[f.name]) > 1 else ""
+        lines.append(_option_line(setting, f) + shared)
     return lines + [""]
 
 
 def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | None = None,
               lead: tuple[str, ...] = ()) -> str:
     """The script's own options, then every config key with the value this command line
-    resolves to, marked where it is not the dataclass default. Sections named in `lead` come
-    first (generate.py: "sample"). Raises ConfigError, as a run would, when the config or an
-    override is wrong."""
+    resolves to, marked where it is not the default; sections in `lead` come first. Raises
+    ConfigError, as a run would, when the config or an override is wrong."""
     unknown = [s for s in lead if s not in SECTIONS]
     if unknown:
         raise ValueError(f"lead names unknown sections {unknown}; sections are {list(SECTIONS)}")
     line = parse_command_line(list(argv), script)
     from_file, cfg, options = resolve_command_line(line, script)
-    lines = _help_header(prog, line)
-    if options is not None:
-        lines += _script_help(prog, options)
+    lines = _help_header(prog, line) + (_script_help(prog, options) if options is not None else [])
     for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
         lines += _section_help(section, cfg, from_file, line.config_name)
     return "\n".join(lines)
@@ -579,12 +510,8 @@ def command_line_keys(argv: list[str], section: str, script: type | None = None)
 
 def load_config(argv: list[str], prog: str = "train.py", script: type | None = None,
                 lead: tuple[str, ...] = ()) -> tuple[Config, Any]:
-    """Parse argv into a validated Config, and the script's own options when `script` (a
-    dataclass of opt() fields, e.g. generate.py's --init-from) is given (else None).
-
-    Raises ConfigError listing every problem; with -h/--help prints help_text for the rest of
-    argv (`lead`: the sections it lists first) and raises SystemExit(0).
-    """
+    """Parse argv into a validated Config and the script's own options (None without `script`).
+    Raises ConfigError listing every problem; -h/--help prints help_text and exits."""
     line = parse_command_line(argv, script)
     if line.wants_help:
         print(help_text(prog, argv, script, lead))
