@@ -1,17 +1,13 @@
-"""Sharded GPT-2 token datasets for corpora of any size: streamed and tokenized in worker
-processes (data/stream.py), written as fixed-size shards, resumable after an interruption.
+"""GPT-2 token shards for corpora of any size, tokenized in worker processes (data/stream.py),
+resumable after an interruption:
 
-    python data/fineweb_edu/prepare.py                     # the 10B-token FineWeb-Edu sample
     python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
         --out-dir data/mycorpus --max-tokens 5M --shard-tokens 1M
 
-The stream is every document's tokens followed by <|endoftext|>; its first val_tokens (to the
-end of that document) are the val split, the rest train, each cut into shards
-(val_000000.bin, train_000000.bin, ...) listed in meta.json, written last. A shard is written
-as a hidden `.NAME.partial` and renamed when full. prepare_state.json, committed after an fsync
-every commit_tokens and at every shard boundary, holds the stream position matching the partial
-shard's committed length: a second run truncates it there and carries on, so an interrupted
-and resumed preparation writes exactly the bytes of an uninterrupted one.
+The first val_tokens of the stream (to the end of that document) are val, the rest train. A shard
+grows as a hidden `.NAME.partial`; prepare_state.json, committed after an fsync, holds the stream
+position matching its length, so a resumed run truncates it there and writes the same bytes as an
+uninterrupted one.
 """
 from __future__ import annotations
 
@@ -39,12 +35,9 @@ SPLIT_ORDER = ("val", "train")
 
 
 class GracefulInterrupt:
-    """The first Ctrl-C asks the loop to commit and stop after the current batch; a second one
-    interrupts at once (the last commit still holds)."""
+    """The first Ctrl-C stops after the current batch (committed); a second one at once."""
 
-    def __init__(self):
-        self.requested = False
-        self.previous = None
+    requested, previous = False, None
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
@@ -67,15 +60,10 @@ class ShardWriter:
     """Appends the token stream to shards and keeps prepare_state.json in step with them."""
 
     def __init__(self, out_dir: Path, settings: dict, commit_tokens: int):
-        self.out = out_dir
-        self.settings = settings
-        self.shard_tokens = settings["shard_tokens"]
-        self.val_tokens = settings["val_tokens"]
-        self.max_tokens = settings["max_tokens"]
-        self.commit_tokens = commit_tokens
+        self.out, self.settings, self.commit_tokens = out_dir, settings, commit_tokens
+        self.shard_tokens, self.max_tokens = settings["shard_tokens"], settings["max_tokens"]
         self.dtype = np.dtype(settings["dtype"])
-        self.file = None
-        self.uncommitted = 0
+        self.file, self.uncommitted = None, 0
         self.state = self._load_or_start()
         self.closed = {split: sum(s["tokens"] for s in self.state["shards"][split])
                        for split in SPLIT_ORDER}  # tokens in finished shards, per split
@@ -162,7 +150,7 @@ class ShardWriter:
             if self.max_tokens and self.written() >= self.max_tokens:
                 return False
         cur = self.state["current"]
-        if cur["split"] == "val" and self.written("val") >= self.val_tokens:
+        if cur["split"] == "val" and self.written("val") >= self.settings["val_tokens"]:
             # checked before pos moves past the document, so a run resumed from the commit in
             # close_shard reaches this same switch
             if cur["tokens"]:
@@ -178,10 +166,6 @@ class ShardWriter:
         self.file.write(tokens.astype(self.dtype, copy=False).tobytes())
         self.state["current"]["tokens"] += tokens.size
         self.uncommitted += tokens.size
-
-    def maybe_commit(self, batch: Batch) -> None:
-        if self.uncommitted >= self.commit_tokens:
-            self.commit(batch)
 
     def commit(self, batch: Batch | None) -> None:
         """fsync the partial shard, then record the state that matches its length. `batch` holds
@@ -257,10 +241,8 @@ def write_meta(out_dir: Path, state: dict, source: Source) -> dict:
 
 def cpu_seconds() -> dict[str, float]:
     """CPU time (user + system) of this process and of its finished child processes."""
-    own, children = (resource.getrusage(who) for who in
-                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return {"main": own.ru_utime + own.ru_stime,
-            "workers": children.ru_utime + children.ru_stime}
+    usage = {"main": resource.RUSAGE_SELF, "workers": resource.RUSAGE_CHILDREN}
+    return {k: (u := resource.getrusage(who)).ru_utime + u.ru_stime for k, who in usage.items()}
 
 
 def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000,
@@ -281,8 +263,9 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
         return {**write_meta(out, writer.state, source), "run": {"tokens": 0}}
     writer.recover()
     start_tokens, started, cpu_before = writer.written(), time.perf_counter(), cpu_seconds()
-    print(f"{out}: {'resuming at ' + format(start_tokens, ',') + ' tokens' if start_tokens else 'starting'}"
-          f" | {source.describe()} | {workers} worker(s) | shards of {shard_tokens:,} tokens")
+    begin = f"resuming at {start_tokens:,} tokens" if start_tokens else "starting"
+    print(f"{out}: {begin} | {source.describe()} | {workers} worker(s) | shards of "
+          f"{shard_tokens:,} tokens")
     try:
         worker_peak, stream_seconds = _run(writer, source, workers, docs_per_task,
                                            (max_tokens or expected_tokens) if progress else -1)
@@ -292,8 +275,7 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
     meta = write_meta(out, writer.state, source)
     tokens = writer.written() - start_tokens
     cpu = {k: round(v - cpu_before[k], 1) for k, v in cpu_seconds().items()}
-    # stream_seconds leaves out the fixed start-up (imports, opening the dataset): the rate a
-    # long preparation runs at
+    # stream_seconds leaves out the start-up (imports, opening the dataset)
     run = {"tokens": tokens, "seconds": round(seconds, 2), "workers": workers,
            "tokens_per_s": round(tokens / seconds), "stream_seconds": round(stream_seconds, 2),
            "stream_tokens_per_s": round(tokens / max(stream_seconds, 1e-9)), "cpu_s": cpu,
@@ -313,7 +295,7 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
          bar_total: int) -> tuple[float, float]:
     """The preparation loop: read -> tokenize (in workers) -> append to shards -> commit.
     Returns the largest worker's peak memory (MiB) and the seconds since the dataset opened."""
-    pos, worker_peak, opened = writer.state["pos"], 0.0, time.perf_counter()
+    pos, worker_peak = writer.state["pos"], 0.0
     if writer.max_tokens and writer.written() >= writer.max_tokens:
         writer.finish(None)
         return worker_peak, 0.0
@@ -332,10 +314,13 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
                 contextlib.closing(tokenize_in_order(batches, workers)) as results:
             for batch, flat, lengths, peak in results:
                 worker_peak = max(worker_peak, peak)
-                before = writer.written()
-                if not _write_batch(writer, batch, flat, lengths):
+                before, ends = writer.written(), np.cumsum(lengths)
+                docs = range(pos["doc"] - batch.first_doc, batch.count)
+                if not all(writer.add_document(flat[ends[i] - lengths[i]:ends[i]], batch)
+                           for i in docs):
                     break
-                writer.maybe_commit(batch)
+                if writer.uncommitted >= writer.commit_tokens:
+                    writer.commit(batch)
                 if bar is not None:
                     bar.update(writer.written() - before)
                     bar.set_postfix(docs=f"{pos['doc']:,}", refresh=False)
@@ -347,18 +332,6 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
         if bar is not None:
             bar.close()
     return worker_peak, time.perf_counter() - opened
-
-
-def _write_batch(writer: ShardWriter, batch: Batch, flat: np.ndarray,
-                 lengths: np.ndarray) -> bool:
-    """Hand the batch's documents from pos.doc on to the writer; False when max_tokens is hit."""
-    pos = writer.state["pos"]
-    ends = np.cumsum(lengths)
-    for i in range(pos["doc"] - batch.first_doc, batch.count):
-        doc_tokens = flat[ends[i] - lengths[i]:ends[i]]
-        if not writer.add_document(doc_tokens, batch):
-            return False
-    return True
 
 
 def check_sizes(shard_tokens: int, val_tokens: int, max_tokens: int, workers: int,
@@ -410,8 +383,7 @@ class PrepareOptions:
                        "csv; with --data-files) or a folder saved with save_to_disk")
     name: str = opt("", "hub dataset config (the script's own for its dataset)")
     split: str = opt("", "split to read (default train)")
-    data_files: str = opt("", "local files or globs for the json/text/parquet/csv builders, "
-                          "comma-separated")
+    data_files: str = opt("", "comma-separated local files or globs for those builders")
     text_field: str = opt("text", "column holding the document text")
     revision: str = opt("", "hub revision (branch, tag or commit)")
     out_dir: str = opt("", "where the shards go (default: the script's folder); a bare name in "
@@ -419,36 +391,32 @@ class PrepareOptions:
     shard_tokens: str = opt("", "tokens per shard, e.g. 100M")
     val_tokens: str = opt("", "tokens held out as val, from the start of the stream (default "
                           "10M, or a tenth of --max-tokens when that is smaller)")
-    max_tokens: str = opt("0", "stop after this many tokens in all (0: the whole dataset); "
-                          "e.g. 20M to try it small")
+    max_tokens: str = opt("0", "stop after this many tokens (0: the whole dataset), e.g. 20M")
     workers: int = opt(0, "tokenizer processes; 0 = CPU cores - 1")
     docs_per_task: int = opt(256, "documents per tokenizer task")
     no_progress: bool = opt(False, "no progress bar")
 
 
-def prepare_from_options(defaults: Defaults, o: PrepareOptions) -> dict:
-    max_tokens = parse_count(o.max_tokens)
-    val_tokens = parse_count(o.val_tokens) if o.val_tokens else (
-        max(1, min(defaults.val_tokens, max_tokens // 10)) if max_tokens else defaults.val_tokens)
-    dataset = o.dataset or defaults.dataset
-    own = dataset == defaults.dataset  # the script's config and size apply to its dataset
-    files = [f for f in o.data_files.split(",") if f] or None
-    source = Source(dataset, o.name or (defaults.name if own else None), o.split or defaults.split,
-                    files, o.text_field, o.revision or None)
-    shard_tokens = parse_count(o.shard_tokens) if o.shard_tokens else defaults.shard_tokens
-    return prepare(source, o.out_dir or defaults.out_dir, shard_tokens, val_tokens, max_tokens,
-                   o.workers or max(1, (os.cpu_count() or 2) - 1), o.docs_per_task,
-                   expected_tokens=defaults.expected_tokens if own else 0,
-                   progress=not o.no_progress)
-
-
 def main(defaults: Defaults, argv: list[str] | None = None, description: str = "") -> int:
+    """The command line of a sharded prepare script: PrepareOptions over `defaults`."""
     out_dir = defaults.out_dir
     try:
-        options = load_options(sys.argv[1:] if argv is None else argv, PrepareOptions,
-                               prog=sys.argv[0], about=description)
-        out_dir = options.out_dir or out_dir
-        prepare_from_options(defaults, options)
+        o = load_options(sys.argv[1:] if argv is None else argv, PrepareOptions,
+                         prog=sys.argv[0], about=description)
+        out_dir = o.out_dir or out_dir
+        max_tokens = parse_count(o.max_tokens)
+        val_tokens = parse_count(o.val_tokens) if o.val_tokens else (
+            max(1, min(defaults.val_tokens, max_tokens // 10)) if max_tokens
+            else defaults.val_tokens)
+        dataset = o.dataset or defaults.dataset
+        own = dataset == defaults.dataset  # the script's config and size apply to its dataset
+        files = [f for f in o.data_files.split(",") if f] or None
+        source = Source(dataset, o.name or (defaults.name if own else None),
+                        o.split or defaults.split, files, o.text_field, o.revision or None)
+        prepare(source, out_dir, parse_count(o.shard_tokens) if o.shard_tokens
+                else defaults.shard_tokens, val_tokens, max_tokens,
+                o.workers or max(1, (os.cpu_count() or 2) - 1), o.docs_per_task,
+                expected_tokens=defaults.expected_tokens if own else 0, progress=not o.no_progress)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
