@@ -1,12 +1,8 @@
-"""Checkpoints: written atomically, loaded without unsafe pickle.
-
-A checkpoint is a directory `out_dir/ckpt_0001000/` holding model.safetensors (the tied LM
-head stored once), config.json (the run's resolved config: generate.py needs no flags),
-meta.json (step, losses, tokens seen, tokenizer) and train_state.pt (optimizer, RNG and data
-position, plain tensors read back with torch.load(weights_only=True)). It is written into a
-hidden directory and renamed into place: a crash never leaves half a checkpoint where a loader
-looks, a full disk ends in one error line with the previous checkpoint intact. Files get the
-modes the umask gives, so teammates can read them.
+"""Checkpoints, written atomically and loaded without unsafe pickle: `out_dir/ckpt_0001000/`
+holds model.safetensors (tied head once), config.json (the resolved config), meta.json (step,
+losses, tokenizer) and train_state.pt (optimizer, RNG, data position; weights_only=True). Staged
+in a hidden directory and renamed into place, so a crash or a full disk never leaves half a
+checkpoint; files get the umask's modes, so teammates can read them.
 """
 from __future__ import annotations
 
@@ -71,8 +67,7 @@ def sync_dir(path: Path) -> None:
 
 
 def check_out_dir(out_dir: str | Path, flag: str = "--out_dir") -> None:
-    """Refuse, before any work, an output directory that cannot be one: it, or a folder above
-    it, exists and is a file."""
+    """Refuse, before any work, an output directory that is (or lies under) a file."""
     path = Path(out_dir).absolute()
     for p in (path, *path.parents):
         if p.is_dir():
@@ -85,29 +80,15 @@ def check_out_dir(out_dir: str | Path, flag: str = "--out_dir") -> None:
                                   f"{flag}=<a new or existing directory>")
 
 
-def new_hidden_dir(parent: Path, prefix: str) -> Path:
-    """A new directory parent/<prefix><random>, with the mode the umask gives (tempfile.mkdtemp
-    makes 0700, which nobody else can read once it is renamed into place)."""
-    while True:
-        path = parent / f"{prefix}{secrets.token_hex(4)}"
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-
-
 def umask_mode(path: Path) -> None:
-    """Give a file the mode open() would give it (0644 under umask 022): safetensors writes its
-    files 0600."""
+    """Give a file the mode open() would (0644 under umask 022); safetensors writes 0600."""
     mask = os.umask(0o022)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
 
 
 def bytes_to_write(*objects) -> int:
-    """About how many bytes storing these takes: every tensor's data (in nested dicts, lists and
-    tuples) plus a little per tensor, and the length of strings and bytes."""
+    """About how many bytes storing these takes (tensors in nested containers, str, bytes)."""
     total = 0
     for obj in objects:
         if isinstance(obj, torch.Tensor):
@@ -122,8 +103,7 @@ def bytes_to_write(*objects) -> int:
 
 
 def _free_bytes(path: Path) -> int | None:
-    """Free bytes on path's filesystem, or None when it does not say (some network mounts
-    report a size of 0)."""
+    """Free bytes on path's filesystem; None when unknown (network mounts may report 0)."""
     try:
         usage = shutil.disk_usage(path)
     except OSError:
@@ -160,16 +140,19 @@ def _disk_full(what: str, cause: str, needed: int, parent: Path, flag: str,
 @contextmanager
 def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
                 note: str = "") -> Iterator[Path]:
-    """A new hidden directory in parent to write `what` (about `needed` bytes) into before it is
-    moved into place. Refused up front when the filesystem has less free; on any failure the
-    directory goes, and a full disk (or quota) becomes one DiskFullError line naming `what`,
-    the bytes needed and free, and `note`."""
+    """A new hidden directory parent/<prefix><random> to write `what` (about `needed` bytes)
+    into. Refused up front without the space; on failure it goes, and a full disk becomes one
+    DiskFullError naming `what`, the bytes needed and free, and `note`."""
     free = _free_bytes(parent)
     if free is not None and free < needed:
         raise _disk_full(what, "not enough free space", needed, parent, flag, note)
     tmp = None
     try:
-        tmp = new_hidden_dir(parent, prefix)
+        while tmp is None:  # not tempfile.mkdtemp: its 0700 would hide the files from others
+            path = parent / f"{prefix}{secrets.token_hex(4)}"
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+                tmp = path
         yield tmp
     except BaseException as e:
         if tmp is not None:
@@ -191,16 +174,14 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    found = list_checkpoints(out_dir)
-    return found[-1] if found else None
+    return ([None] + list_checkpoints(out_dir))[-1]
 
 
 def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, meta: dict,
          train_state: dict | None = None, keep: int = 0,
          weights: dict[str, torch.Tensor] | None = None, out_flag: str = "--out_dir") -> Path:
-    """Write a checkpoint atomically and keep only the newest `keep` (0 = keep all). `weights`,
-    when given, are stored instead of model_state(model) (FSDP gathers them from its shards).
-    out_flag is the option that chose out_dir, for the errors (a file there, a full disk)."""
+    """Write a checkpoint atomically, keeping the newest `keep` (0 = all). `weights` replace
+    model_state(model) (FSDP gathers them); out_flag names out_dir's option in errors."""
     check_out_dir(out_dir, out_flag)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,13 +229,10 @@ def _remove(ckpt: Path) -> None:
 
 
 def recover(out_dir: str | Path) -> None:
-    """Tidy what a save killed part-way leaves in out_dir: unfinished `.tmp_ckpt_*` and
-    half-deleted `.del_*` directories go; a `.old_ckpt_*` whose replacement never arrived is put
-    back under its name. Only the run's own trainer calls this (from save and on resume)."""
+    """Tidy what a killed save leaves: `.tmp_ckpt_*` and `.del_*` go; a `.old_ckpt_*` whose
+    replacement never arrived is put back. Only the run's own trainer calls this."""
     out = Path(out_dir)
-    if not out.is_dir():
-        return
-    for p in out.iterdir():
+    for p in out.iterdir() if out.is_dir() else ():
         name = p.name
         if name.startswith(".old_") and CKPT_PATTERN.match(name[len(".old_"):]):
             target = out / name[len(".old_"):]
@@ -298,8 +276,7 @@ def read_meta(ckpt: Path) -> dict:
 
 
 def load_weights(model: GPT, ckpt: Path) -> None:
-    """Load model.safetensors into `model`, listing every missing, unexpected or mis-shaped
-    tensor in one error."""
+    """Load model.safetensors into `model`; every mismatch is listed in one error."""
     try:
         state = load_file(str(ckpt / "model.safetensors"))
     except (SafetensorError, OSError) as e:
@@ -320,8 +297,7 @@ def load_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
     unexpected = sorted(set(state) - set(expected))
     shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
                     for k, v in expected.items() if k in state and state[k].shape != v.shape)
-    if missing or unexpected or shapes:
-        parts = mismatch_parts(missing, unexpected, shapes)
+    if parts := mismatch_parts(missing, unexpected, shapes):
         raise CheckpointError(f"weights in {source} do not fit the model ("
                               + "; ".join(parts) + "); the checkpoint is from another "
                               "architecture: use the config it was trained with")

@@ -1,11 +1,6 @@
-"""Hugging Face GPT-2 <-> our GPT: the name map, reading HF directories (hub or local), writing
-our model as one, and checking our logits against transformers'.
-
-Our parameter names are GPT-2's, so the map is one to one. HF stores the four projection
-matrices as Conv1D, (in, out), where nn.Linear holds (out, in): they are transposed. Older HF
-files carry the causal mask as buffers (attn.bias, attn.masked_bias): dropped. The LM head is
-tied to wte on both sides. A padded vocabulary gets zero rows after the real ones, which the
-model slices off its logits.
+"""Hugging Face GPT-2 <-> our GPT: read HF directories (hub or local), write ours as one, and
+check our logits against transformers'. Names map one to one; HF's Conv1D matrices are (in, out)
+where nn.Linear is (out, in), so they are transposed; a padded vocabulary gets zero rows.
 """
 from __future__ import annotations
 
@@ -62,18 +57,15 @@ def hub_repo(source: str) -> str | None:
     return source[len(HUB_PREFIX):] if source.startswith(HUB_PREFIX) else None
 
 
-def is_hf_dir(path: str | Path) -> bool:
-    """A directory whose config.json is a Hugging Face one (ours has sections, not model_type)."""
-    try:
-        return "model_type" in json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-
-
 def is_gpt2_source(source: str) -> bool:
-    """True for a local HF directory, a hub id, or a near miss of a GPT-2 id (so that the
-    error suggests the right name instead of 'no checkpoint')."""
-    if is_hf_dir(source) or hub_repo(source) is not None:
+    """True for a local HF directory (its config.json has model_type; ours has sections), a hub
+    id, or a near miss of a GPT-2 id (so that the error suggests the right name)."""
+    try:
+        if "model_type" in json.loads((Path(source) / "config.json").read_text()):
+            return True
+    except (OSError, ValueError, TypeError):
+        pass
+    if hub_repo(source) is not None:
         return True
     return not Path(source).exists() and bool(difflib.get_close_matches(
         source, list(GPT2_MODEL_IDS), n=1, cutoff=0.75))
@@ -114,36 +106,25 @@ def read_hf_config(hf_dir: Path) -> dict:
         hf = json.loads((hf_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise GPT2WeightsError(f"{hf_dir}/config.json is unreadable ({e})") from None
-    problems = []
-    if hf.get("model_type") != "gpt2":
-        problems.append(f"model_type={hf.get('model_type')!r} (only 'gpt2' maps onto our model)")
+    act = hf.get("activation_function", "gelu_new")
     missing = [k for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
                if not isinstance(hf.get(k), int)]
-    if missing:
-        problems.append(f"no integer {', '.join(missing)}")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in TANH_GELUS:
-        problems.append(f"activation_function={act!r} (ours is GPT-2's tanh GELU, gelu_new)")
-    if hf.get("n_inner") not in (None, 4 * hf.get("n_embd", 0)):
-        problems.append(f"n_inner={hf['n_inner']} (ours is 4 * n_embd)")
-    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-        problems.append("attention scaling other than 1/sqrt(head size)")
-    if hf.get("add_cross_attention"):
-        problems.append("cross-attention layers")
+    checks = [  # (cannot be represented, why)
+        (hf.get("model_type") != "gpt2",
+         f"model_type={hf.get('model_type')!r} (only 'gpt2' maps onto our model)"),
+        (missing, f"no integer {', '.join(missing)}"),
+        (act not in TANH_GELUS, f"activation_function={act!r} (ours is GPT-2's tanh GELU, "
+                                "gelu_new)"),
+        (hf.get("n_inner") not in (None, 4 * hf.get("n_embd", 0)),
+         f"n_inner={hf.get('n_inner')} (ours is 4 * n_embd)"),
+        (hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True),
+         "attention scaling other than 1/sqrt(head size)"),
+        (hf.get("add_cross_attention"), "cross-attention layers")]
+    problems = [why for bad, why in checks if bad]
     if problems:
         raise GPT2WeightsError(f"{hf_dir}/config.json describes a model ours cannot represent: "
                                + "; ".join(problems))
     return hf
-
-
-def apply_hf_config(model_cfg: ModelConfig, hf: dict) -> ModelConfig:
-    """Set model_cfg's shape from a HF GPT-2 config, in place; implementation switches, dropout
-    and vocab padding stay as the caller set them."""
-    model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd = hf["n_layer"], hf["n_head"], hf["n_embd"]
-    model_cfg.block_size, model_cfg.vocab_size = hf["n_positions"], hf["vocab_size"]
-    model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
-    model_cfg.bias = True  # GPT-2 has biases everywhere
-    return model_cfg
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -207,7 +188,8 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
             else:
                 state[names[name]] = tensor.t() if is_conv1d(name) else tensor
     found = {k.removeprefix("transformer.") for k in hf_state}
-    parts = checkpoint.mismatch_parts(sorted(set(names) - found), sorted(unexpected), sorted(shapes))
+    parts = checkpoint.mismatch_parts(sorted(set(names) - found), sorted(unexpected),
+                                      sorted(shapes))
     wte = state.get("transformer.wte.weight")
     if head is not None and wte is not None and not torch.equal(head, wte):
         parts.append("lm_head.weight differs from wte.weight, but our LM head is tied to the "
@@ -223,11 +205,15 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
 
 
 def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Path]:
-    """Our GPT holding a HF GPT-2's weights at the source's full context, and the local
-    directory read. model_cfg's shape fields are set from the HF config in place; its
-    implementation switches are kept."""
-    hf_dir = fetch(source)
-    model_cfg = apply_hf_config(model_cfg or ModelConfig(), read_hf_config(hf_dir))
+    """Our GPT holding a HF GPT-2's weights at its full context, and the directory read.
+    model_cfg's shape is set from the HF config in place; its implementation switches stay."""
+    hf_dir, model_cfg = fetch(source), model_cfg or ModelConfig()
+    hf = read_hf_config(hf_dir)
+    model_cfg.n_layer, model_cfg.n_head = hf["n_layer"], hf["n_head"]
+    model_cfg.n_embd = hf["n_embd"]
+    model_cfg.block_size, model_cfg.vocab_size = hf["n_positions"], hf["vocab_size"]
+    model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
+    model_cfg.bias = True  # GPT-2 has biases everywhere
     model = GPT(model_cfg)
     state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))
     checkpoint.load_state(model, state, str(hf_dir))  # copies, re-checking against our names
@@ -236,9 +222,8 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
 
 def tokenizer_meta(vocab_size: int) -> dict:
     """The tokenizer metadata for a HF GPT-2: GPT-2's BPE when the vocabulary is GPT-2's."""
-    if vocab_size == GPT2_VOCAB:
-        return {"kind": "gpt2"}
-    return {"kind": "unknown", "vocab_size": vocab_size}
+    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else {"kind": "unknown",
+                                                              "vocab_size": vocab_size}
 
 
 def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
@@ -262,17 +247,15 @@ def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
 def hf_config(cfg: ModelConfig) -> dict:
     """config.json for GPT2LMHeadModel describing our model."""
     eot = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else None
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "initializer_range": 0.02, "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True, "use_cache": True, "bos_token_id": eot,
-        "eos_token_id": eot, "torch_dtype": "float32",
-    }
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "initializer_range": 0.02, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": True, "use_cache": True, "bos_token_id": eot,
+            "eos_token_id": eot, "torch_dtype": "float32"}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -323,10 +306,9 @@ def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
 
 
 def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
-    """A directory AutoModelForCausalLM.from_pretrained loads: config.json + model.safetensors,
-    and GPT-2's tokenizer files when the model uses GPT-2's BPE. Written into a hidden directory
-    and moved into place once complete, so a failure (a full disk) leaves out as it was: a new
-    out is renamed into place whole, an existing one gets each file replaced."""
+    """A directory AutoModelForCausalLM.from_pretrained loads: config.json + model.safetensors
+    (+ GPT-2's tokenizer files). Staged in a hidden directory and moved into place once complete,
+    so a failure (a full disk) leaves `out` as it was."""
     out = Path(out)
     checkpoint.check_out_dir(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -360,29 +342,23 @@ def export_hf(ckpt_path: str | Path, out: str | Path) -> tuple[GPT, Path, list[s
     return model, Path(out), write_hf_dir(model, Path(out), gpt2_bpe)
 
 
-def verify_tokens(vocab_size: int, block_size: int) -> torch.Tensor:
-    """(2, T) ids, T = min(block_size, 64): seeded random ids, the first row replaced by a
-    sentence in GPT-2 BPE when the vocabulary is GPT-2's."""
-    T = min(block_size, 64)
-    ids = torch.randint(0, vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
-    if vocab_size == GPT2_VOCAB:
-        text = GPT2Tokenizer().encode_ordinary(VERIFY_TEXT)
-        ids[0] = torch.tensor((text * (T // len(text) + 1))[:T])
-    return ids
-
-
 @torch.no_grad()
 def verify(model: GPT, hf_dir: Path, tolerance: float = 1e-4, device: str = "cpu") -> float:
-    """Max |logit difference| between our model and transformers' GPT2LMHeadModel (eager
-    attention, float32) loaded from hf_dir, on the same tokens. Raises VerificationError when
-    it exceeds tolerance * max(1, max |logit|)."""
+    """Max |logit difference| between our model and transformers' GPT2LMHeadModel (eager,
+    float32) from hf_dir on seeded random ids (the first row a GPT-2 BPE sentence when the
+    vocabulary is GPT-2's). Raises VerificationError above tolerance * max(1, max |logit|)."""
     from transformers import GPT2LMHeadModel
 
     reference = GPT2LMHeadModel.from_pretrained(str(hf_dir), attn_implementation="eager")
     reference = reference.float().to(device).eval()
     was_training = model.training
     model.eval()
-    idx = verify_tokens(model.config.vocab_size, model.config.block_size).to(device)
+    vocab_size, T = model.config.vocab_size, min(model.config.block_size, 64)
+    idx = torch.randint(0, vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+    if vocab_size == GPT2_VOCAB:
+        text = GPT2Tokenizer().encode_ordinary(VERIFY_TEXT)
+        idx[0] = torch.tensor((text * (T // len(text) + 1))[:T])
+    idx = idx.to(device)
     expected = reference(idx).logits.float()  # (B, T, vocab)
     ours, _ = model.to(device)(idx)
     model.train(was_training)
