@@ -330,6 +330,9 @@ def warm_up(model: torch.nn.Module, raw_model: GPT, rt: runtime.Runtime, batch_s
             model(idx, idx)
     model.train(was_training)
     raw_model.zero_grad(set_to_none=True)
+    for module in raw_model.modules():  # FSDP2 keeps the root gathered after an eval forward:
+        if callable(getattr(module, "reshard", None)):  # the optimizer must see the shards
+            module.reshard()
 
 
 def settings(cfg: Config, rt: runtime.Runtime, notes: Notes) -> dict[str, str]:
