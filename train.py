@@ -5,10 +5,9 @@
     python train.py --help                   # every key with its default
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_124m   # several GPUs
 
-build_run(cfg, dist) makes everything a run holds: data, the model with its techniques applied
-(engine/techniques.py), optimizer, a resumed run's state, the run log. train(cfg) then loops:
-evaluate (and checkpoint) every eval_interval steps, one train_step per step, a log line every
-log_interval steps, until max_iters or a stop request.
+build_run(cfg, dist) -> Run: data, the model with its techniques applied (engine/techniques.py),
+optimizer, a resumed run's state, the run log. train(cfg): build_run, then the loop: evaluate and
+checkpoint every eval_interval steps, one train_step per step, until max_iters or a stop request.
 """
 from __future__ import annotations
 
