@@ -1,10 +1,6 @@
-"""A dataset on disk: meta.json (dtype, vocab size, tokenizer, token counts) and its tokens as
-flat numpy uint16/uint32 ids, in one of two layouts:
-    train.bin + val.bin        one file per split (small corpora, e.g. data/shakespeare_char)
-    train_000000.bin, ...      fixed-size shards listed under meta.json's "shards" (corpora of
-                               any size, written by data/shards.py)
-Checked against the model (vocabulary, tokenizer) before training. numpy only: the preparation
-and loader worker processes import this without torch.
+"""A dataset on disk: meta.json and flat uint16/uint32 token ids, as train.bin + val.bin or as
+shards listed under meta.json's "shards" (data/shards.py). numpy only: worker processes import
+this without torch.
 """
 from __future__ import annotations
 
@@ -74,7 +70,8 @@ def load_meta(name: str) -> dict:
         vocab_size, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
         meta["tokenizer"]["kind"]
     except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{meta_path} is malformed ({e!r}); re-run {prepare_command(name)}") from None
+        raise DataError(f"{meta_path} is malformed ({e!r}); re-run "
+                        f"{prepare_command(name)}") from None
     if dtype != token_dtype(vocab_size) and dtype != np.uint32:
         raise DataError(f"{meta_path}: dtype {dtype} cannot hold a vocabulary of {vocab_size}")
     meta["dir"] = str(folder)
@@ -99,12 +96,10 @@ def open_split(meta: dict, split: str, block_size: int) -> np.memmap:
 def open_shards(meta: dict, split: str) -> list[np.memmap]:
     """Memory maps of a split's shards, each checked against the size meta.json records."""
     folder = Path(meta["dir"])
-    entries = meta["shards"].get(split) or []
-    if not entries:
+    if not (entries := meta["shards"].get(split)):
         raise DataError(f"{folder / 'meta.json'} lists no {split} shards; prepare the dataset "
                         "again")
-    dtype = np.dtype(meta["dtype"])
-    maps = []
+    dtype, maps = np.dtype(meta["dtype"]), []
     for entry in entries:
         path, tokens = folder / entry["file"], int(entry["tokens"])
         size = path.stat().st_size if path.is_file() else None

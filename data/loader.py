@@ -1,13 +1,8 @@
-"""The batch loader: random (B, T) input/target windows from a dataset split (data/dataset.py),
-seeded, with a position a checkpoint stores and restores.
+"""The batch loader: seeded random (B, T) input/target windows of a split, with a position a
+checkpoint stores. data.pin_memory and data.prefetch act in to_tensors.
 
     batches = open_batches(meta, "train", batch_size, block_size, seed, device)
     x, y = batches.next()                      # (B, T) int64 each, on the device
-
-A single-file split gives Batches (windows at random offsets); a sharded one ShardBatches (each
-token read once per epoch, in shuffled order). The ranks of a distributed run share one random
-stream and each keeps every world_size-th window of every global batch, so the position is the
-same on every rank. data.pin_memory and data.prefetch act in to_tensors.
 """
 from __future__ import annotations
 
@@ -41,8 +36,7 @@ class Batches:
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
         self.pin_memory = (pin_memory or prefetch) and on_cuda
-        # data.prefetch: copies run on their own stream, so they overlap the kernels queued on
-        # the compute stream instead of waiting behind them
+        # data.prefetch: copies on their own stream overlap the kernels queued on the compute one
         self.copy_stream = torch.cuda.Stream(self.device) if prefetch and on_cuda else None
         self.prefetch_note = ("on (side CUDA stream)" if self.copy_stream is not None else
                               "off (needs CUDA: plain copy)" if prefetch else "off")
@@ -61,33 +55,27 @@ class Batches:
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
             xy = xy.to(self.device, non_blocking=True)
-        # work queued on the compute stream from here on waits for the copy; the copy itself
-        # overlaps the kernels already queued there (the rest of this step's forward/backward)
+        # later compute work waits for the copy, which overlaps the kernels already queued
         compute.wait_stream(self.copy_stream)
         xy.record_stream(compute)  # its memory is not reused until compute is done with it
         return xy[:, :-1], xy[:, 1:]
 
-    def rows(self, starts: np.ndarray) -> np.ndarray:
-        return self.tokens.rows(starts)
-
     def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.to_tensors(self.rows(starts))
+        return self.to_tensors(self.tokens.rows(starts))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.windows(self.draw())
 
     def draw(self) -> np.ndarray:
         """The next batch's window starts (advances the position)."""
-        # every rank draws the starts of the whole global micro-batch and keeps every
-        # world_size-th: one process with world_size times the batch reads exactly the windows
-        # all of them do
+        # every rank draws the whole global micro-batch and keeps every world_size-th window:
+        # one process with world_size times the batch reads the windows all of them do
         high = int(self.tokens.lengths[0]) - self.block_size
         starts = self.rng.integers(0, high, size=self.batch_size * self.world_size)
         return starts[self.rank::self.world_size]
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
-        """Start offsets of n_batches batches drawn from their own seed: the same every call, so
-        evaluations at different steps score the same text."""
+        """Window starts of n_batches batches from their own seed: the same text every call."""
         rng = np.random.default_rng(seed)
         high = int(self.tokens.lengths[0]) - self.block_size
         size = self.batch_size * self.world_size  # each rank keeps its share, as in draw()
@@ -105,14 +93,10 @@ class Batches:
 
 
 class ShardBatches(Batches):
-    """Windows of a sharded split, each token read once per epoch, in shuffled order.
-
-    An epoch cuts every shard into windows of T+1 tokens starting at shift + k*T (every token is
-    an input once), with shift in [0, T) drawn per epoch, and reads them in one random
-    permutation over all shards: no shard-by-shard drift in the loss, no repeats in an epoch.
-    Rank r takes every world_size-th window of it. The position is (epoch, cursor); the order is
-    recomputed from (seed, epoch).
-    """
+    """Windows of a sharded split, each token an input once per epoch: windows of T+1 tokens
+    start at shift + k*T (shift drawn per epoch) and are read in one permutation over all shards
+    (no shard-by-shard drift in the loss); rank r takes every world_size-th. The position is
+    (epoch, cursor); the order is recomputed from (seed, epoch)."""
 
     def __init__(self, meta: dict, split: str, batch_size: int, block_size: int, seed: int,
                  *args, **kwargs):
@@ -157,8 +141,7 @@ class ShardBatches(Batches):
         return order[self.cursor - B:self.cursor]
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
-        """n_batches batches of window starts from their own seed (the same every call), drawn
-        without repeats while the split has enough windows; each rank gets its own."""
+        """As Batches.fixed, without repeats while the split has enough windows."""
         rng = np.random.default_rng(seed)
         total = int(self._window_counts(0).sum())
         need = n_batches * self.batch_size * self.world_size

@@ -30,8 +30,8 @@ TASK_CHARS = 2**20  # text per tokenizer task at most: long documents make small
 
 @dataclass
 class Source:
-    """Where the documents come from: a Hugging Face Hub dataset (streamed), a builder over local
-    files (`json`, `text`, `parquet`, `csv` with data_files), or a save_to_disk folder."""
+    """A hub dataset (streamed), a builder over local data_files (json, text, parquet, csv), or
+    a save_to_disk folder."""
 
     dataset: str
     name: str | None = None
@@ -76,7 +76,15 @@ def open_stream(source: Source) -> datasets.IterableDataset:
     except DataError:
         raise
     except Exception as e:  # hub, network, file and script errors all land here
-        raise DataError(_open_error(source, e)) from None
+        hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
+                "or --dataset text) or a folder saved with Dataset.save_to_disk")
+        if "scripts are no longer supported" in str(e):
+            hint = ("this hub dataset still ships a loading script, which datasets>=4 refuses; "
+                    "pass --revision refs/convert/parquet (the hub's parquet export) or a "
+                    "parquet mirror")
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DataError(f"could not open {source.describe()}: {type(e).__name__}: {first}; "
+                        f"{hint}") from None
     columns = ds.column_names
     if columns is not None and source.text_field not in columns:
         raise DataError(f"documents in {source.describe()} have no '{source.text_field}' field "
@@ -84,16 +92,6 @@ def open_stream(source: Source) -> datasets.IterableDataset:
     if columns is not None and len(columns) > 1:
         ds = ds.select_columns([source.text_field])  # skip decoding the other columns
     return ds
-
-
-def _open_error(source: Source, e: Exception) -> str:
-    first = str(e).splitlines()[0] if str(e) else ""
-    hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
-            "or --dataset text) or a folder saved with Dataset.save_to_disk")
-    if "scripts are no longer supported" in str(e):
-        hint = ("this hub dataset still ships a loading script, which datasets>=4 refuses; pass "
-                "--revision refs/convert/parquet (the hub's parquet export) or a parquet mirror")
-    return f"could not open {source.describe()}: {type(e).__name__}: {first}; {hint}"
 
 
 def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, skip: int,
@@ -139,12 +137,9 @@ _worker_tokenizer: GPT2Tokenizer | None = None
 
 
 def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """GPT-2 tokens of each document followed by <|endoftext|>, concatenated, and each document's
-    token count (the separator included)."""
+    """Each document's GPT-2 tokens + <|endoftext|>, concatenated, and each one's count."""
     global _worker_tokenizer
-    if _worker_tokenizer is None:
-        _worker_tokenizer = GPT2Tokenizer()
-    tok = _worker_tokenizer
+    tok = _worker_tokenizer = _worker_tokenizer or GPT2Tokenizer()
     docs = [tok.encode_ordinary(text) for text in texts]
     lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
     flat = np.empty(int(lengths.sum()), dtype=np.uint16)
@@ -159,8 +154,7 @@ def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, float]:
     return (*encode_batch(texts), peak_rss_mib())
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the main process, which stops at a consistent point."""
+def _ignore_sigint() -> None:  # Ctrl-C is the main process's: it stops at a consistent point
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -196,8 +190,8 @@ def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory in MiB. On Linux from VmHWM, which belongs to the
-    running program: ru_maxrss would also count the parent's memory at the fork before exec."""
+    """This process's peak resident memory in MiB: VmHWM on Linux (ru_maxrss would count the
+    parent's memory at the fork before exec)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

@@ -1,14 +1,8 @@
-"""HellaSwag (Zellers et al. 2019): pick the right one of four endings, scored zero-shot.
+"""HellaSwag, zero-shot: each of four endings is scored by the model's cross-entropy over its
+tokens after the context; `acc` takes the lowest sum, `acc_norm` the lowest per-token mean.
 
     python -m engine.hellaswag --model out/gpt2_124m       # our checkpoint (or its run directory)
-    python -m engine.hellaswag --model gpt2 --device cuda  # OpenAI's GPT-2 from the hub
-    python -m engine.hellaswag --model out/run --limit 500 --data path/to/hellaswag_val.jsonl
-
-Each ending (with a leading space) follows the context; the model's cross-entropy over the
-ending's tokens scores it. `acc` picks the lowest summed loss, `acc_norm` the lowest per token.
-On the 10,042 validation examples GPT-2 124M gets acc_norm 0.2955 this way (GPT-3 Small: 0.337).
-The file is downloaded once to data/hellaswag/ (or pass --data); train.py scores it every
-train.hellaswag_interval steps.
+    python -m engine.hellaswag --model gpt2 --limit 500    # OpenAI's GPT-2 from the hub
 """
 from __future__ import annotations
 
@@ -65,14 +59,12 @@ def ensure_file(path: str | Path = "") -> Path:
 
 
 def load_examples(path: str | Path, limit: int = 0) -> list[dict]:
-    """Examples from a HellaSwag jsonl file (the first `limit`; 0 = all), each checked for the
-    fields scoring needs: ctx, endings (4 strings) and label (0-3)."""
+    """The first `limit` (0 = all) examples of a HellaSwag jsonl file, checked."""
     examples = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            examples.append(_check_example(line, f"{path}:{line_no}"))
+            if line.strip():
+                examples.append(_check_example(line, f"{path}:{line_no}"))
             if limit and len(examples) == limit:
                 break
     if not examples:
@@ -81,6 +73,7 @@ def load_examples(path: str | Path, limit: int = 0) -> list[dict]:
 
 
 def _check_example(line: str, where: str) -> dict:
+    """ctx, endings (4 strings) and label (0-3) of one line, or a HellaSwagError naming it."""
     try:
         ex = json.loads(line)
         ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
@@ -136,8 +129,7 @@ def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
 def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[dict],
              device: torch.device | str = "cpu", autocast=None, batch_examples: int = 4,
              rank: int = 0, world_size: int = 1) -> dict:
-    """Score examples[rank::world_size]; returns acc, acc_norm and the counts behind them (sum
-    the counts over ranks for the whole set). The model is put in eval mode and restored."""
+    """acc, acc_norm and the counts behind them over examples[rank::world_size]."""
     was_training = model.training
     model.eval()
     block_size = model.config.block_size
@@ -164,17 +156,15 @@ def check_tokenizer(kind: str, what: str) -> None:
 
 
 class TrainingEval:
-    """HellaSwag inside train.py, every train.hellaswag_interval steps. With several processes
-    every rank scores the whole set (the same forward calls on every rank, which FSDP's
-    collectives need) and rank 0 reports it."""
+    """HellaSwag every train.hellaswag_interval steps. Every rank scores the whole set (FSDP's
+    collectives need the same forward calls on all ranks); rank 0 reports it."""
 
     def __init__(self, cfg: Config, meta: dict, rt: Runtime):
         check_tokenizer(meta["tokenizer"]["kind"], f"dataset {meta['dir']}")
         self.interval, self.max_iters = cfg.train.hellaswag_interval, cfg.train.max_iters
         self.examples = load_examples(ensure_file(cfg.data.hellaswag_path),
                                       cfg.train.hellaswag_examples)
-        self.tokenizer = GPT2Tokenizer()
-        self.rt = rt
+        self.tokenizer, self.rt = GPT2Tokenizer(), rt
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0 or step == self.max_iters
@@ -194,9 +184,7 @@ def for_training(cfg: Config, meta: dict, rt: Runtime) -> TrainingEval | None:
 
 @dataclass
 class HellaSwagOptions:
-    """engine/hellaswag.py's own options (the rest of the command line is the config: --device,
-    --dtype from its system section, --attention and the other switches from its model
-    section)."""
+    """Its own options; the rest is the config (--device, --dtype, --attention, ...)."""
 
     model: str = opt("", "our checkpoint or run directory, or a GPT-2 (gpt2, gpt2-medium, ..., "
                      "hf:ORG/NAME, a local HF directory)")
@@ -213,8 +201,8 @@ def score(argv: list[str]) -> str:
     rt = runtime.setup(cfg.system)
     examples = load_examples(ensure_file(o.data), o.limit)
     # a checkpoint keeps its stored switches except those this command line sets
-    keys = command_line_keys(argv, "model", HellaSwagOptions)
-    overrides = {k: getattr(cfg.model, k) for k in keys}
+    overrides = {k: getattr(cfg.model, k)
+                 for k in command_line_keys(argv, "model", HellaSwagOptions)}
     model, _, meta, _ = sources.load_model(o.model, cfg, rt.device, overrides)
     check_tokenizer(meta.get("tokenizer", {}).get("kind", "unknown"), o.model)
     t0 = time.perf_counter()
