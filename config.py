@@ -243,17 +243,6 @@ def apply_sections(cfg: Config, data: dict, source: str, problems: list[str],
             problems.append(f"{source}: [{section}] must be a table, got {body!r}")
 
 
-def split_override(arg: str, next_arg: str | None) -> tuple[str, str, bool]:
-    """'--a.b=c' -> ('a.b', 'c', False); '--a.b c' -> ('a.b', 'c', True: consumed next_arg)."""
-    body = arg[2:]
-    if "=" in body:
-        key, value = body.split("=", 1)
-        return key.replace("-", "_"), value, False
-    if next_arg is None or (next_arg.startswith("--") and len(next_arg) > 2):
-        raise ConfigError(f"{arg} needs a value: use {arg}=VALUE")
-    return body.replace("-", "_"), next_arg, True
-
-
 def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> None:
     owners = _all_keys()
     section, name = key.split(".", 1) if "." in key else (None, key)
@@ -366,12 +355,14 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
                 and (following is None or following.lower() not in BOOL_WORDS):
             line.script.append((option.name, "true"))  # a bare switch: --estimate-memory
             continue
-        try:
-            key, value, consumed = split_override(arg, following)
-        except ConfigError as e:
-            line.problems.append(str(e))
+        if "=" in arg:  # --a.b=c
+            key, value = arg[2:].split("=", 1)
+        elif following is None or (following.startswith("--") and len(following) > 2):
+            line.problems.append(f"{arg} needs a value: use {arg}=VALUE")
             continue
-        i += 1 if consumed else 0
+        else:  # --a.b c
+            key, value, i = arg[2:], following, i + 1
+        key = key.replace("-", "_")
         if option is not None:
             line.script.append((option.name, value))
         elif key == "config":
