@@ -1,7 +1,6 @@
-"""The measuring half of bench.py: one row of the ablation (build as train.py does, time the
-steps), the matmul ceiling, and the machinery both benchmarks share: every row runs in a fresh
-process (`python -m engine.benchmark SPEC.json`, or `-m engine.bench_memory`) so its peak memory
-and compile state are its own; the hardware name; one markdown table writer."""
+"""The measuring half of bench.py (a row of the ablation, the matmul ceiling) and what both
+benchmarks share: each row runs in a fresh process (`python -m engine.benchmark SPEC.json`) so its
+peak memory and compile state are its own; the hardware name; the markdown table."""
 from __future__ import annotations
 
 import collections
@@ -35,6 +34,7 @@ LOCAL_DATASETS = ("shakespeare_char", "shakespeare")
 
 
 def ensure_dataset(cfg: Config) -> dict:
+    """The dataset's meta; a bundled one is prepared first when missing."""
     try:
         return load_meta(cfg.data.dataset)
     except DataError:
@@ -65,6 +65,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def time_left(budget: float) -> Callable[[], float | None]:
+    """A clock of the seconds left of budget from now (None: no budget)."""
+    deadline = time.monotonic() + budget if budget else None
+    return lambda: None if deadline is None else deadline - time.monotonic()
 
 
 def _relay(stream, tail: collections.deque) -> None:
@@ -124,8 +130,8 @@ def resolve_auto_dtype(cfg: Config) -> None:
 
 def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measure: int,
                clock: str = "wall") -> dict:
-    """warmup untimed steps, then measure timed ones (device synced around each). The process
-    clock counts only the CPU time this process ran, not time it waited for the cores."""
+    """warmup untimed steps, then measure timed ones (device synced around each); the process
+    clock counts only this process's CPU time, not its waits for the cores."""
     now = time.process_time if clock == "process" else time.perf_counter
     t = cfg.train
     tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
@@ -161,8 +167,8 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
 
 
 def build(cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
-    """Model, optimizer, scaler and batches as train.py builds them (techniques.apply, then the
-    optimizer); (parts, the banner's settings), the banner printed."""
+    """(model, optimizer, scaler, batches as train.py builds them; the banner's settings), the
+    banner printed."""
     meta = load_meta(cfg.data.dataset)
     raw_model, _ = build_model(cfg, meta, rt.device)
     model, notes = techniques.apply(raw_model, cfg, rt, Dist())
@@ -179,8 +185,8 @@ def build(cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
 
 
 def run_row(spec: dict) -> dict:
-    """Build, then time the steps; a row whose settings come out the same as the previous
-    row's on this device is skipped with the reason."""
+    """Build, then time the steps; skipped with the reason when its settings on this device are
+    the previous row's."""
     cfg = from_dict(spec["config"])
     resolve_auto_dtype(cfg)
     rt = runtime.setup(cfg.system)
@@ -206,6 +212,7 @@ def run_row(spec: dict) -> dict:
 
 def matmul_flops(n: int, dtype: torch.dtype, device: torch.device, iters: int,
                  clock: str = "wall") -> float:
+    """FLOP/s of an n x n matmul, after two warm-up ones."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
