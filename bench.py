@@ -8,15 +8,13 @@ one plot; with --memory, what each memory strategy costs and saves (engine/bench
     python bench.py --time-budget 150                 # rows not reached in 150 s are skipped
     python bench.py --memory --part train,decode      # the memory benchmark (--help lists parts)
 
-The baseline has every flag of the order at its reference value. Each row is a fresh process
-(its own peak memory, compile cache and TF32 state) that builds the model from the same seed and
-trains it on real tokens: warm-up steps (compiling there), then timed ones. The table: tokens/s
-(median timed step), speedup over the previous row and the baseline, MFU, peak memory, loss, the
-attention kernel; a flag that changes nothing here (TF32 on a CPU) is skipped with the reason.
-Default config: bench_gpu on CUDA, else bench_cpu. Output: stdout and RESULTS/NAME.{json,md,png}.
+Each row runs in a fresh process from the same seed on real tokens: warm-up steps (compiling
+there), then timed ones. A flag that changes nothing here (TF32 on a CPU) is skipped with the
+reason. Default config: bench_gpu on CUDA, else bench_cpu. Output: RESULTS/NAME.{json,md,png}.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import difflib
@@ -28,8 +26,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -39,37 +35,30 @@ from config import (BOOL_WORDS, Config, ConfigError, apply_override, load_config
                     parse_command_line, validate)
 from data.loader import DataError
 from engine import bench_memory, runtime
-from engine.benchmark import ensure_dataset, markdown_table, run_worker
+from engine.benchmark import ensure_dataset, markdown_table, run_worker, time_left
 
 
 class BenchError(ValueError):
     """A bench.py argument that cannot be used."""
 
 
-@dataclass(frozen=True)
-class Flag:
-    name: str
-    keys: tuple[str, ...]  # the config keys it sets
-    reference: str
-    fast: str
-
-
-FLAGS = {f.name: f for f in [
-    Flag("causal_mask", ("model.causal_mask",), "buffer", "on_the_fly"),
-    Flag("tf32", ("system.tf32",), "false", "true"),
-    Flag("fused_adamw", ("train.fused_adamw",), "false", "true"),
-    Flag("pin_memory", ("data.pin_memory",), "false", "true"),
-    Flag("dtype", ("system.dtype",), "float32", "auto"),  # auto: bf16 where supported, else fp16
-    Flag("norm_gelu", ("model.norm", "model.gelu"), "scratch", "native"),
-    Flag("attention", ("model.attention",), "scratch", "sdpa"),
-    Flag("compile", ("system.compile",), "false", "true"),  # a value is the mode
-    Flag("vocab_pad", ("model.vocab_pad_multiple",), "1", "64"),
-    Flag("batch_size_auto", ("train.batch_size_auto",), "false", "true"),
-]}
+Flag = collections.namedtuple("Flag", "keys reference fast")  # keys: the config keys it sets
+FLAGS = {
+    "causal_mask": Flag(("model.causal_mask",), "buffer", "on_the_fly"),
+    "tf32": Flag(("system.tf32",), "false", "true"),
+    "fused_adamw": Flag(("train.fused_adamw",), "false", "true"),
+    "pin_memory": Flag(("data.pin_memory",), "false", "true"),
+    "dtype": Flag(("system.dtype",), "float32", "auto"),  # auto: bf16 where supported, else fp16
+    "norm_gelu": Flag(("model.norm", "model.gelu"), "scratch", "native"),
+    "attention": Flag(("model.attention",), "scratch", "sdpa"),
+    "compile": Flag(("system.compile",), "false", "true"),  # a value is the mode
+    "vocab_pad": Flag(("model.vocab_pad_multiple",), "1", "64"),
+    "batch_size_auto": Flag(("train.batch_size_auto",), "false", "true"),
+}
 DEFAULT_ORDER = ",".join(FLAGS)
 
 
-@dataclass
+@dataclasses.dataclass
 class BenchOptions:
     """bench.py's own options (the rest of the command line is the config, as for train.py)."""
 
@@ -77,17 +66,14 @@ class BenchOptions:
     only: str = opt("", "all | FLAG,...: each flag alone against the baseline, not the chain")
     warmup_steps: int = opt(2, "untimed steps per row")
     measure_steps: int = opt(5, "timed steps per row")
-    repeat: int = opt(1, "passes over all rows; tokens/s is the median of every pass's timed "
-                      "steps (steadier on a shared machine)")
+    repeat: int = opt(1, "passes over all rows; tokens/s: the median of all their timed steps")
     clock: str = opt("wall", "time steps by the wall clock, or by this process's CPU time (CPU "
                      "with --threads=1 only)", choices=("wall", "process"))
     time_budget: float = opt(0.0, "seconds in all: a row still running then is stopped "
                              "(failed), rows not started are skipped; 0: no limit")
-    ceiling_size: int = opt(0, "N of the N^3 matmul measuring the ceiling (0: 8192 on CUDA, "
-                            "else 2048)")
+    ceiling_size: int = opt(0, "N of the ceiling's N^3 matmul (0: 8192 on CUDA, else 2048)")
     results: str = opt("bench_results", "folder for the outputs")
-    name: str = opt("", "output file stem (default: the device; memory_ is put before it "
-                    "with --memory)")
+    name: str = opt("", "output file stem (default: the device; memory_NAME with --memory)")
     memory: bool = opt(False, "the memory benchmark instead of the ablation")
     part: str = opt(",".join(bench_memory.PARTS), "memory: a comma list of "
                     + ", ".join(bench_memory.PARTS))
@@ -146,8 +132,8 @@ def apply_flag(cfg: Config, name: str, value: str) -> None:
 
 
 def plan(cfg: Config, steps: list[tuple[str, str]], only: bool) -> list[dict]:
-    """The rows: the baseline (every listed flag at its reference value), then one row per flag,
-    added to the previous row (the chain) or to the baseline (only)."""
+    """The baseline (every listed flag at its reference value), then a row per flag added to the
+    previous row (the chain) or to the baseline (only)."""
     base = copy.deepcopy(cfg)
     for name, _ in steps:
         apply_flag(base, name, FLAGS[name].reference)
@@ -210,9 +196,9 @@ def run_pass(rows: list[dict], results: list[dict], opts: BenchOptions, only: bo
         if left() is not None and left() <= 0:
             if repeat:
                 continue  # a later pass only adds samples
-            print(f"    skipped: the --time-budget of {opts.time_budget:g} s ran out", flush=True)
-            result = {"status": "skipped", "reason": f"the --time-budget of "
-                      f"{opts.time_budget:g} s ran out before this row"}
+            why = f"the --time-budget of {opts.time_budget:g} s ran out"
+            print(f"    skipped: {why}", flush=True)
+            result = {"status": "skipped", "reason": why + " before this row"}
         else:
             spec = {"kind": "row", "config": row["config"].to_dict(), "clock": opts.clock,
                     "warmup": opts.warmup_steps, "measure": opts.measure_steps,
@@ -228,12 +214,11 @@ def run_pass(rows: list[dict], results: list[dict], opts: BenchOptions, only: bo
 
 
 def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, command: str) -> dict:
-    """The ceiling, then every row (each pass runs all rows again, so a burst of load on a shared
-    machine lands on different rows in different passes)."""
+    """The ceiling, then every row; each pass runs all rows again, so a burst of load on a shared
+    machine lands on different rows in different passes."""
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results: list[dict] = []
-    deadline = time.monotonic() + opts.time_budget if opts.time_budget else None
-    left = lambda: None if deadline is None else deadline - time.monotonic()  # noqa: E731
+    left = time_left(opts.time_budget)
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
         ceiling = run_worker("engine.benchmark", {
@@ -254,6 +239,7 @@ def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, comma
 
 
 def row_note(r: dict) -> str:
+    """The table's note: the micro-batch picked, compile time, spread of steps, new notes."""
     note = [f"micro-batch {r['micro_batch']}x{r['grad_accum_steps']}"] \
         if r["flag"] == "batch_size_auto" else []
     if r["settings"].get("compile", "off") != "off":
@@ -267,7 +253,7 @@ def row_note(r: dict) -> str:
     return "; ".join(note)
 
 
-def table_rows(rows: list[dict]) -> list[list[str]]:
+def table(rows: list[dict]) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     times = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     gib = lambda n: f"{n / 2**30:.2f}" if n < 10 * 2**30 else f"{n / 2**30:.1f}"  # noqa: E731
@@ -283,7 +269,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
                     times(r["vs_baseline"]), pct(r["mfu"]), pct(r["mfu_measured"]),
                     memory(r["memory"]), f"{r['loss']:.4f}",
                     ", ".join(r["kernels"]) or "-", row_note(r)])
-    return out
+    return markdown_table(COLUMNS, out)
 
 
 def describe(report: dict) -> str:
@@ -324,7 +310,7 @@ def plot(report: dict, path: Path) -> bool:
         return False
     rows = report["rows"]
     speed = [r.get("tokens_per_s", 0.0) for r in rows]
-    memory = [(lambda m: m.get("allocated", m.get("rss", 0)))(r.get("memory", {})) / 2**30
+    memory = [r.get("memory", {}).get("allocated", r.get("memory", {}).get("rss", 0)) / 2**30
               for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.42 * len(rows)), sharey=True)
     ax1.barh(range(len(rows)), speed, color="#3b75af")
@@ -363,7 +349,7 @@ def write_outputs(report: dict, folder: Path, stem: str) -> list[Path]:
     paths[0].write_text(json.dumps(report, indent=1) + "\n")
     paths[1].write_text(f"# bench.py ({report['mode']})\n\n"
                         + "\n".join(f"- {line}" for line in describe(report).splitlines())
-                        + "\n\n" + markdown_table(COLUMNS, table_rows(report["rows"])) + "\n")
+                        + "\n\n" + table(report["rows"]) + "\n")
     if plot(report, folder / f"{stem}.png"):
         paths.append(folder / f"{stem}.png")
     else:
@@ -372,8 +358,8 @@ def write_outputs(report: dict, folder: Path, stem: str) -> list[Path]:
 
 
 def load_bench_config(argv: list[str]) -> tuple[Config, BenchOptions, list[str]]:
-    """(config, options, the config's own arguments); by default bench_gpu on CUDA, else
-    bench_cpu. The config's arguments let a row's subprocess (train.py) rebuild it."""
+    """(config, options, the config's own arguments, for a train.py subprocess to rebuild it);
+    by default bench_gpu on CUDA, else bench_cpu."""
     def load(default: str):
         line = parse_command_line(["--config", default, *argv], BenchOptions)
         config_args = ["--config", line.config_name, *(f"--{k}={v}" for k, v in line.overrides)]
@@ -390,12 +376,13 @@ def load_bench_config(argv: list[str]) -> tuple[Config, BenchOptions, list[str]]
 
 
 def check_options(opts: BenchOptions, cfg: Config) -> None:
+    """Raises BenchError on an option that cannot be used (the loader checks only the config)."""
     if opts.warmup_steps < 0 or opts.measure_steps < 1 or opts.repeat < 1:
         raise BenchError("--warmup-steps must be >= 0, --measure-steps and --repeat >= 1")
     if opts.time_budget < 0 or opts.ceiling_size < 0:
         raise BenchError("--time-budget and --ceiling-size must be >= 0 (0: no limit, "
                          "the default size)")
-    for f in dataclasses.fields(opts):  # the loader checks the config's choices, not these
+    for f in dataclasses.fields(opts):
         if f.metadata["choices"] and getattr(opts, f.name) not in f.metadata["choices"]:
             raise BenchError(f"--{f.name.replace('_', '-')}={getattr(opts, f.name)!r}: use "
                              + " or ".join(f.metadata["choices"]))
@@ -429,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{opts.measure_steps} timed steps in its own process" + (
               f", {opts.repeat} passes" if opts.repeat > 1 else ""), flush=True)
     report = run_all(rows, cfg, opts, only, command)
-    print("\n" + describe(report) + "\n\n" + markdown_table(COLUMNS, table_rows(report["rows"])))
+    print("\n" + describe(report) + "\n\n" + table(report["rows"]))
     paths = write_outputs(report, Path(opts.results), opts.name)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if any(r["status"] == "ok" for r in report["rows"]) else 1
