@@ -4,13 +4,11 @@
     python bench.py --memory --part train --rows baseline,checkpointing=all --time-budget 60
     python bench.py --memory --part quant --checkpoint out/shakespeare_char
 
-train: a row per setting (checkpointing modes, bfloat16, empty_cache and prefetch on CUDA), each
-in its own process: peak memory and tokens/s beside the start-up estimate. quant: int8 weight-only
-Linears of a trained model (train.py trains a small one unless --checkpoint): bytes, decode tok/s,
-val loss. loader: batches/s of the in-process loader and of 1 and 2 shared-memory workers. decode:
-batch-1 greedy tok/s on random GPT-2 124M-shaped weights, ours vs transformers' generate, against
-the memory-bandwidth limit. Peak memory is CUDA max allocated, or on CPU the peak RSS above the
-RSS after start-up. Results: RESULTS/memory_NAME.json and .md.
+train: a row per setting, each in its own process: peak memory and tokens/s beside the estimate.
+quant: int8 weight-only Linears of a trained model: bytes, decode tok/s, val loss. loader:
+batches/s of the in-process loader and of shared-memory workers. decode: batch-1 greedy tok/s on
+random GPT-2-shaped weights, ours vs transformers, against the memory-bandwidth limit. Peak
+memory: CUDA max allocated, or the peak RSS above start-up. Output: RESULTS/memory_NAME.{json,md}.
 """
 from __future__ import annotations
 
@@ -29,7 +27,8 @@ from config import Config, ConfigError, from_dict, load_config
 from data.loader import Batches, load_meta
 from engine import checkpoint, memory, quantize, runtime
 from engine import hf as hf_weights
-from engine.benchmark import REPO_ROOT, build, hardware_name, markdown_table, run_worker, serve
+from engine.benchmark import (REPO_ROOT, build, hardware_name, markdown_table, run_worker, serve,
+                              time_left)
 from engine.sampling import generate_tokens
 from engine.step import evaluate, train_step
 from model import GPT, ModelConfig
@@ -64,10 +63,9 @@ def in_use(device: torch.device) -> int:
 
 
 def train_row(spec: dict) -> dict:
-    """Build as train.py does and take one step (AdamW's state appears); then `steps` steps, an
-    evaluation (then empty_cache as configured) and `steps` more. Reports the peak over those
-    above what was held before them (weights + AdamW state: the step's own memory), the whole
-    peak, and tokens/s over the steps after the evaluation."""
+    """Build as train.py does, one step (AdamW's state appears), `steps` steps, an evaluation
+    (then empty_cache as configured), `steps` more: the peak above what was held before them
+    (the step's own memory), the whole peak, and tokens/s after the evaluation."""
     cfg, steps = from_dict(spec["config"]), spec["steps"]
     rt = runtime.setup(cfg.system)
     start = in_use(rt.device)
@@ -148,17 +146,12 @@ def row_text(row: dict) -> str:
             f"MiB (estimate {row['estimate'] / MIB:,.0f})")
 
 
-@torch.no_grad()
 def decode_rate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
-                rt: runtime.Runtime) -> tuple[float, torch.Tensor]:
-    """Batch-1 greedy decoding with our KV cache: (tokens/s after the prompt, the tokens)."""
-    run = lambda n: generate_tokens(model, prompt, n, temperature=0,  # noqa: E731
-                                    autocast=rt.autocast)
-    return timed_rate(run, new_tokens, rt)
-
-
-def timed_rate(run, new_tokens: int, rt: runtime.Runtime) -> tuple[float, torch.Tensor]:
-    """run(4) to warm up, then (tokens/s of run(new_tokens), its tokens)."""
+                rt: runtime.Runtime, run=None) -> tuple[float, torch.Tensor]:
+    """(tokens/s after the prompt, the tokens) of batch-1 greedy decoding: run(n) generates n
+    tokens, by default with our KV cache; run(4) first, to warm up."""
+    run = run or (lambda n: generate_tokens(model, prompt, n, temperature=0,
+                                            autocast=rt.autocast))
     run(4)
     rt.synchronize()
     t0 = time.perf_counter()
@@ -262,9 +255,9 @@ def hf_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int,
     missing, _ = hf.load_state_dict(hf_weights.ours_to_hf(ours), strict=False)
     hf = hf.to(rt.device).eval()
     with torch.no_grad():
-        rate, tokens = timed_rate(lambda n: hf.generate(
+        rate, tokens = decode_rate(hf, prompt, new, rt, lambda n: hf.generate(
             prompt, do_sample=False, max_new_tokens=n, min_new_tokens=n, use_cache=True,
-            pad_token_id=0, attention_mask=torch.ones_like(prompt)), new, rt)
+            pad_token_id=0, attention_mask=torch.ones_like(prompt)))
     return {"hf_tokens_per_s": rate, "hf_tokens": tokens,
             "hf_missing_keys": [k for k in missing  # buffers, and the head HF ties itself
                                 if not k.endswith("attn.bias") and k != "lm_head.weight"]}
@@ -381,23 +374,18 @@ def check(opts) -> None:
 def run(cfg: Config, opts, config_args: list[str], command: str) -> int:
     """Every part asked for; the report to stdout and to RESULTS/memory_NAME.json and .md."""
     rt = runtime.setup(cfg.system)
-    parts = [p.strip() for p in opts.part.split(",")]
+    chosen = [p.strip() for p in opts.part.split(",")]
     report = {"hardware": hardware_name(rt.device), "command": command, "config": cfg.to_dict()}
-    deadline = time.monotonic() + opts.time_budget if opts.time_budget else None
-    left = lambda: None if deadline is None else deadline - time.monotonic()  # noqa: E731
+    left = time_left(opts.time_budget)
     text = [f"Memory benchmark on {report['hardware']} (`{command}`)", ""]
-    if "train" in parts:
-        report["train"] = bench_train(config_args, opts, rt.device, left)
-        text += train_markdown(report["train"])
-    if "quant" in parts:
-        report["quant"] = bench_quant(opts, config_args, rt)
-        text += quant_markdown(report["quant"])
-    if "loader" in parts:
-        report["loader"] = bench_loader(cfg, opts, report.get("train"))
-        text += loader_markdown(report["loader"])
-    if "decode" in parts:
-        report["decode"] = bench_decode(opts, rt)
-        text += decode_markdown(report["decode"])
+    parts = {"train": (lambda: bench_train(config_args, opts, rt.device, left), train_markdown),
+             "quant": (lambda: bench_quant(opts, config_args, rt), quant_markdown),
+             "loader": (lambda: bench_loader(cfg, opts, report.get("train")), loader_markdown),
+             "decode": (lambda: bench_decode(opts, rt), decode_markdown)}
+    for part, (bench, markdown) in parts.items():
+        if part in chosen:
+            report[part] = bench()
+            text += markdown(report[part])
     print("\n" + "\n".join(text))
     folder = REPO_ROOT / opts.results
     folder.mkdir(parents=True, exist_ok=True)
