@@ -4,13 +4,10 @@
     python3 scripts/gpu_check_report.py summary --results DIR --slug SLUG --env ENV.json \\
         --parts PARTS.tsv --budget SECONDS
 
-`env` prints the environment (nvidia-smi, python, torch, CUDA, the device, which packages are
-present and which are missing, and what each missing one skips) and writes it as JSON and as
-shell assignments for the script. `summary` gathers what the parts wrote into DIR (the test
-report, the tables and JSON of bench.py and bench.py --memory) into gpu_check_SLUG.md and .json:
-the parts with their status and time, the CUDA test counts, tok/s and MFU per flag, decode tok/s,
-and the memory estimate beside the measured peaks. It needs only the standard library; `env`
-looks for (or imports) the rest.
+`env` prints the environment (device, versions, missing packages and what each one skips) and
+writes it as JSON and as shell assignments. `summary` gathers what the parts wrote into DIR (the
+test report, bench.py's and bench.py --memory's pages and JSON) into gpu_check_SLUG.md and .json.
+Standard library only; `env` looks for (or imports) the rest.
 """
 from __future__ import annotations
 
@@ -55,8 +52,8 @@ def slugify(name: str) -> str:
 
 
 def package_version(name: str, load: bool) -> str | None:
-    """The installed version ('' when unknown), None when missing. load: import it, so that a
-    broken install counts as missing; else only look it up (fast)."""
+    """The installed version ('' when unknown), None when missing. load: import it (a broken
+    install counts as missing), else only look it up (fast)."""
     if load:
         try:
             return str(getattr(importlib.import_module(name), "__version__", ""))
@@ -224,22 +221,19 @@ def cmd_summary(args: dict) -> int:
     lines += test_lines(tests, next((p for p in parts if p["part"] == "tests"), None))
     summary = {"device": env.get("device"), "slug": slug, "parts": parts, "tests": tests,
                "env": env}
-    bench = read_json(folder / f"gpu_check_{slug}_bench.json")
-    if bench:
+    if bench := read_json(folder / f"gpu_check_{slug}_bench.json"):
         summary["bench"] = headline = bench_headline(bench)
         lines += ["", "## bench.py chain: tok/s and MFU per flag", ""]
         lines += table_of(folder / f"gpu_check_{slug}_bench.md")
         if headline:
             lines += ["", f"Fastest: {headline['best_row']}, {headline['best_tokens_per_s']:,.0f} "
                       "tok/s (MFU in the table)."]
-    decode = (read_json(folder / f"memory_{slug}_decode.json") or {}).get("decode")
-    if decode:
+    if decode := (read_json(folder / f"memory_{slug}_decode.json") or {}).get("decode"):
         summary["decode"] = {k: decode.get(k) for k in (
             "ours_tokens_per_s", "hf_tokens_per_s", "int8_tokens_per_s",
             "bandwidth_limit_tokens_per_s")}
         lines += ["", "## Decoding", ""] + table_of(folder / f"memory_{slug}_decode.md")
-    train = (read_json(folder / f"memory_{slug}_train.json") or {}).get("train")
-    if train:
+    if train := (read_json(folder / f"memory_{slug}_train.json") or {}).get("train"):
         summary["memory"] = memory_ratios(train)
         lines += ["", "## Memory estimate vs measured peak", "",
                   "step peak: the peak during the steps minus what was held before them (weights "
