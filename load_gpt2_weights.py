@@ -5,10 +5,8 @@ transformers, export ours in the Hugging Face format (the library is engine/hf.p
     python load_gpt2_weights.py path/to/hf_dir --verify                  # check a local HF dir
     python load_gpt2_weights.py --export out/run --out hf/run --verify   # ours -> HF directory
 
-Sources: gpt2, gpt2-medium, gpt2-large, gpt2-xl, hf:ORG/NAME, or a local directory holding
-config.json and model.safetensors (or pytorch_model.bin, read weights-only). The model section
-of the config sets the implementation: --attention sdpa, --vocab-pad-multiple 64, ...;
---device picks where --verify runs.
+The config's model section sets the implementation (--attention sdpa, ...); --device picks
+where --verify runs.
 """
 from __future__ import annotations
 

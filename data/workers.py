@@ -1,11 +1,7 @@
-"""data.loader_workers: batches read by worker processes into shared memory, ahead of the trainer.
-
-The training process keeps drawing every batch's window starts from the loader's own random
-stream (so the batches, and a checkpoint's data position, are exactly the in-process loader's);
-workers only do the reading: gathering the (B, T+1) token rows from the memory-mapped files into
-a slot of a shared-memory ring. The trainer takes a finished slot without any pickling or pipe
-transfer (one memcpy out of the slot, so the slot can be refilled while the batch is in use).
-Workers import numpy only, so they start in well under a second.
+"""data.loader_workers: worker processes read batches into a shared-memory ring ahead of the
+trainer. The trainer still draws every batch's window starts from the loader's own random stream
+(so batches and a checkpoint's data position are the in-process loader's); workers only gather
+the (B, T+1) rows into a slot, taken with one memcpy and no pickling. Workers import numpy only.
 """
 from __future__ import annotations
 

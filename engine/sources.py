@@ -3,8 +3,6 @@ directory's latest), or a Hugging Face GPT-2 (hub id or local directory).
 
     model, cfg, meta, label = load_model(source, cfg, device)   # generate.py, engine/hellaswag.py
     model, source = build_model(cfg, data_meta, device)         # train.py (init_from)
-
-Also the dataset a run reads (dataset_meta).
 """
 from __future__ import annotations
 
@@ -41,11 +39,9 @@ def dataset_meta(cfg: Config) -> dict:
 
 def load_model(source: str, cfg: Config, device: torch.device | str = "cpu",
                overrides: dict | None = None) -> tuple[GPT, Config, dict, str]:
-    """(model, the config it was built with, meta with its 'tokenizer', a label to print).
-
-    A checkpoint keeps its stored config; a GPT-2 gets its shape from its config.json and the
-    rest of cfg.model (attention, norm, ...). `overrides` (model-section values that keep the
-    weights' shapes) apply to both."""
+    """(model, the config it was built with, meta with its 'tokenizer', a label to print). A
+    checkpoint keeps its stored config, a GPT-2 takes its shape from config.json and the rest
+    from cfg.model; `overrides` (model values that keep the weights' shapes) apply to both."""
     if hf.is_gpt2_source(source):
         used = copy.deepcopy(cfg)
         used.model = dataclasses.replace(used.model, **(overrides or {}))

@@ -2,9 +2,8 @@
 
     python data/shakespeare/prepare.py
 
-The tokenizer is GPT-2's (tiktoken, offline from data/gpt2.tiktoken), so this is the data for
-finetuning GPT-2 (configs/finetune_shakespeare.toml). The split is by characters, as in
-data/shakespeare_char, so both datasets hold out the same text.
+The data for finetuning GPT-2 (configs/finetune_shakespeare.toml), split by characters as in
+data/shakespeare_char, so both hold out the same text.
 """
 from __future__ import annotations
 
