@@ -42,21 +42,15 @@ def quantize_linears(model: GPT, layers: str) -> list[str]:
     chosen = [name for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear) and name.startswith("transformer.h.")
               and name.split(".", 3)[3] in targets]
-    chosen_set = set(chosen)
-    quantize_(model, Int8WeightOnlyConfig(),
-              filter_fn=lambda module, name: name in chosen_set)
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name in chosen)
     return chosen
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's weights occupy (int8 tensors count their int8 data and scales); the
     tied embedding / LM head once."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        inner = [getattr(p, name) for name in getattr(p, "tensor_data_names", [])]
-        tensors = inner or [p]
+    total = 0
+    for p in model.parameters():  # yields a tied parameter once
+        tensors = [getattr(p, name) for name in getattr(p, "tensor_data_names", [])] or [p]
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
