@@ -93,10 +93,8 @@ def bytes_to_write(*objects) -> int:
     for obj in objects:
         if isinstance(obj, torch.Tensor):
             total += obj.numel() * obj.element_size() + BYTES_PER_TENSOR
-        elif isinstance(obj, dict):
-            total += bytes_to_write(*obj.values())
-        elif isinstance(obj, (list, tuple)):
-            total += bytes_to_write(*obj)
+        elif isinstance(obj, (dict, list, tuple)):
+            total += bytes_to_write(*(obj.values() if isinstance(obj, dict) else obj))
         elif isinstance(obj, (str, bytes)):
             total += len(obj)
     return total
@@ -250,8 +248,7 @@ def resolve(path: str | Path) -> Path:
     if (p / "model.safetensors").is_file():
         return p
     if p.is_dir():
-        latest = latest_checkpoint(p)
-        if latest is not None:
+        if latest := latest_checkpoint(p):
             return latest
         raise CheckpointError(f"no checkpoint in {p}; train one first: python train.py "
                               f"--out_dir={p}")

@@ -110,8 +110,7 @@ def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
     """Summed cross-entropy over each row's ending tokens, and their count: (N,), (N,).
     Rows are right-padded into one batch; causal attention keeps padding out of the scores."""
     width = max(len(r) for r, _ in rows) - 1
-    inputs = torch.zeros(len(rows), width, dtype=torch.long)
-    targets = torch.zeros(len(rows), width, dtype=torch.long)
+    inputs, targets = torch.zeros(2, len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
     for i, (row, n_end) in enumerate(rows):
         t = torch.tensor(row)
@@ -178,7 +177,7 @@ class TrainingEval:
 
 
 def for_training(cfg: Config, meta: dict, rt: Runtime) -> TrainingEval | None:
-    """The in-training evaluation, or None when train.hellaswag_interval is 0."""
+    """None when train.hellaswag_interval is 0."""
     return TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None
 
 
