@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 from config import Config, ConfigError, SystemConfig, TrainConfig
 from engine import runtime
 from engine.distributed import Dist
-from model import GPT
+from model import GPT, padded_vocab_size
 
 # A micro-batch "fits" when its trial step keeps the process's reserved CUDA memory under this
 # share of what was free: room for allocator fragmentation, evaluation and compile autotuning.
@@ -341,7 +341,7 @@ def settings(cfg: Config, rt: runtime.Runtime, notes: Notes) -> dict[str, str]:
     pin = "on" if d.pin_memory and rt.device.type == "cuda" else (
         "off (needs CUDA)" if d.pin_memory else "off")
     attention = m.attention + (f" [{', '.join(notes.kernels)}]" if notes.kernels else "")
-    padded = -(-m.vocab_size // m.vocab_pad_multiple) * m.vocab_pad_multiple
+    padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple)
     vocab = f"{m.vocab_size}->{padded}" if padded != m.vocab_size else f"{m.vocab_size}"
     return {"device": str(rt.device), "causal_mask": m.causal_mask,
             "tf32": "on" if rt.tf32 else "off", "fused_adamw": notes.fused_adamw,
