@@ -291,12 +291,11 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     bandwidth = copy_bandwidth(rt.device)
     hf = hf_decode(ours, prompt, new, rt)
     hf_tokens = hf.pop("hf_tokens", None)
+    same = None if hf_tokens is None else bool(torch.equal(our_tokens, hf_tokens))
     result = {"model": opts.decode_model, "device": rt.device.type,
               "params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
-              "ours_tokens_per_s": our_rate, **hf,
-              "same_tokens": None if hf_tokens is None else bool(torch.equal(our_tokens,
-                                                                             hf_tokens)),
+              "ours_tokens_per_s": our_rate, **hf, "same_tokens": same,
               "prompt_tokens": opts.prompt_tokens, "new_tokens": new}
     result.update(int8_decode(ours, prompt, new, rt, opts.quantize_layers, our_tokens))
     print(f"  decode: {result}", flush=True)
