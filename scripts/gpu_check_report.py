@@ -153,8 +153,7 @@ def read_tests(path: Path) -> dict | None:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
         return None
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {k: sum(int(s.get(k, 0)) for s in suites)
+    counts = {k: sum(int(s.get(k, 0)) for s in root.iter("testsuite"))  # root too, if one
               for k in ("tests", "failures", "errors", "skipped")}
     failed, skipped = [], {}
     for case in root.iter("testcase"):
