@@ -94,9 +94,8 @@ class ShardWriter:
 
     def recover(self) -> None:
         """Bring the files in line with the last committed state after an interruption."""
-        for split, shards in self.state["shards"].items():
-            for shard in shards:
-                self._check_size(self.out / shard["file"], shard["tokens"])
+        for shard in (s for shards in self.state["shards"].values() for s in shards):
+            self._check_size(self.out / shard["file"], shard["tokens"])
         cur = self.state["current"]
         final, partial = self.paths(cur["split"], cur["index"])
         if cur["closing"]:  # stopped between committing a full shard and renaming it
@@ -168,8 +167,8 @@ class ShardWriter:
         self.uncommitted += tokens.size
 
     def commit(self, batch: Batch | None) -> None:
-        """fsync the partial shard, then record the state that matches its length. `batch` holds
-        pos.doc (None: the stream position is unchanged since the last commit)."""
+        """fsync the partial shard, then record the state matching its length (and `batch`'s
+        stream position; None: unchanged since the last commit)."""
         if self.file is not None:
             self.file.flush()
             os.fsync(self.file.fileno())
