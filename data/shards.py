@@ -1,13 +1,11 @@
-"""GPT-2 token shards for corpora of any size, tokenized in worker processes (data/stream.py),
-resumable after an interruption:
+"""GPT-2 token shards for corpora of any size, tokenized in worker processes, resumable:
 
     python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
         --out-dir data/mycorpus --max-tokens 5M --shard-tokens 1M
 
 The first val_tokens of the stream (to the end of that document) are val, the rest train. A shard
-grows as a hidden `.NAME.partial`; prepare_state.json, committed after an fsync, holds the stream
-position matching its length, so a resumed run truncates it there and writes the same bytes as an
-uninterrupted one.
+grows as `.NAME.partial`; prepare_state.json, committed after an fsync, holds the matching stream
+position, so a resumed run truncates there and writes the same bytes as an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -32,6 +30,11 @@ from engine.tokenizer import GPT2Tokenizer
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")
+
+
+def new_shard(split: str, index: int = 0) -> dict:
+    """prepare_state.json's record of the shard being written."""
+    return {"split": split, "index": index, "tokens": 0, "closing": False}
 
 
 class GracefulInterrupt:
@@ -76,7 +79,7 @@ class ShardWriter:
                 raise DataError(f"{self.out} holds token files ({', '.join(stray[:3])}) but no "
                                 f"{STATE_FILE}; delete them or choose another --out-dir")
             return {"settings": self.settings, "shards": {s: [] for s in SPLIT_ORDER},
-                    "current": {"split": "val", "index": 0, "tokens": 0, "closing": False},
+                    "current": new_shard("val"),
                     "pos": {"doc": 0, "offset": 0, "batch_doc": 0, "stream_state": None},
                     "finished": False}
         state = json.loads(path.read_text())
@@ -132,8 +135,7 @@ class ShardWriter:
                                                        else 0)
 
     def add_document(self, tokens: np.ndarray, batch: Batch) -> bool:
-        """Append the rest of document pos.doc (tokens past pos.offset). False once max_tokens is
-        reached and the dataset is finished."""
+        """Append document pos.doc past pos.offset; False once max_tokens is reached."""
         pos = self.state["pos"]
         tokens = tokens[pos["offset"]:]
         while tokens.size:
@@ -154,7 +156,7 @@ class ShardWriter:
             # close_shard reaches this same switch
             if cur["tokens"]:
                 self.close_shard(batch)
-            self.state["current"] = {"split": "train", "index": 0, "tokens": 0, "closing": False}
+            self.state["current"] = new_shard("train")
         pos["doc"], pos["offset"] = pos["doc"] + 1, 0
         return True
 
@@ -167,8 +169,7 @@ class ShardWriter:
         self.uncommitted += tokens.size
 
     def commit(self, batch: Batch | None) -> None:
-        """fsync the partial shard, then record the state matching its length (and `batch`'s
-        stream position; None: unchanged since the last commit)."""
+        """fsync the partial shard, then record the matching state (batch None: same position)."""
         if self.file is not None:
             self.file.flush()
             os.fsync(self.file.fileno())
@@ -197,8 +198,7 @@ class ShardWriter:
         final = self.paths(cur["split"], cur["index"])[0]
         self.state["shards"][cur["split"]].append({"file": final.name, "tokens": cur["tokens"]})
         self.closed[cur["split"]] += cur["tokens"]
-        self.state["current"] = {"split": cur["split"], "index": cur["index"] + 1, "tokens": 0,
-                                 "closing": False}
+        self.state["current"] = new_shard(cur["split"], cur["index"] + 1)
 
     def finish(self, batch: Batch | None) -> None:
         if self.state["current"]["tokens"]:
@@ -248,8 +248,7 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
             val_tokens: int = 10_000_000, max_tokens: int = 0, workers: int = 1,
             docs_per_task: int = 256, commit_tokens: int = 16_000_000,
             expected_tokens: int = 0, progress: bool = True) -> dict:
-    """Stream `source` into GPT-2 token shards in out_dir, resuming an interrupted run there.
-    Returns meta.json's content plus a `run` entry (tokens, seconds, tokens/s, peak memory)."""
+    """Stream `source` into token shards in out_dir (resuming); meta.json's content + `run`."""
     check_sizes(shard_tokens, val_tokens, max_tokens, workers, docs_per_task)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -292,8 +291,7 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
 
 def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
          bar_total: int) -> tuple[float, float]:
-    """The preparation loop: read -> tokenize (in workers) -> append to shards -> commit.
-    Returns the largest worker's peak memory (MiB) and the seconds since the dataset opened."""
+    """read -> tokenize -> append -> commit; (largest worker peak MiB, seconds since opened)."""
     pos, worker_peak = writer.state["pos"], 0.0
     if writer.max_tokens and writer.written() >= writer.max_tokens:
         writer.finish(None)
