@@ -4,17 +4,10 @@
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_xl --parallel=fsdp  # FSDP2
     accelerate launch --multi_gpu --num_processes=8 train.py --config gpt2_124m         # the same
 
-The launcher starts one process per GPU and tells each who it is through RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT; init() reads them (and what `accelerate launch` passes
-on). Without them the run is one plain process and every method of Dist does nothing or returns
-its input, so train.py has one loop for both. Every rank reads its own share of the global batch
-(data/loader.py); rank 0 alone prints, writes metrics and writes checkpoints, in the
-single-process format (engine/resume.py gathers FSDP's shards), so any world size resumes any
-checkpoint. DDP / FSDP2 wrapping is in engine/techniques.py.
-
-A dead rank takes the job down through the launcher; a hung one through the collective timeout
-(system.dist_timeout): the ranks waiting for it raise, exit non-zero, and the launcher stops the
-rest.
+init() reads the launcher's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT (and accelerate's
+flags); without them Dist is one process whose methods do nothing, so train.py has one loop.
+Rank 0 alone prints and writes. A hung rank fails the others through system.dist_timeout.
+DDP / FSDP2 wrapping is in engine/techniques.py.
 """
 from __future__ import annotations
 
@@ -59,14 +52,17 @@ def launch_env() -> tuple[int, int, int]:
 
 
 ACCELERATE_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# accelerate's true/false flags: (variable, system field, value it sets, banner note)
+ACCELERATE_SWITCHES = (("ACCELERATE_USE_FSDP", "parallel", "fsdp",
+                        "accelerate --use_fsdp: parallel=fsdp (FSDP2)"),
+                       ("ACCELERATE_USE_CPU", "device", "cpu", "accelerate --cpu: device=cpu"))
 
 
 def apply_launcher_flags(cfg: Config) -> list[str]:
-    """Honour what `accelerate launch` passes its processes through the environment, so its
-    flags are never silently ignored: --mixed_precision bf16/fp16 sets system.dtype, --dynamo_backend
-    inductor turns on system.compile (with --dynamo_mode), --use_fsdp selects parallel=fsdp,
-    --cpu the CPU. What this code cannot do (fp8, DeepSpeed, other dynamo backends) and flags
-    that contradict the config are refused. Returns notes for the start-up banner."""
+    """Honour what `accelerate launch` passes through the environment (--mixed_precision,
+    --dynamo_backend/mode, --use_fsdp, --cpu); refuse what this code cannot do (fp8, DeepSpeed,
+    other backends) or what contradicts the config. Returns notes for the banner."""
     env, system, notes = os.environ, cfg.system, []
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if precision in ACCELERATE_PRECISION:
@@ -83,10 +79,8 @@ def apply_launcher_flags(cfg: Config) -> list[str]:
                                  "supported here; use bf16, fp16 or no (the config's --dtype)")
     backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
     if backend == "inductor":
-        system.compile = True
         mode = env.get("ACCELERATE_DYNAMO_MODE", "default")
-        system.compile_mode = mode if mode in ("default", "reduce-overhead", "max-autotune",
-                                               "max-autotune-no-cudagraphs") else "default"
+        system.compile, system.compile_mode = True, mode if mode in COMPILE_MODES else "default"
         notes.append(f"accelerate --dynamo_backend=inductor: compile=on ({system.compile_mode})")
     elif backend != "no":
         raise runtime.SetupError(f"accelerate launch --dynamo_backend={backend} is not supported "
@@ -94,18 +88,15 @@ def apply_launcher_flags(cfg: Config) -> list[str]:
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         raise runtime.SetupError("accelerate launch --use_deepspeed is not supported here; use "
                                  "--parallel=ddp or --parallel=fsdp (FSDP2)")
-    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and system.parallel != "fsdp":
-        system.parallel = "fsdp"
-        notes.append("accelerate --use_fsdp: parallel=fsdp (FSDP2)")
-    if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" and system.device != "cpu":
-        system.device = "cpu"
-        notes.append("accelerate --cpu: device=cpu")
+    for variable, key, value, note in ACCELERATE_SWITCHES:
+        if env.get(variable, "false").lower() == "true" and getattr(system, key) != value:
+            setattr(system, key, value)
+            notes.append(note)
     return notes
 
 
 def rank_device(system: SystemConfig, local_rank: int, world: int) -> tuple[str, str]:
-    """The device this rank trains on and a note for the log: GPU LOCAL_RANK of this node with
-    --device=auto or cuda, else the CPU."""
+    """(device, note): GPU LOCAL_RANK of this node with --device=auto or cuda, else the CPU."""
     name = system.device
     cuda = torch.cuda.is_available()
     if name in ("auto", "cuda") and cuda:
@@ -125,14 +116,13 @@ def rank_device(system: SystemConfig, local_rank: int, world: int) -> tuple[str,
     if name == "mps":
         raise runtime.SetupError("several processes cannot share MPS; use --device=cpu or one "
                                  "process")
-    note = "no GPU: every process trains on the CPU" if name == "auto" else ""
-    return "cpu", note
+    return "cpu", "no GPU: every process trains on the CPU" if name == "auto" else ""
 
 
 @dataclass
 class Dist:
-    """This process's place in the job, and the collectives the loop needs (each called by every
-    rank at the same point). With one process every method is a no-op or returns its input."""
+    """This process's place in the job, and the collectives the loop needs (every rank calls
+    each at the same point). With one process each is a no-op or returns its input."""
 
     rank: int = 0
     local_rank: int = 0
@@ -154,8 +144,7 @@ class Dist:
         return self.rank == 0
 
     def system(self, system: SystemConfig) -> SystemConfig:
-        """The system section with this rank's device, for runtime.setup (cfg itself keeps what
-        the user wrote, so checkpoints do not record 'cuda:3')."""
+        """The system section with this rank's device (cfg keeps what the user wrote)."""
         return dataclasses.replace(system, device=self.device) if self.enabled else system
 
     def describe(self, cfg: Config) -> str:
@@ -176,8 +165,7 @@ class Dist:
         return f"{layout}{notes}\n{text}"
 
     def close(self) -> None:
-        """Leave the job: every rank first waits for the others' last collective, so none tears
-        its connections down under another."""
+        """Leave the job after a barrier, so no rank tears its connections down under another."""
         if self._stdout is not None:
             sys.stdout.close()
             sys.stdout, self._stdout = self._stdout, None
@@ -197,8 +185,7 @@ class Dist:
 
     @contextlib.contextmanager
     def main_first(self):
-        """Rank 0 runs the block first (a download, preparing data, tidying out_dir), then the
-        others, which then find its result."""
+        """Rank 0 runs the block first (download, data preparation), then the others."""
         if not self.is_main:
             self.barrier()
         yield
@@ -221,8 +208,7 @@ class Dist:
         return self.min_int(int(flag)) == 1
 
     def mean_losses(self, losses: dict[str, float]) -> dict[str, float]:
-        """Each rank's evaluation losses (over its own batches, all the same size) -> the mean
-        over every rank's batches."""
+        """Each rank's evaluation losses -> the mean over every rank's (same-sized) batches."""
         if not self.enabled:
             return losses
         total = self._all_reduce(torch.tensor([losses[k] for k in losses], dtype=torch.float64))
@@ -236,9 +222,8 @@ class Dist:
         return [p.cpu() for p in parts]
 
     def sync_step(self, loss_sum: torch.Tensor, stop) -> torch.Tensor:
-        """The global batch's loss (every rank's mean), and a stop signal received by any rank
-        made every rank's: one small all-reduce per step, so all ranks skip a non-finite step
-        together and stop at the same step boundary."""
+        """The global batch's loss (the mean over ranks), and a stop signal any rank received made
+        every rank's: one small all-reduce per step, so all skip and stop together."""
         if not self.enabled:
             return loss_sum
         pending = getattr(stop, "pending", None)
@@ -253,8 +238,7 @@ class Dist:
 
 
 def full_tensor(t: torch.Tensor, local: bool = False) -> torch.Tensor:
-    """A DTensor (FSDP) as a plain tensor: the whole of it, or with local=True this rank's
-    shard; any other tensor as it is."""
+    """A DTensor (FSDP) as a plain tensor: the whole, or with local=True this rank's shard."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
@@ -296,8 +280,7 @@ def error_prefix() -> str:
 
 
 def record(main):
-    """Under torchrun, an exception that ends a rank is written where the launcher reads it, so
-    its summary names the rank and shows the traceback (torch's elastic error handler)."""
+    """torch's elastic error handler: the launcher's summary names the failed rank."""
     try:
         from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
     except ImportError:
@@ -306,8 +289,8 @@ def record(main):
 
 
 def collective_failure(e: BaseException, timeout_s: float) -> str | None:
-    """The error to show when a collective timed out or lost a peer (another rank died or hung);
-    None for any other error. gloo raises a plain RuntimeError, recognisable by its text."""
+    """The error to show when a collective timed out or lost a peer; None for any other error
+    (gloo raises a plain RuntimeError, recognisable by its text)."""
     text = str(e).strip()
     if not isinstance(e, getattr(torch_dist, "DistError", ())) and not (
             isinstance(e, RuntimeError) and torch_dist.is_initialized()

@@ -38,8 +38,7 @@ def format_duration(seconds: float) -> str:
 
 
 def plot_losses(records: list[dict], path: Path, title: str) -> None:
-    """Train loss at each logged step and train/val loss at each evaluation, as a PNG (through
-    matplotlib's Figure: no GUI backend or pyplot state touched)."""
+    """Logged train loss and evaluated train/val loss as a PNG (matplotlib Figure: no pyplot)."""
     from matplotlib.figure import Figure
 
     def finite(kind: str, key: str) -> list[tuple[int, float]]:
@@ -78,10 +77,8 @@ def start_wandb(cfg: Config, out_dir: Path, run_id: str):
     kwargs = dict(project=w.project, entity=w.entity or None, name=w.name or out_dir.name,
                   group=w.group or None, config=cfg.to_dict(), dir=str(out_dir),
                   tags=[t.strip() for t in w.tags.split(",") if t.strip()] or None)
-    if w.mode != "auto":
-        kwargs["mode"] = w.mode
-    if run_id:
-        kwargs.update(id=run_id, resume="allow")
+    kwargs.update({"mode": w.mode} if w.mode != "auto" else {},
+                  **({"id": run_id, "resume": "allow"} if run_id else {}))
     try:
         return wandb.init(**kwargs)
     except Exception as e:  # wandb raises many types: no API key, no network, bad entity, ...
@@ -105,7 +102,7 @@ class RunLog:
 
     def __init__(self, cfg: Config, start_step: int, resumed: bool, train_seconds: float = 0.0,
                  wandb_id: str = "", files: bool = True):
-        """files=False (ranks > 0) keeps the counts and the summary but writes nothing."""
+        # files=False (ranks > 0): counts and summary, nothing written
         self.files = files
         self.out_dir = Path(cfg.train.out_dir)
         if files:
@@ -197,9 +194,8 @@ class RunLog:
 
     def finish(self, counters: Counters, reason: str, start_step: int,
                ckpt: Path | None) -> dict:
-        """Print the final summary, write summary.json, close the wandb run; returns the summary
-        (stop_reason: done | stop_after_iters | SIGINT | SIGTERM | nonfinite; steps and seconds
-        of this invocation, train_seconds of the whole run; final: the last evaluation)."""
+        """Print the summary, write summary.json, close wandb; returns the summary (stop_reason:
+        done | stop_after_iters | SIGINT | SIGTERM | nonfinite)."""
         summary = {"stop_reason": reason, "step": counters.step,
                    "steps": counters.step - start_step,
                    "seconds": time.perf_counter() - self.clock_start,
@@ -231,7 +227,6 @@ class RunLog:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        """Close the wandb run, marked failed when the loop ended with an exception."""
         if self.wandb is not None:
             self.wandb.finish(exit_code=1 if exc_type else 0)
             self.wandb = None

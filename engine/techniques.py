@@ -10,11 +10,9 @@ apply() runs, in order:  (flag -> function)
     5. model.attention=sdpa        -> probe_attention (the kernel that runs, for the banner)
     6. system.parallel             -> wrap (DDP or FSDP2 shard) and grad_sync
     7. system.compile/compile_mode -> compile_model, then warm_up (every shape before step 1)
-raw_model stays the plain GPT (saving, evaluation, sampling); FSDP replaces its parameters, so
-the optimizer is made after apply(). settings/banner: what every speedup flag became, one line.
-The other flags act where they are read: attention, mask, norm, GELU, vocab padding in model.py;
-dtype and TF32 in runtime.setup; fused AdamW in optim.make_optimizer; pinned memory, prefetch
-and loader workers in data/loader.py; empty_cache in memory.release_cached.
+raw_model stays the plain GPT (saving, eval, sampling); FSDP replaces its parameters, so the
+optimizer is made after apply(). Other flags act where read: model.py, runtime.setup (dtype,
+TF32), optim.make_optimizer (fused AdamW), data/loader.py, memory.release_cached.
 """
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ from engine import runtime
 from engine.distributed import Dist
 from model import GPT, padded_vocab_size
 
-# A micro-batch "fits" when its trial step keeps the process's reserved CUDA memory under this
-# share of what was free: room for allocator fragmentation, evaluation and compile autotuning.
+# share of free CUDA memory a trial step may reserve: room for fragmentation, eval, autotuning
 MEMORY_HEADROOM = 0.90
 
 SDPA_KERNELS = {  # aten op -> the kernel's name
@@ -81,9 +78,8 @@ def apply(raw_model: GPT, cfg: Config, rt: runtime.Runtime,
 
 
 def set_global_batch(t: TrainConfig, block_size: int, world_size: int) -> str:
-    """train.tokens_per_step fixes the global batch in tokens: grad_accum_steps becomes
-    tokens_per_step / (batch_size x block_size x world_size), so a config keeps its batch on any
-    number of GPUs. Returns a note when grad_accum_steps changed."""
+    """train.tokens_per_step: grad_accum_steps = tokens_per_step / (batch_size x block_size x
+    world_size), the same batch on any number of GPUs. Returns a note when it changed."""
     if not t.tokens_per_step:
         return ""
     per_micro_step = t.batch_size * block_size * world_size
@@ -105,8 +101,8 @@ def set_global_batch(t: TrainConfig, block_size: int, world_size: int) -> str:
 
 
 def split_global_batch(global_batch: int, fits: Callable[[int], bool]) -> tuple[int, int] | None:
-    """(micro_batch, grad_accum_steps) for the largest divisor of the global batch that fits,
-    found by binary search (everything below a fitting size fits too); None if 1 does not."""
+    """(micro_batch, grad_accum_steps) for the largest divisor of the global batch that fits
+    (binary search: below a fitting size all fit); None if 1 does not."""
     divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
     lo, hi = -1, len(divisors)  # divisors[lo] fits, divisors[hi] does not
     while hi - lo > 1:
@@ -116,8 +112,7 @@ def split_global_batch(global_batch: int, fits: Callable[[int], bool]) -> tuple[
 
 
 def _trial_step(model: GPT, rt: runtime.Runtime, micro_batch: int) -> None:
-    """One forward+backward at this micro-batch on random tokens, with AdamW's two moment
-    buffers per parameter held alongside, as they will be during training."""
+    """One forward+backward at this micro-batch, with AdamW's two moments per parameter held."""
     moments = [torch.empty_like(p) for p in model.parameters() for _ in range(2)]  # noqa: F841
     cfg = model.config
     idx = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.block_size), device=rt.device)
@@ -128,7 +123,6 @@ def _trial_step(model: GPT, rt: runtime.Runtime, micro_batch: int) -> None:
 
 
 def _fits(model: GPT, rt: runtime.Runtime, micro_batch: int, budget: int) -> bool:
-    """Does a training step at this micro-batch keep reserved CUDA memory under budget bytes?"""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(rt.device)
     try:
@@ -143,11 +137,9 @@ def _fits(model: GPT, rt: runtime.Runtime, micro_batch: int, budget: int) -> boo
 
 
 def auto_micro_batch(cfg: Config, model: GPT, rt: runtime.Runtime, dist: Dist | None = None) -> str:
-    """train.batch_size_auto: the global batch (batch_size x grad_accum_steps sequences) stays;
-    the micro-batch becomes its largest divisor whose training step fits in device memory (the
-    smallest over the processes), grad_accum_steps the rest. Updates cfg.train; returns the
-    banner value. The trials run uncompiled (compiling each would take minutes); compiled code
-    keeps fewer activations, so a size that fits eagerly fits compiled."""
+    """train.batch_size_auto: the global batch stays; the micro-batch becomes its largest divisor
+    whose step fits in device memory (the smallest over processes). Updates cfg.train; returns
+    the banner value. Trials run eagerly: compiled code keeps fewer activations, so it fits."""
     t = cfg.train
     plain = f"{t.batch_size}x{t.grad_accum_steps}"
     if not t.batch_size_auto:
@@ -180,8 +172,7 @@ def auto_micro_batch(cfg: Config, model: GPT, rt: runtime.Runtime, dist: Dist | 
 
 def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
                  world_size: int) -> str:
-    """system.weights_dtype=bfloat16: the model's weights (and so its gradients) in bf16, cast
-    in place. Returns the banner value."""
+    """system.weights_dtype=bfloat16: weights (and gradients) cast to bf16 in place."""
     if weights_dtype == "float32":
         return "float32"
     if parallel == "fsdp" and world_size > 1:
@@ -194,7 +185,7 @@ def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
 
 @contextlib.contextmanager
 def _quiet_stderr():
-    """Silence C-level stderr (the profiler's start/stop chatter) for a moment."""
+    """Silence C-level stderr (the profiler's chatter)."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
@@ -220,8 +211,8 @@ def attention_kernels(run: Callable[[], object]) -> list[str]:
 
 
 def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[str]:
-    """The SDPA kernels the first attention layer runs, forward and backward, at the training
-    shape and precision (one layer: cheap, and every layer dispatches alike)."""
+    """The SDPA kernels the first attention layer runs (forward and backward) at the training
+    shape and precision; every layer dispatches alike."""
     cfg = model.config
     if cfg.attention != "sdpa":
         return []
@@ -234,7 +225,6 @@ def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[s
             y = attn(x)
         y.float().sum().backward()
 
-    # the probe draws random numbers: training's random stream must not notice
     with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
         kernels = attention_kernels(run)
     model.zero_grad(set_to_none=True)
@@ -242,8 +232,7 @@ def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[s
 
 
 def wrap(model: GPT, cfg: Config, rt: runtime.Runtime, dist: Dist) -> torch.nn.Module:
-    """system.parallel with several processes: DDP around the model, or FSDP2 sharding it in
-    place. Returns the model to train (the model itself with one process: parallel none)."""
+    """system.parallel: DDP around the model, or FSDP2 sharding it in place; else the model."""
     if dist.parallel == "none":
         return model
     if dist.parallel == "fsdp":
@@ -259,8 +248,7 @@ def wrap(model: GPT, cfg: Config, rt: runtime.Runtime, dist: Dist) -> torch.nn.M
 
 
 def shard(model: GPT, system: SystemConfig, rt: runtime.Runtime) -> GPT:
-    """FSDP2: each transformer block its own unit (gathered just before it runs), the rest
-    (embeddings, final norm, tied head) the root unit."""
+    """FSDP2: each block its own unit, the rest (embeddings, final norm, head) the root."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:
@@ -273,15 +261,14 @@ def shard(model: GPT, system: SystemConfig, rt: runtime.Runtime) -> GPT:
     for block in model.transformer.h:
         fully_shard(block, reshard_after_forward=system.fsdp_reshard, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    # the logits are a slice (a view) of the padded head's output, never modified in place:
-    # FSDP2's warning about returned views does not apply
+    # the logits are a view of the padded head's output, never modified in place: harmless
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
     return model
 
 
 def grad_sync(model: torch.nn.Module) -> Callable[[bool], contextlib.AbstractContextManager] | None:
-    """For train_step: ranks average gradients on the last micro-step only and accumulate their
-    own on the others (DDP no_sync, FSDP2 set_requires_gradient_sync). None with one process."""
+    """For train_step: gradients all-reduced on the last micro-step only (DDP no_sync, FSDP2
+    set_requires_gradient_sync). None with one process."""
     inner = getattr(model, "_orig_mod", model)  # under torch.compile
     if hasattr(inner, "set_requires_gradient_sync"):  # FSDP2
         return lambda last: inner.set_requires_gradient_sync(last) or contextlib.nullcontext()
@@ -292,9 +279,8 @@ def grad_sync(model: torch.nn.Module) -> Callable[[bool], contextlib.AbstractCon
 
 def compile_model(model: torch.nn.Module, system: SystemConfig,
                   rt: runtime.Runtime) -> tuple[torch.nn.Module, str]:
-    """system.compile: torch.compile the model; returns (model, banner value). Checks up front
-    for what TorchInductor needs (a C++ compiler on CPU, Triton on CUDA): otherwise the failure
-    surfaces only at the first step, deep in a compiler traceback."""
+    """system.compile: (torch.compile(model), banner value). Checks for what TorchInductor needs
+    up front, not at the first step deep in a compiler traceback."""
     if not system.compile:
         return model, "off"
     device = rt.device.type
@@ -314,9 +300,8 @@ def compile_model(model: torch.nn.Module, system: SystemConfig,
 
 
 def warm_up(model: torch.nn.Module, raw_model: GPT, rt: runtime.Runtime, batch_size: int) -> None:
-    """Compile every variant the run uses before the first step: a training forward+backward
-    and an evaluation forward at (batch_size, block_size); the shapes never change after, so
-    nothing recompiles. Leaves no gradients, RNG draws or mode change behind."""
+    """Compile the training forward+backward and the eval forward before step 1 (shapes never
+    change after). Leaves no gradients, RNG draws or mode change behind."""
     cfg, device = raw_model.config, rt.device
     idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), device=device)
     was_training = model.training
@@ -356,6 +341,5 @@ def banner(values: dict[str, str], notes: list[str]) -> str:
 
 
 def effective(values: dict[str, str]) -> dict[str, str]:
-    """The settings without their explanations ('off (needs CUDA)' -> 'off'), to tell whether a
-    flag changed anything on this device."""
+    """The settings without their explanations ('off (needs CUDA)' -> 'off')."""
     return {k: v.split(" (")[0].split(" [")[0] for k, v in values.items()}
