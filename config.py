@@ -1,5 +1,4 @@
-"""The one config: model / data / train / sample / system / wandb sections, defaults in the
-dataclasses, `configs/NAME.toml` over them, the command line over both:
+"""The one config: sections with defaults in dataclasses, configs/NAME.toml over them, then argv:
 
     python train.py --config gpt2_124m --train.batch_size=8 --learning_rate=3e-4 --compile true
 
@@ -15,7 +14,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # the model's own section lives with the model (model.py imports nothing from here)
 from model import ModelConfig, checkpoint_plan, opt  # noqa: F401  (re-exported)
@@ -166,7 +165,7 @@ def _all_keys() -> dict[str, list[str]]:
 
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
-    """Turn a TOML or command-line value into the field's type, or raise ValueError."""
+    """A TOML or command-line value as the field's type, or ValueError."""
     kind = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(typ)
     if kind is None:
         raise ValueError(f"{where}: unsupported field type {typ}")
@@ -190,10 +189,13 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
     raise ValueError(f"{where}: expected {kind}, got {value!r}")
 
 
+def _did_you_mean(name: str, candidates: list[str], cutoff: float = 0.6) -> str:
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=cutoff)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
 def _unknown_key_message(key: str, source: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"unknown key '{key}' in {source}{hint}"
+    return f"unknown key '{key}' in {source}{_did_you_mean(key, candidates)}"
 
 
 def resolve_config_path(name: str) -> Path:
@@ -207,8 +209,7 @@ def resolve_config_path(name: str) -> Path:
     if candidate.is_file():
         return candidate
     known = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    hint = _did_you_mean(name, known, cutoff=0.5)
     raise ConfigError(f"no config named '{name}' (looked for {candidate}){hint} "
                       f"known configs: {', '.join(known)}")
 
@@ -225,8 +226,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str,
 
 def apply_sections(cfg: Config, data: dict, source: str, problems: list[str],
                    strict: bool = True) -> None:
-    """Set cfg from {section: {key: value}}; unknown sections and keys are problems when strict,
-    skipped otherwise (a stored config may hold keys dropped since)."""
+    """Set cfg from {section: {key: value}}; unknown keys are problems when strict, else skipped
+    (a stored config may hold keys dropped since)."""
     for section, body in data.items():
         if section in SECTIONS and isinstance(body, dict):
             names = [f.name for f in dataclasses.fields(SECTIONS[section])]
@@ -329,8 +330,8 @@ class CommandLine:
 
 
 def parse_command_line(argv: list[str], script: type | None = None) -> CommandLine:
-    """Split argv: --config, -h/--help, the script's own options (a dataclass of opt() fields,
-    which win over config keys of the same bare name) and --key=value config overrides."""
+    """Split argv into --config, -h/--help, the script's options (a dataclass of opt() fields;
+    they win over config keys of the same name) and --key=value overrides."""
     line = CommandLine()
     i = 0
     while i < len(argv):
@@ -390,8 +391,7 @@ def _raise_problems(problems: list[str], what: str = "config") -> None:
 
 def resolve_command_line(line: CommandLine, script: type | None = None
                          ) -> tuple[Config, Config, Any]:
-    """(the config file over the defaults, that plus the command line, the script's options),
-    validated; raises ConfigError listing every problem."""
+    """(config file over defaults, that + the command line, script options), validated."""
     problems = list(line.problems)
     from_file, path = Config(), resolve_config_path(line.config_name)
     try:
@@ -407,8 +407,7 @@ def resolve_command_line(line: CommandLine, script: type | None = None
 
 
 def load_options(argv: list[str], script: type, prog: str, about: str = "") -> Any:
-    """Only a script's own options, for scripts that build no model (data preparation): the
-    same --name=value, --name value and bare-switch syntax; -h/--help lists them and exits."""
+    """Only a script's own options (data preparation: no config); -h/--help lists them."""
     line = parse_command_line(argv, script)
     if line.wants_help:
         print("\n".join([f"usage: python {prog} [options]", "", about.strip(), "",
@@ -424,73 +423,73 @@ def load_options(argv: list[str], script: type, prog: str, about: str = "") -> A
     return options
 
 
-def _help_header(prog: str, line: CommandLine) -> list[str]:
-    count = len(line.overrides)
-    overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
-    path = resolve_config_path(line.config_name).resolve()
-    label = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    return [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
-            "--key=value ...]", "",
-            f"config: {line.config_name} ({label}){overrides}",
-            "Each key shows the value this command line resolves to; where that is not the "
-            "built-in default,",
-            f"it says where it was set: (config {Path(line.config_name).stem}; default ...) or "
-            "(command line; default ...).", "",
-            f"  {'--config NAME':<13}  configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
-            f"  {'-h, --help':<13}  this list, for the config and overrides given with it", ""]
-
-
-def _option_line(setting: str, f: dataclasses.Field) -> str:
-    text = f.metadata.get("help", "")
-    if f.metadata.get("choices"):
-        text += f" [{' | '.join(map(str, f.metadata['choices']))}]"
-    return f"  {setting:<32}  {text}"
+def _fields_help(title: str, options: Any,
+                 describe: Callable[[dataclasses.Field], tuple[str, str]]) -> list[str]:
+    """A help block: one line per field, `describe(f)` giving (the setting, a trailing note)."""
+    lines = [f"[{title}]"]
+    for f in dataclasses.fields(options):
+        setting, note = describe(f)
+        text = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            text += f" [{' | '.join(map(str, f.metadata['choices']))}]"
+        lines.append(f"  {setting:<32}  {text}{note}")
+    return lines + [""]
 
 
 def _script_help(prog: str, options: Any) -> list[str]:
-    lines = [f"[{prog} options]"]
-    for f in dataclasses.fields(options):
+    def describe(f: dataclasses.Field) -> tuple[str, str]:
         flag = f"--{f.name.replace('_', '-')}"
         if f.name == getattr(options, "positional", None):
             flag = f"[{f.name.upper()} | {flag}]"
-        lines.append(_option_line(f"{flag}={getattr(options, f.name)!r}", f))
-    return lines + [""]
+        return f"{flag}={getattr(options, f.name)!r}", ""
+    return _fields_help(f"{prog} options", options, describe)
 
 
 def _section_help(section: str, cfg: Config, from_file: Config, config_name: str) -> list[str]:
-    owners, default, lines = _all_keys(), SECTIONS[section](), [f"[{section}]"]
-    for f in dataclasses.fields(default):
-        value = getattr(getattr(cfg, section), f.name)
+    owners, default = _all_keys(), SECTIONS[section]()
+
+    def describe(f: dataclasses.Field) -> tuple[str, str]:
+        value, initial = getattr(getattr(cfg, section), f.name), getattr(default, f.name)
         setting = f"--{section}.{f.name}={value!r}"
-        if value != getattr(default, f.name):
+        if value != initial:
             came_from = (f"config {Path(config_name).stem}"
                          if value == getattr(getattr(from_file, section), f.name)
                          else "command line")
-            setting += f" ({came_from}; default {getattr(default, f.name)!r})"
-        shared = " (use the section prefix)" if len(owners[f.name]) > 1 else ""
-        lines.append(_option_line(setting, f) + shared)
-    return lines + [""]
+            setting += f" ({came_from}; default {initial!r})"
+        return setting, " (use the section prefix)" if len(owners[f.name]) > 1 else ""
+    return _fields_help(section, default, describe)
 
 
 def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | None = None,
               lead: tuple[str, ...] = ()) -> str:
-    """The script's own options, then every config key with the value this command line
-    resolves to, marked where it is not the default; sections in `lead` come first. Raises
-    ConfigError, as a run would, when the config or an override is wrong."""
+    """The script's options, then every config key as this command line resolves it (marked
+    where not the default), `lead` sections first; ConfigError as a run would raise it."""
     unknown = [s for s in lead if s not in SECTIONS]
     if unknown:
         raise ValueError(f"lead names unknown sections {unknown}; sections are {list(SECTIONS)}")
     line = parse_command_line(list(argv), script)
     from_file, cfg, options = resolve_command_line(line, script)
-    lines = _help_header(prog, line) + (_script_help(prog, options) if options is not None else [])
+    count = len(line.overrides)
+    overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
+    path = resolve_config_path(line.config_name).resolve()
+    label = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    lines = [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
+             "--key=value ...]", "",
+             f"config: {line.config_name} ({label}){overrides}",
+             "Each key shows the value this command line resolves to; where that is not the "
+             "built-in default,",
+             f"it says where it was set: (config {Path(line.config_name).stem}; default ...) or "
+             "(command line; default ...).", "",
+             f"  {'--config NAME':<13}  configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
+             f"  {'-h, --help':<13}  this list, for the config and overrides given with it", ""]
+    lines += _script_help(prog, options) if options is not None else []
     for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
         lines += _section_help(section, cfg, from_file, line.config_name)
     return "\n".join(lines)
 
 
 def command_line_keys(argv: list[str], section: str, script: type | None = None) -> list[str]:
-    """The keys of `section` that argv sets itself (as --section.key or as an unambiguous --key),
-    for a script whose source (a checkpoint) has its own values for the rest."""
+    """The keys of `section` argv sets itself (--section.key or an unambiguous --key)."""
     owners, keys = _all_keys(), []
     for key, _ in parse_command_line(argv, script).overrides:
         prefix, _, name = key.rpartition(".")
@@ -501,8 +500,7 @@ def command_line_keys(argv: list[str], section: str, script: type | None = None)
 
 def load_config(argv: list[str], prog: str = "train.py", script: type | None = None,
                 lead: tuple[str, ...] = ()) -> tuple[Config, Any]:
-    """Parse argv into a validated Config and the script's own options (None without `script`).
-    Raises ConfigError listing every problem; -h/--help prints help_text and exits."""
+    """(validated Config, the script's options or None); -h/--help prints help_text and exits."""
     line = parse_command_line(argv, script)
     if line.wants_help:
         print(help_text(prog, argv, script, lead))
