@@ -5,9 +5,9 @@
     python train.py --help                   # every key with its default
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_124m   # several GPUs
 
-build_run(cfg, dist) -> Run: data, the model with its techniques applied (engine/techniques.py),
-optimizer, a resumed run's state, the run log. train(cfg): build_run, then the loop: evaluate and
-checkpoint every eval_interval steps, one train_step per step, until max_iters or a stop request.
+build_run(cfg, dist) -> Run: data, the model with its techniques applied, optimizer, a resumed
+run's state, the run log. train(cfg): build_run, then the loop (evaluate and checkpoint every
+eval_interval steps, one train_step per step) until max_iters or a stop request.
 """
 from __future__ import annotations
 
@@ -68,8 +68,7 @@ class Run:
 
 def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed.Dist
                  ) -> tuple[Batches, dict[str, Batches], dict[str, list]]:
-    """This rank's training batches (prefetched, or read ahead by worker processes, as
-    configured), both splits' loaders, and the fixed evaluation batches."""
+    """This rank's training batches, both splits' loaders, and the fixed evaluation batches."""
     t, d = cfg.train, cfg.data
     split = {split: open_batches(meta, split, t.batch_size, cfg.model.block_size,
                                  cfg.system.seed, rt.device, d.pin_memory, dist.rank,
@@ -78,7 +77,7 @@ def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed
     eval_sets = {name: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
                  for i, (name, b) in enumerate(split.items())}
     batches = split["train"]
-    if d.loader_workers:  # read ahead by worker processes, through shared memory
+    if d.loader_workers:
         batches = SharedMemoryBatches(batches, meta, "train", d.loader_workers)
     return batches, {"train": batches, "val": split["val"]}, eval_sets
 
@@ -124,8 +123,7 @@ def print_banner(run: Run) -> None:
 
 
 def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> None:
-    """Checkpoint this step; next_batch is the (x, y) already fetched for the next one. Every
-    rank calls it (FSDP gathers the full state onto rank 0, which writes it)."""
+    """Checkpoint this step (next_batch: already fetched). Every rank calls it: FSDP gathers."""
     t, dist, counters = run.cfg.train, run.dist, run.counters
     if not t.save_checkpoints:
         return
@@ -177,8 +175,7 @@ def report_skip(run: Run, step: int, result: StepResult, guard: resume.NonFinite
 
 
 def train(cfg: Config) -> dict:
-    """Run training as configured, as one process or as one rank of a torchrun / accelerate
-    launch job; returns the summary (final losses, steps, time, checkpoint)."""
+    """Train as configured (one process, or one rank of a launcher's job); returns the summary."""
     checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
     dist = distributed.init(cfg)
     run = build_run(cfg, dist)
@@ -189,7 +186,6 @@ def train(cfg: Config) -> dict:
     start_step = step = counters.step
     guard = resume.NonFiniteGuard(t.max_nonfinite_steps)
     grad_sync = techniques.grad_sync(run.model)
-    # SIGINT/SIGTERM: save at the next step, exit (every rank at the same step)
     with resume.StopRequest(synced=dist.enabled) as stop, run.log:
         while True:
             if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
@@ -229,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done (or stopped by stop_after_iters), 2 bad input, 3 stopped on NaN/inf,
     4 another process of a distributed run died or hung, 128 + N stopped by signal N after
     saving (130 for Ctrl-C, 143 for SIGTERM)."""
-    where = distributed.error_prefix()  # 'rank 3: ' when there are several processes
+    where = distributed.error_prefix()
     try:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
                                    script=TrainOptions)

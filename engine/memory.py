@@ -1,21 +1,13 @@
 """How much memory a run takes: estimated before anything is allocated, measured after.
 
-    estimate / format_estimate   bytes of weights, gradients, AdamW state and activations per
-                                 process (printed at start; describe: `train.py --estimate-memory`)
-    reset_peak_memory / peak_memory   the measured peak: CUDA max allocated/reserved, CPU peak RSS
-    release_cached               system.empty_cache: hand cached CUDA blocks back at phase
-                                 boundaries (after evaluation, sampling, checkpointing)
+    estimate / format_estimate / describe   bytes per process of weights, gradients, AdamW
+                                 state, activations (`train.py --estimate-memory`)
+    reset_peak_memory / peak_memory   measured peak: CUDA allocated/reserved, or CPU peak RSS
+    release_cached               system.empty_cache, at phase boundaries
 
-The precision policy, in one list. Under autocast (system.dtype=bfloat16/float16) the matmuls run
-in the low precision; these stay float32 whatever system.dtype and system.weights_dtype are:
-    residual stream     GPT.forward upcasts the embeddings' sum; every block adds into it
-    LayerNorm           statistics and affine computed in float32 (model.LayerNorm)
-    softmax statistics  scratch attention's softmax in float32; SDPA kernels accumulate in float32
-    logits -> loss      cross-entropy on float32 logits (GPT.forward)
-    optimizer           AdamW moments, and with bf16 weights a float32 master copy (MasterWeights)
-
-The techniques that save memory (bf16 weights, activation checkpointing, FSDP) are applied in
-engine/techniques.py.
+Precision policy: under autocast the matmuls run in bf16/fp16; float32 always are the residual
+stream, LayerNorm, softmax statistics, logits -> loss, and the optimizer state (with bf16
+weights, a float32 master copy: optim.MasterWeights).
 """
 from __future__ import annotations
 
@@ -34,8 +26,7 @@ ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, one of each per parameter
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per process for one training micro-step (upper estimate: backward frees the
-    activations while it makes the gradients, so the real peak lies somewhat below `total`)."""
+    """Bytes per process for one training micro-step (an upper estimate)."""
 
     weights: int
     gradients: int
@@ -62,11 +53,7 @@ def parameter_count(m: ModelConfig) -> int:
 
 
 def block_part_bytes(m: ModelConfig, act: int) -> dict[str, int]:
-    """Bytes per token that one block keeps for backward, for its attention and MLP branches.
-
-    act is the byte width of matmul inputs (2 under bf16/fp16 autocast, else 4); the residual
-    stream and LayerNorm inputs stay float32. Counted tensor by tensor from what each op saves.
-    """
+    """Bytes per token one block keeps for backward, per branch; act: matmul input width."""
     C, T, nh = m.n_embd, m.block_size, m.n_head
     ln = 4 * C if m.norm == "native" else 8 * C  # native: its input; scratch: x-mean and x-hat
     if m.attention == "sdpa":  # q, k, v, the output, and the c_attn / c_proj inputs
@@ -83,8 +70,7 @@ def block_part_bytes(m: ModelConfig, act: int) -> dict[str, int]:
 
 
 def activation_bytes(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
-    """(kept for backward, largest recomputed part) in bytes, for `tokens` tokens per
-    micro-batch, with model.activation_checkpointing applied."""
+    """(kept for backward, largest recomputed part) bytes for `tokens` tokens, checkpointed."""
     parts = block_part_bytes(m, act)
     kept_input = 4 * m.n_embd  # a checkpointed part keeps only its float32 input
     kept, recompute = 0, 0
@@ -103,16 +89,14 @@ def activation_bytes(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
 
 
 def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
-    """Memory of one training process for cfg (model.vocab_size must be set). Under
-    system.parallel=fsdp the weights, gradients and optimizer state are split over world_size."""
+    """Memory of one training process (model.vocab_size set); FSDP splits the states."""
     m, t = cfg.model, cfg.train
     params = parameter_count(m)
     shards = world_size if world_size > 1 and cfg.system.parallel == "fsdp" else 1
     act = 4 if cfg.system.dtype == "float32" else 2
     tokens = t.batch_size * m.block_size
     activations, recompute = activation_bytes(m, tokens, act)
-    # logits (act bytes, padded rows too), their float32 log-softmax kept for backward, and the
-    # float32 gradient of the logits made from it
+    # logits (padded), their float32 log-softmax kept for backward, and its float32 gradient
     padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple)
     logits = tokens * (act * padded + 8 * m.vocab_size)
     weight = 2 if cfg.system.weights_dtype == "bfloat16" else 4
@@ -143,10 +127,8 @@ def describe(cfg: Config, world_size: int) -> str:
 
 
 def release_cached(device: torch.device, enabled: bool) -> bool:
-    """system.empty_cache: return the CUDA caching allocator's unused blocks to the driver.
-    Called only between phases (evaluation, sampling, checkpointing), where the next phase
-    allocates different shapes; never inside a step, where it would only force new cudaMallocs.
-    Returns whether it ran."""
+    """system.empty_cache: hand cached CUDA blocks back, between phases only (inside a step it
+    would only force new cudaMallocs). Returns whether it ran."""
     if not enabled or device.type != "cuda":
         return False
     torch.cuda.empty_cache()

@@ -45,17 +45,13 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device
 
 
 class MasterWeights:
-    """An optimizer over float32 copies of bf16 weights: step() moves the bf16 gradients onto
-    the float32 masters, steps there, and writes the rounded result back into the model, so small
-    updates accumulate in float32 instead of vanishing in bf16. Quacks like the wrapped one."""
+    """An optimizer over float32 copies of bf16 weights: small updates accumulate in float32
+    instead of vanishing in bf16; the rounded result is copied back into the model."""
 
     def __init__(self, groups: list[dict], make: type, **kwargs):
         self.model_params = [p for g in groups for p in g["params"]]
-        master_groups = []
-        for g in groups:
-            masters = [p.detach().float().clone().requires_grad_(True) for p in g["params"]]
-            master_groups.append({**g, "params": masters})
-        self.inner = make(master_groups, **kwargs)
+        self.inner = make([{**g, "params": [p.detach().float().clone().requires_grad_(True)
+                                            for p in g["params"]]} for g in groups], **kwargs)
         self.masters = [p for g in self.inner.param_groups for p in g["params"]]
 
     @property

@@ -1,6 +1,5 @@
-"""Runtime setup shared by every script: device, seeds, threads, precision (autocast dtype and
-TF32), and the device's peak FLOP/s for MFU. system.device/threads/seed/dtype/tf32 are read here.
-"""
+"""Runtime setup shared by every script: device, seeds, threads, precision (autocast, TF32),
+and the device's peak FLOP/s for MFU."""
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +14,7 @@ from config import SystemConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Dense (no sparsity) peak FLOP/s from the vendors' datasheets: (bf16/fp16 tensor, tf32, fp32).
-# Matched by substring of torch.cuda.get_device_name(); first match wins.
+# dense datasheet peaks (bf16/fp16, tf32, fp32), by substring of the device name; first wins
 PEAK_FLOPS = [
     ("H200", (989e12, 494e12, 67e12)),
     ("H100 PCIe", (756e12, 378e12, 51e12)),
@@ -43,8 +41,7 @@ class Runtime:
     tf32: bool
     notes: list[str]  # what was not honoured, for the banner
 
-    def autocast(self):
-        """Mixed precision for the forward pass; a no-op in float32."""
+    def autocast(self):  # a no-op in float32
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
@@ -85,7 +82,6 @@ def cpu_has_native_bf16() -> bool:
 
 
 def setup(system: SystemConfig) -> Runtime:
-    """Apply the system section: device, threads, seeds, TF32, precision checks."""
     device = resolve_device(system.device)
     notes: list[str] = []
     if system.threads:
@@ -118,7 +114,7 @@ def setup(system: SystemConfig) -> Runtime:
 
 
 def peak_flops(rt: Runtime, override: float = 0.0) -> float:
-    """Peak FLOP/s of the device at the precision in use; 0 when unknown (no MFU shown)."""
+    """Peak FLOP/s at the precision in use; 0 when unknown (no MFU)."""
     if override:
         return override
     if rt.device.type != "cuda":
@@ -126,7 +122,5 @@ def peak_flops(rt: Runtime, override: float = 0.0) -> float:
     name = torch.cuda.get_device_name(rt.device)
     for key, (half, tf32, fp32) in PEAK_FLOPS:
         if key in name:
-            if rt.dtype in (torch.bfloat16, torch.float16):
-                return half
-            return tf32 if rt.tf32 else fp32
+            return half if rt.dtype != torch.float32 else tf32 if rt.tf32 else fp32
     return 0.0

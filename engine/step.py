@@ -32,9 +32,8 @@ def train_step(model: torch.nn.Module, raw_model: torch.nn.Module,
                batches: Batches, batch: tuple, rt: Runtime, lr: float, accum_steps: int,
                grad_clip: float, guard: NonFiniteGuard | None = None,
                grad_sync=None, sync=None) -> StepResult:
-    """One optimizer step. `grad_sync(last)` lets data-parallel ranks all-reduce on the last
-    micro-step only; `sync(loss_sum)` makes the loss the mean over ranks before the guard reads
-    it; `guard` (train.py) skips a non-finite step, without one (bench.py) every step updates."""
+    """One optimizer step. grad_sync(last): all-reduce on the last micro-step only; sync(loss_sum):
+    the mean over ranks before the guard reads it; guard: skip a non-finite step (else update)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     x, y = batch
