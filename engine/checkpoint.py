@@ -1,8 +1,6 @@
-"""Checkpoints, written atomically and loaded without unsafe pickle: `out_dir/ckpt_0001000/`
-holds model.safetensors (tied head once), config.json (the resolved config), meta.json (step,
-losses, tokenizer) and train_state.pt (optimizer, RNG, data position; weights_only=True). Staged
-in a hidden directory and renamed into place, so a crash or a full disk never leaves half a
-checkpoint; files get the umask's modes, so teammates can read them.
+"""Checkpoints: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (the resolved
+config), meta.json and train_state.pt (optimizer, RNG, data position; loaded weights_only). Staged
+in a hidden directory and renamed into place: a crash or a full disk never leaves half a one.
 """
 from __future__ import annotations
 
@@ -46,7 +44,7 @@ class DiskFullError(CheckpointError):
 
 
 def model_state(model: GPT) -> dict[str, torch.Tensor]:
-    """The weights to store: every parameter and persistent buffer, the tied head once."""
+    """Every parameter and persistent buffer, the tied head once."""
     return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != TIED}
 
 
@@ -88,7 +86,7 @@ def umask_mode(path: Path) -> None:
 
 
 def bytes_to_write(*objects) -> int:
-    """About how many bytes storing these takes (tensors in nested containers, str, bytes)."""
+    """About how many bytes storing these takes (tensors, nested containers, str, bytes)."""
     total = 0
     for obj in objects:
         if isinstance(obj, torch.Tensor):
@@ -138,9 +136,8 @@ def _disk_full(what: str, cause: str, needed: int, parent: Path, flag: str,
 @contextmanager
 def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
                 note: str = "") -> Iterator[Path]:
-    """A new hidden directory parent/<prefix><random> to write `what` (about `needed` bytes)
-    into. Refused up front without the space; on failure it goes, and a full disk becomes one
-    DiskFullError naming `what`, the bytes needed and free, and `note`."""
+    """A new hidden parent/<prefix><random> to write `what` (~`needed` bytes) in; removed on
+    failure, and a full disk (up front or midway) becomes one DiskFullError."""
     free = _free_bytes(parent)
     if free is not None and free < needed:
         raise _disk_full(what, "not enough free space", needed, parent, flag, note)
@@ -203,27 +200,24 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
         if train_state is not None:
             torch.save(train_state, tmp / "train_state.pt")
         sync_files(tmp)
-        if final.exists():  # same step saved again (e.g. eval + end): replace it
-            old = out / f".old_{final.name}"
+        # the same step saved again (e.g. eval + end) replaces it
+        old = _hide(final, ".old_") if final.exists() else None
+        os.rename(tmp, final)
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
         sync_dir(out)
-    if keep > 0:
-        for old in list_checkpoints(out)[:-keep]:
-            _remove(old)
+    if keep > 0:  # renamed first: a kill mid-delete never leaves half a checkpoint by its name
+        for stale in list_checkpoints(out)[:-keep]:
+            shutil.rmtree(_hide(stale, ".del_"), ignore_errors=True)
     return final
 
 
-def _remove(ckpt: Path) -> None:
-    """Rename, then delete: a kill mid-delete never leaves half a checkpoint under its name."""
-    doomed = ckpt.with_name(f".del_{ckpt.name}")
-    shutil.rmtree(doomed, ignore_errors=True)
-    os.rename(ckpt, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+def _hide(ckpt: Path, prefix: str) -> Path:
+    """Rename ckpt to <prefix><name> (clearing a leftover of that name first); the new path."""
+    hidden = ckpt.with_name(f"{prefix}{ckpt.name}")
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.rename(ckpt, hidden)
+    return hidden
 
 
 def recover(out_dir: str | Path) -> None:
@@ -231,14 +225,13 @@ def recover(out_dir: str | Path) -> None:
     replacement never arrived is put back. Only the run's own trainer calls this."""
     out = Path(out_dir)
     for p in out.iterdir() if out.is_dir() else ():
-        name = p.name
-        if name.startswith(".old_") and CKPT_PATTERN.match(name[len(".old_"):]):
-            target = out / name[len(".old_"):]
+        target = out / p.name.removeprefix(".old_")
+        if p.name.startswith(".old_") and CKPT_PATTERN.match(target.name):
             if target.exists():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 os.rename(p, target)
-        elif name.startswith((".tmp_ckpt_", ".del_")) and p.is_dir():
+        elif p.name.startswith((".tmp_ckpt_", ".del_")) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -342,8 +335,8 @@ def check_tokenizer(ckpt: Path, data_meta: dict) -> None:
 
 def load_model(path: str | Path, device: torch.device | str = "cpu",
                model_overrides: dict | None = None) -> tuple[GPT, config_mod.Config, dict]:
-    """(model, cfg, meta) of a checkpoint or run directory; model_overrides may change
-    implementation choices (attention, norm, ...) that keep the weights' shapes."""
+    """(model, cfg, meta) of a checkpoint or run directory; model_overrides may change choices
+    that keep the weights' shapes (attention, norm, ...)."""
     ckpt = resolve(path)
     cfg, meta = read_config(ckpt), read_meta(ckpt)
     for key, value in (model_overrides or {}).items():
