@@ -1,16 +1,12 @@
 """What lets a long run survive interruption.
 
-    resolve_init     init_from=auto -> resume or scratch; an out_dir holding another run refused
-    capture / restore   everything a resumed run needs to continue exactly as if it had never
-        stopped: optimizer, scaler, the loop's Counters, the loader's position plus the batch
-        already fetched, every RNG (Python, numpy, torch, CUDA/MPS; every rank's). FSDP's shards
-        are gathered onto rank 0 (full_weights, FullStateOptimizer): a checkpoint has the
-        single-process format, and any world size resumes it. Plain tensors, numbers and
-        containers only, so it loads with torch.load(weights_only=True).
-    StopRequest      SIGINT/SIGTERM (or a step budget): save and exit at the next step boundary;
-                     a second signal stops at once
-    NonFiniteGuard   a NaN/inf loss or gradient norm skips the update; `limit` in a row stop the
-                     run without saving
+    resolve_init       init_from=auto -> resume or scratch; refuses an out_dir holding another run
+    capture / restore  all a resumed run needs to continue as if it had never stopped: optimizer,
+                       scaler, Counters, the loader's position and the batch already fetched,
+                       every RNG (every rank's). FSDP shards are gathered onto rank 0, so a
+                       checkpoint has the single-process format and any world size resumes it.
+    StopRequest        SIGINT/SIGTERM (or a step budget): save and exit at the next step boundary
+    NonFiniteGuard     a NaN/inf loss or gradient norm skips the update; `limit` in a row stop
 """
 from __future__ import annotations
 
@@ -55,14 +51,11 @@ class Counters:
 def rng_state(device: torch.device) -> dict:
     """Every random number generator the run may draw from, as plain tensors and numbers."""
     np_state = np.random.get_state(legacy=False)
-    state = {
-        "python": random.getstate(),
-        "numpy": {"bit_generator": np_state["bit_generator"],
-                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
-                  "gauss": float(np_state["gauss"])},
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"bit_generator": np_state["bit_generator"],
+                       "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                       "pos": int(np_state["state"]["pos"]),
+                       "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])}}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state_all()
     if device.type == "mps":
@@ -71,8 +64,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def restore_rng_state(state: dict, device: torch.device) -> list[str]:
-    """Put every generator back where rng_state() found it; returns notes on what could not be
-    (e.g. another number of GPUs)."""
+    """Put every generator back where rng_state() found it; returns notes on what could not be."""
     notes = []
     random.setstate(_as_tuples(state["python"]))
     np_state = state["numpy"]
@@ -87,16 +79,15 @@ def restore_rng_state(state: dict, device: torch.device) -> list[str]:
             torch.cuda.set_rng_state_all(saved)
         else:
             notes.append("CUDA RNG not restored (saved on another device count or on CPU)")
-    if device.type == "mps":
-        if "mps" in state:
-            torch.mps.set_rng_state(state["mps"])
-        else:
-            notes.append("MPS RNG not restored (saved on another device)")
+    if device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])
+    elif device.type == "mps":
+        notes.append("MPS RNG not restored (saved on another device)")
     return notes
 
 
 def _as_tuples(value):
-    """random.setstate wants the nested tuples random.getstate gave (a loader may give lists)."""
+    """random.setstate wants tuples where a loader may give lists."""
     if isinstance(value, (list, tuple)):
         return tuple(_as_tuples(v) for v in value)
     return value
@@ -105,8 +96,7 @@ def _as_tuples(value):
 def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
                         scaler: torch.amp.GradScaler, batches, device: torch.device,
                         source: str) -> tuple[Counters, tuple, list[str]]:
-    """Load a capture() dict into a freshly built run: returns the counters, the batch for the
-    next step and notes for the log."""
+    """Load a capture() dict into a freshly built run: (counters, next batch, notes)."""
     if state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"{source} has train state format {state.get('format')!r}, this "
                               f"code reads format {STATE_FORMAT}; start a new run from its "
@@ -121,8 +111,7 @@ def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
     notes = restore_rng_state(state["rng"], device)
     known = set(Counters.__dataclass_fields__)
     counters = Counters(**{k: v for k, v in state["counters"].items() if k in known})
-    # the next global batch: a distributed run saves every rank's rows (rank r's are
-    # [r::world_size]), so any world size with the same global batch takes its share of it
+    # every rank's rows are saved (rank r's are [r::world]): any world size takes its share
     x, y = state["next_batch"]["x"], state["next_batch"]["y"]
     rank, world = getattr(batches, "rank", 0), getattr(batches, "world_size", 1)
     if x.shape[0] != batches.batch_size * world or x.shape[1] != batches.block_size:
@@ -134,9 +123,8 @@ def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
 
 
 def resolve_init(t: TrainConfig) -> None:
-    """init_from=auto becomes resume or scratch; any other start refuses an out_dir that holds
-    another run's checkpoints (it would mix with them, pruning would delete them, and its
-    metrics would be overwritten)."""
+    """init_from=auto becomes resume or scratch; any other start refuses an out_dir holding
+    another run's checkpoints (pruning would delete them, its metrics would be overwritten)."""
     checkpoint.recover(t.out_dir)  # a save killed part-way: tidy up before looking
     latest = checkpoint.latest_checkpoint(t.out_dir)
     if t.init_from == "auto":
@@ -150,10 +138,9 @@ def resolve_init(t: TrainConfig) -> None:
 def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler, batches, next_batch: tuple[torch.Tensor, torch.Tensor],
             counters: Counters, device: torch.device) -> dict | None:
-    """The contents of train_state.pt, on rank 0 (None on the others; every rank must call it:
-    they gather). next_batch is the (x, y) already fetched for the next step: the loader's
-    position is past it, so it is stored (every rank's rows) rather than drawn again."""
-    x, y = next_batch
+    """train_state.pt's contents on rank 0, None elsewhere (every rank calls it: they gather).
+    next_batch, already fetched (the loader is past it), is stored with every rank's rows."""
+    (x, y), rank_rng = next_batch, None
     if dist.enabled:  # rank r's rows are global[r::W]: (B, W, T) -> (W*B, T)
         x, y = (torch.stack(dist.all_gather(t), dim=1).flatten(0, 1) for t in next_batch)
         rngs = {"torch": torch.get_rng_state()}  # each rank's dropout stream
@@ -168,17 +155,14 @@ def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer
              "next_batch": {"x": x.detach().cpu(), "y": y.detach().cpu()},
              "rng": rng_state(device), "counters": asdict(counters),
              "world_size": dist.world_size}
-    if dist.enabled:
-        state["rank_rng"] = rank_rng
-    return state
+    return state if rank_rng is None else {**state, "rank_rng": rank_rng}
 
 
 def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batches,
             device: torch.device) -> tuple[Counters, tuple | None, list[str]]:
-    """With train.init_from=resume, the checkpoint `source`'s state put back into this freshly
-    built run: returns its counters, the batch for the next step (None: draw one) and notes for
-    the log. Call it after the model is built and its techniques applied (both draw from the
+    """With init_from=resume, `source`'s state put back into this freshly built run:
+    (counters, next batch or None, notes). Call it after techniques.apply (it draws from the
     RNG) and before the first step."""
     state, counters, next_batch, notes = None, Counters(), None, []
     if cfg.train.init_from == "resume":
@@ -192,8 +176,8 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
 
 
 def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> list[str]:
-    """Ranks > 0 need their own dropout stream: the saved one when the world size is the same,
-    else one derived from (seed, rank, step). Rank 0's is the single-process one."""
+    """Ranks > 0 get their own dropout stream: the saved one at the same world size, else one
+    derived from (seed, rank, step)."""
     if not dist.enabled:
         return []
     saved = (state or {}).get("rank_rng")
@@ -213,8 +197,7 @@ def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> li
 
 
 def full_state(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """What is saved and loaded as 'the optimizer': under FSDP a view whose state is the full,
-    single-process one; otherwise the optimizer itself."""
+    """The optimizer as saved and loaded: under FSDP a full-state view, else itself."""
     return FullStateOptimizer(model, optimizer) if dist.parallel == "fsdp" else optimizer
 
 
@@ -232,9 +215,9 @@ def full_weights(dist: Dist, model: torch.nn.Module) -> dict[str, torch.Tensor] 
 
 
 class FullStateOptimizer:
-    """An FSDP-sharded optimizer seen as a single process's: state_dict() gathers the full state
-    onto rank 0 in torch.optim's own format (parameters numbered in param_groups order), and
-    load_state_dict() takes such a state and shards it. Both are collectives."""
+    """An FSDP-sharded optimizer seen as a single process's (torch.optim's format, parameters
+    numbered in param_groups order): state_dict gathers onto rank 0, load_state_dict shards.
+    Both are collectives."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         from torch.distributed.fsdp import FSDPModule
@@ -286,8 +269,7 @@ FREE_ON_RESUME = {"train.init_from", "train.stop_after_iters", "train.max_iters"
 def config_changes(stored: Config, cfg: Config,
                    world_sizes: tuple[int, int] = (1, 1)) -> list[str]:
     """Notes naming the train/data/system settings a resumed run changes from its checkpoint's.
-    world_sizes: the processes then and now; the micro-batch may change with them as long as
-    every micro-step reads the same global batch (batch_size x processes) as before."""
+    world_sizes (then, now): the micro-batch may change if the global batch stays."""
     free = set(FREE_ON_RESUME)
     then, now = stored.train, cfg.train
     if then.batch_size * world_sizes[0] == now.batch_size * world_sizes[1] and \
@@ -314,12 +296,10 @@ def weights_finite(model: torch.nn.Module, dist: Dist | None = None) -> bool:
 
 
 class StopRequest:
-    """Why the loop should stop early, if it should. As a context manager it turns SIGINT and
-    SIGTERM into a request to save a checkpoint and exit at the next step boundary (a cluster's
-    preemption notice is a SIGTERM); a second signal restores the default handlers and stops at
-    once. synced (several processes): a signal reaches the ranks at different moments, or only
-    one of them, so it is only marked pending; Dist.sync_step shares it and commits it on every
-    rank at the same step boundary."""
+    """Why the loop should stop early. As a context manager SIGINT/SIGTERM (a preemption notice)
+    request a save and exit at the next step boundary; a second one stops at once. synced: a
+    signal reaches ranks at different moments, so it stays pending until Dist.sync_step
+    commits it on every rank at the same step."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -337,8 +317,7 @@ class StopRequest:
             self.commit(reason)
 
     def commit(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
+        self.reason = self.reason or reason
 
     def __bool__(self) -> bool:
         return self.reason is not None
@@ -374,15 +353,13 @@ class StopRequest:
 
 
 class NonFiniteGuard:
-    """Counts steps whose loss or gradient norm is not finite; such a step must be skipped.
-    check() syncs the device once per step (the loop needs the answer before it updates)."""
+    """Counts steps whose loss or gradient norm is not finite (check() syncs the device)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.in_a_row = 0
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """True when the step is good; otherwise counts it."""
         good = bool(torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all())
         self.in_a_row = 0 if good else self.in_a_row + 1
         return good
