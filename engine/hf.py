@@ -58,8 +58,8 @@ def hub_repo(source: str) -> str | None:
 
 
 def is_gpt2_source(source: str) -> bool:
-    """True for a local HF directory (its config.json has model_type; ours has sections), a hub
-    id, or a near miss of a GPT-2 id (so that the error suggests the right name)."""
+    """A local HF directory (config.json with model_type), a hub id, or a near miss of a GPT-2
+    id (so that the error suggests the right name)."""
     try:
         if "model_type" in json.loads((Path(source) / "config.json").read_text()):
             return True
@@ -72,8 +72,7 @@ def is_gpt2_source(source: str) -> bool:
 
 
 def fetch(source: str) -> Path:
-    """A local directory holding the source's config.json and weights (downloaded for a hub id,
-    or found in the local hub cache)."""
+    """A local directory with the source's config.json and weights (a hub id is downloaded)."""
     path = Path(source)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -128,8 +127,7 @@ def read_hf_config(hf_dir: Path) -> dict:
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF model directory: model.safetensors, sharded safetensors, or
-    pytorch_model.bin (through the weights-only unpickler)."""
+    """Every tensor of (sharded) model.safetensors, or pytorch_model.bin loaded weights-only."""
     index, pickled = hf_dir / "model.safetensors.index.json", hf_dir / "pytorch_model.bin"
     try:
         if (hf_dir / "model.safetensors").is_file():
@@ -165,8 +163,7 @@ def is_conv1d(hf_name: str) -> bool:
 
 def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
                source: str) -> dict[str, torch.Tensor]:
-    """Our state dict from HF GPT-2 tensors, checked name by name and shape by shape: every
-    missing, unexpected and mis-shaped tensor is listed in one error."""
+    """Our state dict from HF GPT-2 tensors; every mismatch is listed in one error."""
     cfg = model.config
     names, own = name_map(cfg.n_layer), model.state_dict()
     state: dict[str, torch.Tensor] = {}
@@ -221,14 +218,13 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
 
 
 def tokenizer_meta(vocab_size: int) -> dict:
-    """The tokenizer metadata for a HF GPT-2: GPT-2's BPE when the vocabulary is GPT-2's."""
+    """GPT-2's BPE when the vocabulary is GPT-2's."""
     return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else {"kind": "unknown",
                                                               "vocab_size": vocab_size}
 
 
 def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel tensors from our model: the real vocabulary rows only, Conv1D matrices
-    transposed, zero biases where ours has none; the tied head is left for HF to tie."""
+    """GPT2LMHeadModel tensors: real vocabulary rows, Conv1D transposed, zero missing biases."""
     own = model.state_dict()
     out = {}
     for hf_name, ours in name_map(model.config.n_layer).items():
@@ -259,8 +255,8 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> character map, the alphabet of vocab.json and merges.txt:
-    printable Latin-1 bytes stand for themselves, the others for chr(256), chr(257), ..."""
+    """GPT-2's byte -> character map of vocab.json: printable Latin-1 bytes are themselves, the
+    others chr(256), chr(257), ..."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
@@ -287,8 +283,7 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
-    """GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer_config.json), derived from the
-    bundled ranks, so AutoTokenizer and pipelines work on the export with no download."""
+    """vocab.json, merges.txt, tokenizer_config.json from the bundled ranks (no download)."""
     ranks = load_ranks(GPT2_RANKS)
     alphabet = bytes_to_unicode()
 
@@ -306,9 +301,8 @@ def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
 
 
 def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
-    """A directory AutoModelForCausalLM.from_pretrained loads: config.json + model.safetensors
-    (+ GPT-2's tokenizer files). Staged in a hidden directory and moved into place once complete,
-    so a failure (a full disk) leaves `out` as it was."""
+    """A directory from_pretrained loads (config.json, model.safetensors, tokenizer files), staged
+    and moved into place once complete, so a failure leaves `out` as it was."""
     out = Path(out)
     checkpoint.check_out_dir(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -344,13 +338,12 @@ def export_hf(ckpt_path: str | Path, out: str | Path) -> tuple[GPT, Path, list[s
 
 @torch.no_grad()
 def verify(model: GPT, hf_dir: Path, tolerance: float = 1e-4, device: str = "cpu") -> float:
-    """Max |logit difference| between our model and transformers' GPT2LMHeadModel (eager,
-    float32) from hf_dir on seeded random ids (the first row a GPT-2 BPE sentence when the
-    vocabulary is GPT-2's). Raises VerificationError above tolerance * max(1, max |logit|)."""
+    """Max |logit difference| vs transformers' GPT2LMHeadModel on seeded ids (row 0 a sentence
+    for GPT-2's vocabulary); VerificationError above tolerance * max(1, max |logit|)."""
     from transformers import GPT2LMHeadModel
 
-    reference = GPT2LMHeadModel.from_pretrained(str(hf_dir), attn_implementation="eager")
-    reference = reference.float().to(device).eval()
+    reference = GPT2LMHeadModel.from_pretrained(str(hf_dir), attn_implementation="eager"
+                                                ).float().to(device).eval()
     was_training = model.training
     model.eval()
     vocab_size, T = model.config.vocab_size, min(model.config.block_size, 64)
@@ -362,8 +355,7 @@ def verify(model: GPT, hf_dir: Path, tolerance: float = 1e-4, device: str = "cpu
     expected = reference(idx).logits.float()  # (B, T, vocab)
     ours, _ = model.to(device)(idx)
     model.train(was_training)
-    diff = (ours.float() - expected).abs().max().item()
-    scale = expected.abs().max().item()
+    diff, scale = (ours.float() - expected).abs().max().item(), expected.abs().max().item()
     limit = tolerance * max(1.0, scale)
     print(f"verify: max |logit difference| ours vs transformers GPT2LMHeadModel = {diff:.2e} "
           f"over {idx.numel()} tokens (max |logit| {scale:.1f}, limit {limit:.1e}, "
