@@ -93,8 +93,8 @@ def _check_example(line: str, where: str) -> dict:
 
 def example_rows(example: dict, tokenizer: GPT2Tokenizer, block_size: int
                  ) -> list[tuple[list[int], int]]:
-    """For each ending: the tokens of context + " " + ending, cropped on the left to
-    block_size + 1, and how many of the last tokens are the ending's (the scored targets)."""
+    """Per ending: context + " " + ending tokens (left-cropped to block_size + 1), and how many
+    of the last ones are the ending's."""
     ctx = tokenizer.encode_ordinary(example["ctx"])
     rows = []
     for ending in example["endings"]:
@@ -108,7 +108,7 @@ def example_rows(example: dict, tokenizer: GPT2Tokenizer, block_size: int
 def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
                   device: torch.device | str, autocast=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy over each row's ending tokens, and their count: (N,), (N,).
-    Rows are right-padded into one batch; causal attention keeps padding out of the scores."""
+    Rows are right-padded; causal attention keeps padding out of the scores."""
     width = max(len(r) for r, _ in rows) - 1
     inputs, targets = torch.zeros(2, len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -119,8 +119,7 @@ def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
     inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
     with autocast if autocast is not None else contextlib.nullcontext():
         logits, _ = model(inputs)  # (N, W, vocab)
-    loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (N, W)
-    loss = loss * mask
+    loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none") * mask
     return loss.sum(dim=1), mask.sum(dim=1)
 
 

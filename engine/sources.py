@@ -1,5 +1,4 @@
-"""Where a model comes from, decided here only: a fresh one, one of our checkpoints (or a run
-directory's latest), or a Hugging Face GPT-2 (hub id or local directory).
+"""Where a model comes from: fresh, one of our checkpoints (or run directories), or a HF GPT-2.
 
     model, cfg, meta, label = load_model(source, cfg, device)   # generate.py, engine/hellaswag.py
     model, source = build_model(cfg, data_meta, device)         # train.py (init_from)
@@ -39,9 +38,8 @@ def dataset_meta(cfg: Config) -> dict:
 
 def load_model(source: str, cfg: Config, device: torch.device | str = "cpu",
                overrides: dict | None = None) -> tuple[GPT, Config, dict, str]:
-    """(model, the config it was built with, meta with its 'tokenizer', a label to print). A
-    checkpoint keeps its stored config, a GPT-2 takes its shape from config.json and the rest
-    from cfg.model; `overrides` (model values that keep the weights' shapes) apply to both."""
+    """(model, its config, meta with 'tokenizer', a label). A checkpoint keeps its stored config;
+    a GPT-2 takes its shape from config.json, the rest from cfg.model; `overrides` apply to both."""
     if hf.is_gpt2_source(source):
         used = copy.deepcopy(cfg)
         used.model = dataclasses.replace(used.model, **(overrides or {}))
@@ -61,9 +59,8 @@ def check_context(block_size: int, context: int, what: str) -> None:
 
 
 def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path | None]:
-    """The model train.py starts from (cfg.train.init_from) and the checkpoint or Hugging Face
-    directory it came from (None: fresh). A source fixes the weights' shapes in cfg.model; the
-    implementation switches stay the run's, and a shorter block_size crops the context."""
+    """train.init_from's model and its checkpoint or HF directory (None: fresh). A source fixes
+    cfg.model's shapes; the switches stay the run's; a shorter block_size crops the context."""
     init, block = cfg.train.init_from, cfg.model.block_size
     if init == "scratch":
         cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]

@@ -1,7 +1,5 @@
-"""One tokenizer interface for character-level data and GPT-2 BPE, chosen by a dataset's metadata.
-
-The GPT-2 ranks ship in data/gpt2.tiktoken and are checked against tiktoken's published hash, so
-the GPT-2 tokenizer works with no network.
+"""Character-level and GPT-2 BPE tokenizers behind one interface, chosen by a dataset's metadata.
+GPT-2's ranks ship in data/gpt2.tiktoken (hash-checked), so no network is needed.
 """
 from __future__ import annotations
 
@@ -54,8 +52,8 @@ class CharTokenizer:
 
 
 def load_ranks(path: Path) -> dict[bytes, int]:
-    """A .tiktoken ranks file ("base64-token rank" per line), its sha256 checked. Read here, not
-    by tiktoken's loader, whose cache is keyed by path and would hide a changed file."""
+    """A .tiktoken ranks file, sha256-checked (tiktoken's loader caches by path: a changed file
+    would go unseen)."""
     if not path.is_file():
         raise TokenizerError(f"GPT-2 BPE ranks not found at {path}; they ship with the "
                              "repository as data/gpt2.tiktoken")
