@@ -4,9 +4,7 @@ transformers, export ours in the Hugging Face format (the library is engine/hf.p
     python load_gpt2_weights.py gpt2 --out out/gpt2 --verify             # hub -> our checkpoint
     python load_gpt2_weights.py path/to/hf_dir --verify                  # check a local HF dir
     python load_gpt2_weights.py --export out/run --out hf/run --verify   # ours -> HF directory
-
-The config's model section sets the implementation (--attention sdpa, ...); --device picks
-where --verify runs.
+The model section sets the implementation (--attention sdpa, ...); --device where --verify runs.
 """
 from __future__ import annotations
 
@@ -22,8 +20,6 @@ from engine.runtime import SetupError, resolve_device
 
 @dataclass
 class WeightsOptions:
-    """load_gpt2_weights.py's own options (the rest of the command line is the config)."""
-
     positional: ClassVar[str] = "source"
     source: str = opt("", "gpt2 | gpt2-medium | gpt2-large | gpt2-xl | hf:ORG/NAME | a local "
                       "Hugging Face directory (also given as the first bare argument)")

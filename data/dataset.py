@@ -1,6 +1,5 @@
-"""A dataset on disk: meta.json and flat uint16/uint32 token ids, as train.bin + val.bin or as
-shards listed under meta.json's "shards" (data/shards.py). numpy only: worker processes import
-this without torch.
+"""A dataset on disk: meta.json and flat token ids, train.bin + val.bin or the shards meta.json
+lists (data/shards.py). numpy only: worker processes import this without torch.
 """
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ def open_shards(meta: dict, split: str) -> list[np.memmap]:
 
 
 class Tokens:
-    """A split's token files as one sequence numbered across files: rows(starts) reads (B, T+1)
-    windows, none crossing a file's end. Used by the loader and its worker processes."""
+    """A split's token files numbered as one sequence; rows(starts) reads (B, T+1) windows."""
 
     def __init__(self, meta: dict, split: str, block_size: int):
         sharded = "shards" in meta

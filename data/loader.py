@@ -93,10 +93,9 @@ class Batches:
 
 
 class ShardBatches(Batches):
-    """Windows of a sharded split, each token an input once per epoch: windows of T+1 tokens
-    start at shift + k*T (shift drawn per epoch) and are read in one permutation over all shards
-    (no shard-by-shard drift in the loss); rank r takes every world_size-th. The position is
-    (epoch, cursor); the order is recomputed from (seed, epoch)."""
+    """Windows of a sharded split, each token an input once per epoch: T+1 tokens at shift + k*T
+    (shift per epoch), in one permutation over all shards; rank r takes every world_size-th.
+    The position is (epoch, cursor); the order is recomputed from (seed, epoch)."""
 
     def __init__(self, meta: dict, split: str, batch_size: int, block_size: int, seed: int,
                  *args, **kwargs):

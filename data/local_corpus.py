@@ -5,9 +5,8 @@ without a network (the tests write their own, smaller corpora).
     python data/fineweb_edu/prepare.py --dataset json --data-files /tmp/corpus.jsonl \\
         --out-dir data/local_corpus --shard-tokens 1M --val-tokens 200k
 
-By default the documents are this Python's standard library files (no tests; ~12 MB for
-CPython 3.11) in sorted order, the same on every run; or pass folders (*.py, *.md, *.rst, *.txt,
-README*, LICENSE*).
+By default the documents are this Python's standard library files (~12 MB), sorted; or pass
+folders (*.py, *.md, *.rst, *.txt, README*, LICENSE*).
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Documents in, GPT-2 tokens out, for data/shards.py: a dataset streamed with `datasets` (the
-hub, local json/text/parquet/csv files, or a save_to_disk folder), read in batches that can
-resume mid-stream, tokenized in worker processes in input order.
+"""Documents in, GPT-2 tokens out, for data/shards.py: a `datasets` stream (hub, local files or
+a save_to_disk folder) read in resumable batches, tokenized in worker processes in order.
 """
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ TASK_CHARS = 2**20  # text per tokenizer task at most: long documents make small
 
 @dataclass
 class Source:
-    """A hub dataset (streamed), a builder over local data_files (json, text, parquet, csv), or
-    a save_to_disk folder."""
+    """A hub dataset, a builder over local data_files (json, text, ...) or a save_to_disk folder."""
 
     dataset: str
     name: str | None = None
@@ -97,9 +95,8 @@ def open_stream(source: Source) -> datasets.IterableDataset:
 def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, skip: int,
                  docs_per_task: int, stream_state: dict | None
                  ) -> Iterator[tuple[Batch, list[str]]]:
-    """Documents in batches, from document `start_doc + skip`. The iterator resumes from
-    `stream_state` (saved at document start_doc) when the dataset supports it; otherwise it
-    re-reads and drops the first start_doc documents."""
+    """Documents in batches from document start_doc + skip, resuming from `stream_state` (saved
+    at start_doc) where the dataset supports it, else re-reading from the start."""
     resumable = hasattr(ds, "state_dict")
     if stream_state is not None and resumable:
         ds.load_state_dict(stream_state)
@@ -160,8 +157,8 @@ def _ignore_sigint() -> None:  # Ctrl-C is the main process's: it stops at a con
 
 def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
                       ) -> Iterator[tuple[Batch, np.ndarray, np.ndarray, float]]:
-    """encode_in_worker over the batches in `workers` processes, results in input order. At most
-    2 * workers + 1 batches are in flight, so memory stays bounded however long the stream."""
+    """encode_in_worker in `workers` processes, in input order; at most 2 * workers + 1 batches
+    in flight, so memory stays bounded."""
     if workers == 1:
         for batch, texts in batches:
             yield (batch, *encode_in_worker(texts))
@@ -190,8 +187,7 @@ def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory in MiB: VmHWM on Linux (ru_maxrss would count the
-    parent's memory at the fork before exec)."""
+    """Peak resident memory in MiB: VmHWM on Linux (ru_maxrss counts the parent's at the fork)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

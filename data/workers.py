@@ -1,7 +1,6 @@
-"""data.loader_workers: worker processes read batches into a shared-memory ring ahead of the
-trainer. The trainer still draws every batch's window starts from the loader's own random stream
-(so batches and a checkpoint's data position are the in-process loader's); workers only gather
-the (B, T+1) rows into a slot, taken with one memcpy and no pickling. Workers import numpy only.
+"""data.loader_workers: processes read batches into a shared-memory ring ahead of the trainer.
+The trainer still draws the window starts (so batches and the data position are the in-process
+loader's); workers only gather the (B, T+1) rows into a slot. Workers import numpy only.
 """
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ class SharedMemoryBatches:
         return self.batches.to_tensors(rows)
 
     def state_dict(self) -> dict:
-        """The position before the oldest batch not yet handed out: a resumed run reads it
-        again, exactly as the in-process loader would."""
+        """The position before the oldest batch not handed out yet, as in-process."""
         return self.pending[0][1]
 
     def load_state_dict(self, state: dict) -> None:
