@@ -31,13 +31,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("shakespeare_char", "folder under data/ (or a path) with meta.json and "
-                       "train.bin + val.bin or shards")
+    dataset: str = opt("shakespeare_char", "folder under data/ or a path: meta.json + tokens")
     pin_memory: bool = opt(False, "pinned host batches, copied with non_blocking=True (CUDA)")
-    prefetch: bool = opt(False, "copy the next batch to the GPU on a side CUDA stream during "
-                         "the step (implies pin_memory; CUDA)")
-    loader_workers: int = opt(0, "processes reading training batches into shared memory "
-                              "(data/workers.py); 0 = in the training process")
+    prefetch: bool = opt(False, "copy the next batch on a side CUDA stream (implies pin_memory)")
+    loader_workers: int = opt(0, "processes reading batches into shared memory; 0 = in-process")
     hellaswag_path: str = opt("", "hellaswag_val.jsonl for train.hellaswag_interval; '' = "
                               "data/hellaswag/hellaswag_val.jsonl, downloaded if missing")
 
@@ -54,8 +51,8 @@ class TrainConfig:
     tokens_per_step: int = opt(0, "global batch in tokens, the same on any number of GPUs: sets "
                                "grad_accum_steps = tokens_per_step / (batch_size x block_size "
                                "x processes); 0 = off")
-    batch_size_auto: bool = opt(False, "keep the sequences per step but use the largest "
-                                "micro-batch dividing them that fits in memory (CUDA)")
+    batch_size_auto: bool = opt(False, "same sequences per step, largest micro-batch that fits "
+                                "(CUDA)")
     max_iters: int = opt(2000, "optimizer steps")
     learning_rate: float = opt(1e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
@@ -72,10 +69,10 @@ class TrainConfig:
     keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir")
     save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
     hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "
-                                  "(GPT-2-tokenized data only); 0 = off")
+                                  "(GPT-2 BPE data); 0 = off")
     hellaswag_examples: int = opt(0, "HellaSwag examples scored each time; 0 = all 10,042")
-    stop_after_iters: int = opt(0, "end this invocation with a checkpoint after this many steps "
-                                "(then init_from=resume); 0 = run to max_iters")
+    stop_after_iters: int = opt(0, "checkpoint and stop after this many steps (then "
+                                "init_from=resume); 0 = off")
     max_nonfinite_steps: int = opt(10, "stop after this many NaN/inf steps in a row (each "
                                    "skipped); the last good checkpoint is kept")
 
@@ -102,8 +99,8 @@ class SampleConfig:
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = off")
     top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off")
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
-    prompt_bucket: int = opt(64, "with --compile: a static KV cache and prompts right-padded to "
-                             "a multiple of this, so decoding never recompiles")
+    prompt_bucket: int = opt(64, "with --compile: static KV cache, prompts padded to a multiple "
+                             "of this (no recompiles)")
     quantize: str = opt("none", "int8: int8 weight-only Linear layers (torchao), about half "
                         "the weight bytes of bf16", ("none", "int8"))
     quantize_layers: str = opt("attn,mlp", "Linear layers sample.quantize converts: comma list "
@@ -122,8 +119,7 @@ class SystemConfig:
     compile_mode: str = opt("default", "torch.compile mode", ("default", "reduce-overhead",
                             "max-autotune", "max-autotune-no-cudagraphs"))
     seed: int = opt(1337, "seed for weights, data order and sampling")
-    empty_cache: bool = opt(True, "return cached CUDA memory after each evaluation, sampling "
-                            "and checkpoint save (never inside a step)")
+    empty_cache: bool = opt(True, "free cached CUDA memory after evaluations, samples, saves")
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default")
     peak_flops: float = opt(0.0, "device peak FLOP/s for MFU; 0 = look the device up")
     parallel: str = opt("ddp", "several processes (torchrun, accelerate launch): ddp = a replica "
