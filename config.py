@@ -131,10 +131,6 @@ class SystemConfig:
                               "fails; must exceed the slowest checkpoint save or evaluation")
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-                             "sample": SampleConfig, "system": SystemConfig, "wandb": WandbConfig}
-
-
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -149,6 +145,9 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 
 def _all_keys() -> dict[str, list[str]]:

@@ -45,12 +45,6 @@ def write_dataset(out_dir: Path, tokenizer, train_ids, val_ids, source: str = ""
     return meta
 
 
-def dataset_dir(name: str) -> Path:
-    """A bare dataset name is a folder under data/; anything else is a path to the folder."""
-    path = Path(name)
-    return DATA_DIR / name if len(path.parts) == 1 and not path.is_absolute() else path
-
-
 def prepare_command(name: str) -> str:
     if (DATA_DIR / name / "prepare.py").is_file():
         return f"python data/{name}/prepare.py"
@@ -59,7 +53,8 @@ def prepare_command(name: str) -> str:
 
 def load_meta(name: str) -> dict:
     """Read and check a dataset's meta.json; errors say which prepare command to run."""
-    folder = dataset_dir(name)
+    path = Path(name)  # a bare name is a folder under data/, anything else a path
+    folder = DATA_DIR / name if len(path.parts) == 1 and not path.is_absolute() else path
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
         raise DataError(f"dataset '{name}' is not prepared: {meta_path} is missing; "
