@@ -112,7 +112,8 @@ def print_banner(run: Run) -> None:
     print(techniques.banner(techniques.settings(cfg, run.rt, notes), run.rt.notes))
     print(run.dist.describe(cfg) + (f"  [{notes.accumulation}]" if notes.accumulation else ""))
     print(f"model: {m.num_params() / 1e6:.2f}M parameters without embeddings, "
-          f"{m.num_params(False) / 1e6:.2f}M with" + (f" | from {run.source}" if run.source else ""))
+          f"{m.num_params(False) / 1e6:.2f}M with"
+          + (f" | from {run.source}" if run.source else ""))
     print(f"memory: weights={notes.weights} "
           f"activation_checkpointing={cfg.model.activation_checkpointing} "
           f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "

@@ -154,15 +154,15 @@ class Dist:
         text = (f"global batch: {seqs} sequences = {seqs * cfg.model.block_size:,} tokens per step "
                 f"({t.batch_size} micro-batch x {t.grad_accum_steps} accumulation x "
                 f"{self.world_size} process{'es' if self.enabled else ''})")
+        notes = self.notes + (["parallel=fsdp needs several processes (torchrun): one plain "
+                               "process here"] if cfg.system.parallel == "fsdp"
+                              and not self.enabled else [])
+        tail = f"  [{'; '.join(notes)}]" if notes else ""
         if not self.enabled:
-            notes = self.notes + (["parallel=fsdp needs several processes (torchrun): one plain "
-                                   "process here"] if cfg.system.parallel == "fsdp" else [])
-            return text + (f"  [{'; '.join(notes)}]" if notes else "")
+            return text + tail
         nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        layout = (f"distributed: {self.parallel} over {self.world_size} processes on {nodes} "
-                  f"node(s) | backend {self.backend} | timeout {self.timeout_s:g}s")
-        notes = f"  [{'; '.join(self.notes)}]" if self.notes else ""
-        return f"{layout}{notes}\n{text}"
+        return (f"distributed: {self.parallel} over {self.world_size} processes on {nodes} "
+                f"node(s) | backend {self.backend} | timeout {self.timeout_s:g}s{tail}\n{text}")
 
     def close(self) -> None:
         """Leave the job after a barrier, so no rank tears its connections down under another."""
@@ -249,8 +249,7 @@ def full_tensor(t: torch.Tensor, local: bool = False) -> torch.Tensor:
 def init(cfg: Config) -> Dist:
     """Join the job the launcher started (or return a one-process Dist)."""
     rank, local_rank, world = launch_env()
-    launcher_notes = apply_launcher_flags(cfg)
-    system = cfg.system
+    launcher_notes, system = apply_launcher_flags(cfg), cfg.system
     if world == 1:
         return Dist(notes=launcher_notes)
     device, note = rank_device(system, local_rank, world)
