@@ -2,7 +2,7 @@
 
     python train.py                          # tiny Shakespeare, char-level, CPU friendly
     python train.py --config gpt2_124m       # GPT-2 124M recipe
-    python train.py --help                   # every key with its default
+    python train.py --help                   # every key with the value it resolves to
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_124m   # several GPUs
 
 build_run(cfg, dist) -> Run: data, the model with its techniques applied, optimizer, a resumed
