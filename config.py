@@ -99,8 +99,8 @@ class SampleConfig:
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = off")
     top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off")
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
-    prompt_bucket: int = opt(64, "with --compile: static KV cache, prompts padded to a multiple "
-                             "of this (no recompiles)")
+    prompt_bucket: int = opt(64, "with --compile: prompts padded to a multiple of this, so "
+                             "decoding sees a few fixed shapes (no recompiles)")
     quantize: str = opt("none", "int8: int8 weight-only Linear layers (torchao), about half "
                         "the weight bytes of bf16", ("none", "int8"))
     quantize_layers: str = opt("attn,mlp", "Linear layers sample.quantize converts: comma list "

@@ -188,6 +188,9 @@ def train(cfg: Config) -> dict:
     guard = resume.NonFiniteGuard(t.max_nonfinite_steps)
     grad_sync = techniques.grad_sync(run.model)
     with resume.StopRequest(synced=dist.enabled) as stop, run.log:
+        def sync(loss_sum: torch.Tensor) -> torch.Tensor:  # the mean over ranks; shares stops
+            return dist.sync_step(loss_sum, stop)
+
         while True:
             if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
                 evaluate_and_save(run, step, (x, y), stop, keep=step > start_step)
@@ -201,7 +204,7 @@ def train(cfg: Config) -> dict:
             lr = lr_at(step, cfg)
             result = train_step(run.model, run.raw_model, run.optimizer, run.scaler, run.batches,
                                 (x, y), run.rt, lr, t.grad_accum_steps, t.grad_clip, guard,
-                                grad_sync, sync=lambda loss_sum: dist.sync_step(loss_sum, stop))
+                                grad_sync, sync)
             x, y = result.next_batch
             step += 1
             counters.step, counters.tokens_seen = step, counters.tokens_seen + run.tokens_per_step

@@ -72,3 +72,18 @@ def _deterministic():
     yield
     if HAS_CUDA:
         cuda_matmul_tf32(False)
+
+
+def train_args(char_dataset, out_dir, *extra) -> list[str]:
+    """The tiny config on the test dataset, on one CPU thread (tiny models gain nothing from
+    more, and a busy machine slows them down a lot)."""
+    return ["--config", "tiny", f"--dataset={char_dataset}", f"--out_dir={out_dir}",
+            "--device=cpu", "--threads=1", *extra]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """Runs set torch's thread count (--threads); the next test gets it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

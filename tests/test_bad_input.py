@@ -21,7 +21,7 @@ import load_gpt2_weights as gpt2
 from engine import runlog
 import train
 from config import Config
-from conftest import tiny_model_config
+from conftest import tiny_model_config, train_args
 from model import GPT
 
 FREE = 123_456_789  # what the patched shutil.disk_usage reports, so messages are exact
@@ -40,18 +40,6 @@ FULL_DISK = {  # how a writer reports a full disk -> the cause the message gives
                                             "unexpected pos 576 vs 534"),
                    "the write failed, most likely because the disk is full"),
 }
-
-
-def train_args(char_dataset, out_dir, *extra) -> list[str]:
-    return ["--config", "tiny", f"--dataset={char_dataset}", f"--out_dir={out_dir}",
-            "--device=cpu", "--threads=1", *extra]
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

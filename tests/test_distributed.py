@@ -37,13 +37,6 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Two processes on this machine; `timeout` only guards the test against a hang."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}

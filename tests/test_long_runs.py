@@ -31,27 +31,15 @@ from engine import resume
 import train
 from config import load_config
 from model import GPT
+from conftest import train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # 12 steps, evaluated every 4, with dropout so the torch RNG matters
 RUN = ["--max_iters=12", "--eval_interval=4", "--log_interval=1", "--dropout=0.1"]
 
 
-def args(char_dataset, out_dir, *extra) -> list[str]:
-    # one thread: tiny models gain nothing from more, and a busy machine slows them down a lot
-    return ["--config", "tiny", f"--dataset={char_dataset}", f"--out_dir={out_dir}",
-            "--device=cpu", "--threads=1", *extra]
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def run_train(char_dataset, out_dir, *extra) -> dict:
-    cfg, _ = load_config(args(char_dataset, out_dir, *extra))
+    cfg, _ = load_config(train_args(char_dataset, out_dir, *extra))
     return train.train(cfg)
 
 
@@ -150,12 +138,12 @@ def test_sigint_saves_and_exits_then_resumes_exactly(uninterrupted, char_dataset
 
     monkeypatch.setattr(train, "lr_at", lr_at_with_ctrl_c)
     handler_before = signal.getsignal(signal.SIGINT)
-    assert train.main(args(char_dataset, out, *RUN)) == 128 + signal.SIGINT
+    assert train.main(train_args(char_dataset, out, *RUN)) == 128 + signal.SIGINT
     assert "SIGINT received: saving a checkpoint" in capsys.readouterr().err
     assert checkpoint.latest_checkpoint(out).name == "ckpt_0000004"
     assert signal.getsignal(signal.SIGINT) is handler_before  # handler restored
     monkeypatch.setattr(train, "lr_at", real_lr_at)
-    assert train.main(args(char_dataset, out, *RUN, "--init_from=resume")) == 0
+    assert train.main(train_args(char_dataset, out, *RUN, "--init_from=resume")) == 0
     assert trajectory(out) == trajectory(whole)
     assert_same_tensors(final_state(out)[0], final_state(whole)[0], "weights")
 
@@ -163,7 +151,7 @@ def test_sigint_saves_and_exits_then_resumes_exactly(uninterrupted, char_dataset
 def test_sigterm_in_a_real_process_saves_and_exits(char_dataset, tmp_path):
     out = tmp_path / "term"
     cmd = [sys.executable, "-u", str(ROOT / "train.py"),
-           *args(char_dataset, out, "--max_iters=100000", "--eval_interval=100000",
+           *train_args(char_dataset, out, "--max_iters=100000", "--eval_interval=100000",
                  "--log_interval=1")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -291,7 +279,7 @@ def test_crafted_train_state_is_refused_without_running_code(uninterrupted, char
     ckpt = checkpoint.latest_checkpoint(out)
     witness = tmp_path / "code_ran"
     torch.save({"optimizer": RunsCode(witness)}, ckpt / "train_state.pt")
-    assert train.main(args(char_dataset, out, *RUN, "--max_iters=16",
+    assert train.main(train_args(char_dataset, out, *RUN, "--max_iters=16",
                            "--init_from=resume")) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: refusing to load .*train_state.pt: it holds Python objects other "
@@ -376,7 +364,7 @@ def test_nonfinite_streak_stops_the_run_and_keeps_good_checkpoints(char_dataset,
                                                                    monkeypatch, capsys):
     monkeypatch.setattr(GPT, "forward", nan_loss_from(4))
     out = tmp_path / "streak"
-    assert train.main(args(char_dataset, out, "--max_iters=20", "--eval_interval=2",
+    assert train.main(train_args(char_dataset, out, "--max_iters=20", "--eval_interval=2",
                            "--max_nonfinite_steps=3")) == 3
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: stopped at step 6: the loss or gradient norm was NaN/inf for 3 "
@@ -390,7 +378,7 @@ def test_nonfinite_streak_stops_the_run_and_keeps_good_checkpoints(char_dataset,
 def test_nan_weights_are_never_saved(char_dataset, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(GPT, "forward", nan_loss_from(4, poison_weights=True))
     out = tmp_path / "poisoned"
-    assert train.main(args(char_dataset, out, "--max_iters=20", "--eval_interval=2",
+    assert train.main(train_args(char_dataset, out, "--max_iters=20", "--eval_interval=2",
                            "--max_nonfinite_steps=5")) == 3
     assert "weights hold NaN/inf: not saved" in capsys.readouterr().out
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000002"]
@@ -399,7 +387,7 @@ def test_nan_weights_are_never_saved(char_dataset, tmp_path, monkeypatch, capsys
     model.transformer.ln_f.weight.data[0] = math.nan
     with pytest.raises(checkpoint.CheckpointError, match="refusing to save step 9: NaN/inf in 1 "
                                                          "weight tensor.*transformer.ln_f.weight"):
-        checkpoint.save(out, 9, model, load_config(args(char_dataset, out))[0], {})
+        checkpoint.save(out, 9, model, load_config(train_args(char_dataset, out))[0], {})
 
 
 def test_metrics_files_loss_curve_and_summary(uninterrupted):
@@ -459,7 +447,7 @@ def test_wandb_failure_is_one_clear_line(char_dataset, tmp_path, monkeypatch, ca
         raise wandb.errors.UsageError("api_key not configured (no-tty)")
 
     monkeypatch.setattr(wandb, "init", refuse)
-    assert train.main(args(char_dataset, tmp_path / "wb", "--wandb.enabled=true")) == 2
+    assert train.main(train_args(char_dataset, tmp_path / "wb", "--wandb.enabled=true")) == 2
     assert capsys.readouterr().err == (
         "error: could not start Weights & Biases logging (api_key not configured (no-tty)); run "
         "`wandb login`, or log offline with WANDB_MODE=offline (then `wandb sync`), or set "
@@ -506,7 +494,7 @@ def test_bad_input_is_one_clear_line(case, uninterrupted, char_dataset, tmp_path
         state = checkpoint.latest_checkpoint(out) / "train_state.pt"
         state.write_bytes(state.read_bytes()[:500])
     extra = [e.replace("LETTERS", str(other_alphabet_dataset(tmp_path))) for e in extra]
-    assert train.main(args(char_dataset, out, *RUN, *extra)) == 2
+    assert train.main(train_args(char_dataset, out, *RUN, *extra)) == 2
     err = capsys.readouterr().err
     assert message in err
     assert err.startswith("error: ") and err.count("\n") == 1, err
