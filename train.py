@@ -83,10 +83,10 @@ def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed
 
 
 def build_run(cfg: Config, dist: distributed.Dist) -> Run:
-    rt = runtime.setup(dist.system(cfg.system))
+    rt = runtime.setup(cfg.system, device=dist.device)
     with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
-        meta = dataset_meta(cfg)
         resume.resolve_init(cfg.train)
+        meta = dataset_meta(cfg)
         raw_model, source = build_model(cfg, meta, rt.device)
     resuming = cfg.train.init_from == "resume"
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if resuming else -1,
@@ -95,14 +95,14 @@ def build_run(cfg: Config, dist: distributed.Dist) -> Run:
     optimizer, notes.fused_adamw = make_optimizer(raw_model, cfg, rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
-    hellaswag_eval = hellaswag.for_training(cfg, meta, rt)  # None unless hellaswag_interval
+    scored = hellaswag.TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None
     counters, next_batch, notes.lines = resume.restore(source, cfg, dist, raw_model, optimizer,
                                                        scaler, batches, rt.device)
     log = runlog.RunLog(cfg, counters.step, resumed=resuming, files=dist.is_main,
                         train_seconds=counters.train_seconds, wandb_id=counters.wandb_id)
     counters.wandb_id = log.wandb_id
     return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
-               eval_sets, hellaswag_eval, counters, next_batch or batches.next(), source, notes,
+               eval_sets, scored, counters, next_batch or batches.next(), source, notes,
                log, runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size)
 
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done (or stopped by stop_after_iters), 2 bad input, 3 stopped on NaN/inf,
     4 another process of a distributed run died or hung, 128 + N stopped by signal N after
     saving (130 for Ctrl-C, 143 for SIGTERM)."""
-    where = distributed.error_prefix()
+    where, cfg = distributed.error_prefix(), None
     try:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
                                    script=TrainOptions)
@@ -239,35 +239,32 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         summary = train(cfg)
     except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
-        print(f"{where}error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"{where}error: {e}", 2)
     except KeyboardInterrupt:
-        print("interrupted: nothing saved since the last checkpoint", file=sys.stderr)
-        return 130
+        return fail("interrupted: nothing saved since the last checkpoint", 130)
     except OSError as e:  # a full disk outside a checkpoint save (those say more): metrics, data
-        cause = checkpoint.disk_full_cause(e)
-        if cause is None:
+        if (cause := checkpoint.disk_full_cause(e)) is None:
             raise
-        print(f"{where}error: {cause} writing {e.filename or cfg.train.out_dir}; free some "
-              "space there, or pass --out_dir=<a directory on a disk with room>", file=sys.stderr)
-        return 2
+        return fail(f"{where}error: {cause} writing {e.filename or 'out_dir'}; free some "
+                    "space there, or pass --out_dir=<a directory on a disk with room>", 2)
     except RuntimeError as e:
-        message = distributed.collective_failure(e, cfg.system.dist_timeout)
-        if message is None:
+        if cfg is None or (message := distributed.collective_failure(
+                e, cfg.system.dist_timeout)) is None:
             raise
-        print(f"{where}error: {message}", file=sys.stderr)
-        return 4
+        return fail(f"{where}error: {message}", 4)
     reason = summary["stop_reason"]
     if reason == "nonfinite":
-        print(f"error: stopped at step {summary['step']}: the loss or gradient norm was NaN/inf "
-              f"for {cfg.train.max_nonfinite_steps} steps in a row (or the weights were); "
-              f"nothing non-finite was saved; the last good checkpoint is "
-              f"{summary['checkpoint']}: resume it with --init_from=resume, perhaps with a "
-              "lower --learning_rate", file=sys.stderr)
-        return 3
-    if reason.startswith("SIG"):
-        return 128 + signal.Signals[reason].value
-    return 0
+        return fail(f"error: stopped at step {summary['step']}: the loss or gradient norm was "
+                    f"NaN/inf for {cfg.train.max_nonfinite_steps} steps in a row (or the weights "
+                    f"were); nothing non-finite was saved; the last good checkpoint is "
+                    f"{summary['checkpoint']}: resume it with --init_from=resume, perhaps with a "
+                    "lower --learning_rate", 3)
+    return 128 + signal.Signals[reason].value if reason.startswith("SIG") else 0
+
+
+def fail(message: str, status: int) -> int:
+    print(message, file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

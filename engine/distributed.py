@@ -12,7 +12,6 @@ DDP / FSDP2 wrapping is in engine/techniques.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import sys
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as torch_dist
 
-from config import Config, SystemConfig
+from config import Config
 from engine import runtime
 
 SIGNALS = ("SIGINT", "SIGTERM")  # what resume.StopRequest turns into a stop request
@@ -95,9 +94,8 @@ def apply_launcher_flags(cfg: Config) -> list[str]:
     return notes
 
 
-def rank_device(system: SystemConfig, local_rank: int, world: int) -> tuple[str, str]:
+def rank_device(name: str, local_rank: int) -> tuple[str, str]:
     """(device, note): GPU LOCAL_RANK of this node with --device=auto or cuda, else the CPU."""
-    name = system.device
     cuda = torch.cuda.is_available()
     if name in ("auto", "cuda") and cuda:
         count = torch.cuda.device_count()
@@ -125,7 +123,6 @@ class Dist:
     each at the same point). With one process each is a no-op or returns its input."""
 
     rank: int = 0
-    local_rank: int = 0
     world_size: int = 1
     parallel: str = "none"  # none | ddp | fsdp
     backend: str = ""
@@ -142,10 +139,6 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    def system(self, system: SystemConfig) -> SystemConfig:
-        """The system section with this rank's device (cfg keeps what the user wrote)."""
-        return dataclasses.replace(system, device=self.device) if self.enabled else system
 
     def describe(self, cfg: Config) -> str:
         """The start-up line: layout, and the global batch in sequences and tokens."""
@@ -252,7 +245,7 @@ def init(cfg: Config) -> Dist:
     launcher_notes, system = apply_launcher_flags(cfg), cfg.system
     if world == 1:
         return Dist(notes=launcher_notes)
-    device, note = rank_device(system, local_rank, world)
+    device, note = rank_device(system.device, local_rank)
     cuda = device.startswith("cuda")
     if system.parallel == "fsdp" and system.dtype == "float16":
         raise runtime.SetupError("--parallel=fsdp with --dtype=float16 is not supported (its "
@@ -263,7 +256,7 @@ def init(cfg: Config) -> Dist:
         torch.cuda.set_device(device)
     torch_dist.init_process_group(backend, timeout=datetime.timedelta(seconds=system.dist_timeout),
                                   **({"device_id": torch.device(device)} if cuda else {}))
-    d = Dist(rank=rank, local_rank=local_rank, world_size=world, parallel=system.parallel,
+    d = Dist(rank=rank, world_size=world, parallel=system.parallel,
              backend=backend, device=device, timeout_s=system.dist_timeout,
              notes=launcher_notes + ([note] if note else []),
              comm_device=torch.device(device) if cuda else torch.device("cpu"))

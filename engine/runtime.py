@@ -81,8 +81,9 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def setup(system: SystemConfig) -> Runtime:
-    device = resolve_device(system.device)
+def setup(system: SystemConfig, device: str = "") -> Runtime:
+    """Device (`device`: a distributed rank's own, else system.device), seeds, threads, dtype."""
+    device = resolve_device(device or system.device)
     notes: list[str] = []
     if system.threads:
         torch.set_num_threads(system.threads)

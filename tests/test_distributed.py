@@ -23,7 +23,7 @@ from engine import resume
 from engine import runtime
 from engine import techniques
 import train
-from config import Config, ConfigError, SystemConfig, TrainConfig, load_config
+from config import Config, ConfigError, TrainConfig, load_config
 from data.loader import Batches, load_meta
 from model import GPT
 from conftest import tiny_model_config
@@ -336,6 +336,6 @@ def test_launcher_environment_errors(monkeypatch):
     with pytest.raises(runtime.SetupError, match="must be integers"):
         distributed.launch_env()
     with pytest.raises(runtime.SetupError, match="several processes cannot share MPS"):
-        distributed.rank_device(SystemConfig(device="mps"), 0, 2)
-    assert distributed.rank_device(SystemConfig(device="cpu"), 1, 2) == ("cpu", "")
+        distributed.rank_device("mps", 0)
+    assert distributed.rank_device("cpu", 1) == ("cpu", "")
     assert distributed.error_prefix() == "rank two: "
