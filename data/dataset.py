@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -29,19 +30,36 @@ def write_atomic(path: Path, payload: bytes) -> None:
     os.replace(tmp, path)
 
 
+def write_meta(out_dir: Path, tokenizer, splits: dict[str, int], **extra) -> dict:
+    """meta.json, written last: a folder that has one holds a complete dataset."""
+    meta = {"vocab_size": tokenizer.vocab_size, "dtype": token_dtype(tokenizer.vocab_size).name,
+            "tokenizer": tokenizer.meta(), "splits": splits, **extra}
+    write_atomic(Path(out_dir) / "meta.json", json.dumps(meta, indent=1).encode())
+    return meta
+
+
 def write_dataset(out_dir: Path, tokenizer, train_ids, val_ids, source: str = "") -> dict:
-    """Write train.bin, val.bin and meta.json (last, so a dataset with a meta.json is complete)."""
+    """Write train.bin, val.bin and then meta.json."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(tokenizer.vocab_size)
     counts = {}
     for split, ids in (("train", train_ids), ("val", val_ids)):
-        arr = np.asarray(ids, dtype=dtype)
+        arr = np.asarray(ids, dtype=token_dtype(tokenizer.vocab_size))
         write_atomic(out_dir / f"{split}.bin", arr.tobytes())
         counts[split] = int(arr.size)
-    meta = {"vocab_size": tokenizer.vocab_size, "dtype": dtype.name,
-            "tokenizer": tokenizer.meta(), "splits": counts, "source": source}
-    write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    return write_meta(out_dir, tokenizer, counts, source=source)
+
+
+def write_text(out_dir: Path, source: Path, make_tokenizer: Callable, val_fraction=0.1) -> dict:
+    """A text file as a dataset, tokenized by make_tokenizer(text): the first 90% of the characters
+    train, the rest val, so every tokenizer holds out the same text."""
+    text = Path(source).read_text(encoding="utf-8")
+    tok, split = make_tokenizer(text), int(len(text) * (1 - val_fraction))
+    # ordinary encoding: a literal "<|endoftext|>" in the text stays text, never the special token
+    meta = write_dataset(out_dir, tok, tok.encode_ordinary(text[:split]),
+                         tok.encode_ordinary(text[split:]), source=Path(source).name)
+    print(f"{out_dir}: {tok.kind} tokens ({meta['vocab_size']:,} ids), "
+          f"{meta['splits']['train']:,} train and {meta['splits']['val']:,} val tokens")
     return meta
 
 
@@ -77,24 +95,19 @@ def open_split(meta: dict, split: str, block_size: int) -> np.memmap:
     path = Path(meta["dir"]) / f"{split}.bin"
     if not path.is_file():
         raise DataError(f"{path} is missing; re-run the dataset's prepare script")
-    dtype = np.dtype(meta["dtype"])
-    n = path.stat().st_size // dtype.itemsize
+    n = path.stat().st_size // np.dtype(meta["dtype"]).itemsize
     if n == 0:
         raise DataError(f"{path} is empty; re-run the dataset's prepare script")
     if n < block_size + 1:
         raise DataError(f"{path} has {n} tokens, fewer than one block of block_size+1 = "
                         f"{block_size + 1}; use a smaller --block_size or more data")
-    return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+    return np.memmap(path, dtype=meta["dtype"], mode="r", shape=(n,))
 
 
 def open_shards(meta: dict, split: str) -> list[np.memmap]:
     """Memory maps of a split's shards, each checked against the size meta.json records."""
-    folder = Path(meta["dir"])
-    if not (entries := meta["shards"].get(split)):
-        raise DataError(f"{folder / 'meta.json'} lists no {split} shards; prepare the dataset "
-                        "again")
-    dtype, maps = np.dtype(meta["dtype"]), []
-    for entry in entries:
+    folder, dtype, maps = Path(meta["dir"]), np.dtype(meta["dtype"]), []
+    for entry in meta["shards"][split]:  # a split without shards fails in ShardBatches: 0 tokens
         path, tokens = folder / entry["file"], int(entry["tokens"])
         size = path.stat().st_size if path.is_file() else None
         if size != tokens * dtype.itemsize:

@@ -28,8 +28,6 @@ class Batches:
         if "shards" in meta and type(self) is Batches:
             raise DataError(f"{meta['dir']} is sharded: read it with open_batches(meta, ...), "
                             "which picks ShardBatches")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world_size {world_size}")
         self.tokens = Tokens(meta, split, block_size)
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.rank, self.world_size = rank, world_size
@@ -40,7 +38,7 @@ class Batches:
         self.copy_stream = torch.cuda.Stream(self.device) if prefetch and on_cuda else None
         self.prefetch_note = ("on (side CUDA stream)" if self.copy_stream is not None else
                               "off (needs CUDA: plain copy)" if prefetch else "off")
-        self.rng = np.random.default_rng(seed)  # one stream for every rank: see draw()
+        self.rng = np.random.default_rng(seed)  # one stream for every rank: see _starts()
 
     def to_tensors(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T+1) token rows -> inputs and targets (B, T) on the device."""
@@ -51,13 +49,13 @@ class Batches:
             xy = xy.pin_memory()
         if self.copy_stream is None:
             xy = xy.to(self.device, non_blocking=self.pin_memory)
-            return xy[:, :-1], xy[:, 1:]
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.copy_stream):
-            xy = xy.to(self.device, non_blocking=True)
-        # later compute work waits for the copy, which overlaps the kernels already queued
-        compute.wait_stream(self.copy_stream)
-        xy.record_stream(compute)  # its memory is not reused until compute is done with it
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                xy = xy.to(self.device, non_blocking=True)
+            # later compute work waits for the copy, which overlaps the kernels already queued
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copy_stream)
+            xy.record_stream(compute)  # its memory is not reused until compute is done with it
         return xy[:, :-1], xy[:, 1:]
 
     def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,21 +64,21 @@ class Batches:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.windows(self.draw())
 
-    def draw(self) -> np.ndarray:
-        """The next batch's window starts (advances the position)."""
+    def _starts(self, rng: np.random.Generator) -> np.ndarray:
         # every rank draws the whole global micro-batch and keeps every world_size-th window:
         # one process with world_size times the batch reads the windows all of them do
         high = int(self.tokens.lengths[0]) - self.block_size
-        starts = self.rng.integers(0, high, size=self.batch_size * self.world_size)
+        starts = rng.integers(0, high, size=self.batch_size * self.world_size)
         return starts[self.rank::self.world_size]
+
+    def draw(self) -> np.ndarray:
+        """The next batch's window starts (advances the position)."""
+        return self._starts(self.rng)
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
         """Window starts of n_batches batches from their own seed: the same text every call."""
         rng = np.random.default_rng(seed)
-        high = int(self.tokens.lengths[0]) - self.block_size
-        size = self.batch_size * self.world_size  # each rank keeps its share, as in draw()
-        return [rng.integers(0, high, size=size)[self.rank::self.world_size]
-                for _ in range(n_batches)]
+        return [self._starts(rng) for _ in range(n_batches)]
 
     def state_dict(self) -> dict:
         return {"rng": self.rng.bit_generator.state}
@@ -132,12 +130,10 @@ class ShardBatches(Batches):
 
     def draw(self) -> np.ndarray:
         B = self.batch_size
-        order = self._epoch_order(self.epoch)
-        if self.cursor + B > len(order):  # the rest is less than a batch: start a new epoch
+        if self.cursor + B > len(self._epoch_order(self.epoch)):  # less than a batch left
             self.epoch, self.cursor = self.epoch + 1, 0
-            order = self._epoch_order(self.epoch)
         self.cursor += B
-        return order[self.cursor - B:self.cursor]
+        return self._epoch_order(self.epoch)[self.cursor - B:self.cursor]
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
         """As Batches.fixed, without repeats while the split has enough windows."""
@@ -160,10 +156,7 @@ class ShardBatches(Batches):
         self.epoch, self.cursor = int(state["epoch"]), seen // self.world_size
 
 
-def open_batches(meta: dict, split: str, batch_size: int, block_size: int, seed: int,
-                 device: torch.device | str = "cpu", pin_memory: bool = False, rank: int = 0,
-                 world_size: int = 1, prefetch: bool = False) -> Batches:
-    """The loader for the dataset's layout: ShardBatches when meta.json lists shards."""
-    kind = ShardBatches if "shards" in meta else Batches
-    return kind(meta, split, batch_size, block_size, seed, device, pin_memory, rank, world_size,
-                prefetch)
+def open_batches(meta: dict, split: str, *args, **kwargs) -> Batches:
+    """The loader for the dataset's layout, with Batches' arguments: ShardBatches when meta.json
+    lists shards."""
+    return (ShardBatches if "shards" in meta else Batches)(meta, split, *args, **kwargs)

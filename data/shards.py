@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from engine.tokenizer import GPT2Tokenizer
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")
+VAL_TOKENS = 10_000_000
 
 
 def new_shard(split: str, index: int = 0) -> dict:
@@ -37,26 +39,24 @@ def new_shard(split: str, index: int = 0) -> dict:
     return {"split": split, "index": index, "tokens": 0, "closing": False}
 
 
-class GracefulInterrupt:
-    """The first Ctrl-C stops after the current batch (committed); a second one at once."""
+@contextlib.contextmanager
+def graceful_interrupt() -> Iterator[threading.Event]:
+    """The first Ctrl-C sets the event (stop after the current batch); a second one stops now."""
+    requested = threading.Event()
 
-    requested, previous = False, None
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
+    def handle(signum, frame) -> None:
+        if requested.is_set():
             raise KeyboardInterrupt
-        self.requested = True
+        requested.set()
         print("\nstopping after the current batch (Ctrl-C again to stop at once) ...",
               file=sys.stderr)
-
-    def __enter__(self) -> "GracefulInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+    on_main = threading.current_thread() is threading.main_thread()  # signals need the main one
+    previous = signal.signal(signal.SIGINT, handle) if on_main else None
+    try:
+        yield requested
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 class ShardWriter:
@@ -91,8 +91,10 @@ class ShardWriter:
                             "or delete the folder (or pick another --out-dir) to start over")
         return state
 
-    def paths(self, split: str, index: int) -> tuple[Path, Path]:
-        final = self.out / f"{split}_{index:06d}.bin"
+    def paths(self) -> tuple[Path, Path]:
+        """The current shard's final and partial (still growing) paths."""
+        cur = self.state["current"]
+        final = self.out / f"{cur['split']}_{cur['index']:06d}.bin"
         return final, self.out / f".{final.name}.partial"
 
     def recover(self) -> None:
@@ -100,25 +102,21 @@ class ShardWriter:
         for shard in (s for shards in self.state["shards"].values() for s in shards):
             self._check_size(self.out / shard["file"], shard["tokens"])
         cur = self.state["current"]
-        final, partial = self.paths(cur["split"], cur["index"])
+        final, partial = self.paths()
         if cur["closing"]:  # stopped between committing a full shard and renaming it
             if partial.exists():
                 os.replace(partial, final)
             self._check_size(final, cur["tokens"])
             self._advance()
-            self._write_state()
-        else:
-            if final.exists():
-                raise DataError(f"{final} exists but {STATE_FILE} records it as unfinished; "
-                                f"delete {self.out} and prepare again")
-            if cur["tokens"] or partial.exists():  # drop whatever was written after the commit
-                self._check_size(partial, cur["tokens"], at_least=True)
-                os.truncate(partial, cur["tokens"] * self.dtype.itemsize)
-        cur = self.state["current"]
-        keep = self.paths(cur["split"], cur["index"])[1]
-        for stray in self.out.glob(".*.partial"):
-            if stray != keep:
-                stray.unlink()
+            self.commit(None)
+        elif final.exists():
+            raise DataError(f"{final} exists but {STATE_FILE} records it as unfinished; "
+                            f"delete {self.out} and prepare again")
+        elif cur["tokens"] or partial.exists():  # drop whatever was written after the commit
+            self._check_size(partial, cur["tokens"], at_least=True)
+            os.truncate(partial, cur["tokens"] * self.dtype.itemsize)
+        for stray in set(self.out.glob(".*.partial")) - {self.paths()[1]}:
+            stray.unlink()
 
     def _check_size(self, path: Path, tokens: int, at_least: bool = False) -> None:
         size = path.stat().st_size if path.exists() else -1
@@ -129,10 +127,10 @@ class ShardWriter:
                             f"{self.out} and prepare again")
 
     def written(self, split: str | None = None) -> int:
-        splits = [split] if split else list(SPLIT_ORDER)
+        """Tokens written to `split` (None: to both), finished shards and the current one."""
         cur = self.state["current"]
-        return sum(self.closed[s] for s in splits) + (cur["tokens"] if cur["split"] in splits
-                                                       else 0)
+        return sum(self.closed[s] + (cur["tokens"] if cur["split"] == s else 0)
+                   for s in SPLIT_ORDER if split in (None, s))
 
     def add_document(self, tokens: np.ndarray, batch: Batch) -> bool:
         """Append document pos.doc past pos.offset; False once max_tokens is reached."""
@@ -162,8 +160,7 @@ class ShardWriter:
 
     def _append(self, tokens: np.ndarray) -> None:
         if self.file is None:
-            cur = self.state["current"]
-            self.file = open(self.paths(cur["split"], cur["index"])[1], "ab")
+            self.file = open(self.paths()[1], "ab")
         self.file.write(tokens.astype(self.dtype, copy=False).tobytes())
         self.state["current"]["tokens"] += tokens.size
         self.uncommitted += tokens.size
@@ -176,27 +173,23 @@ class ShardWriter:
         if batch is not None:
             pos = self.state["pos"]
             pos["batch_doc"], pos["stream_state"] = batch.first_doc, batch.stream_state
-        self._write_state()
-        self.uncommitted = 0
-
-    def _write_state(self) -> None:
         write_atomic(self.out / STATE_FILE, json.dumps(self.state).encode())
+        self.uncommitted = 0
 
     def close_shard(self, batch: Batch | None) -> None:
         """Commit the full shard as 'closing', rename it into place, then start the next one."""
-        cur = self.state["current"]
-        cur["closing"] = True
+        self.state["current"]["closing"] = True
         self.commit(batch)
         self.close()
-        final, partial = self.paths(cur["split"], cur["index"])
+        final, partial = self.paths()
         rename_shard(partial, final)
         self._advance()
         self.commit(batch)
 
     def _advance(self) -> None:
         cur = self.state["current"]
-        final = self.paths(cur["split"], cur["index"])[0]
-        self.state["shards"][cur["split"]].append({"file": final.name, "tokens": cur["tokens"]})
+        self.state["shards"][cur["split"]].append({"file": self.paths()[0].name,
+                                                   "tokens": cur["tokens"]})
         self.closed[cur["split"]] += cur["tokens"]
         self.state["current"] = new_shard(cur["split"], cur["index"] + 1)
 
@@ -204,7 +197,7 @@ class ShardWriter:
         if self.state["current"]["tokens"]:
             self.close_shard(batch)
         self.state["finished"] = True
-        self._write_state()
+        self.commit(None)
 
     def close(self) -> None:
         """Release the partial file without committing (used on errors and interrupts)."""
@@ -223,9 +216,8 @@ def rename_shard(partial: Path, final: Path) -> None:
 
 
 def write_meta(out_dir: Path, state: dict, source: Source) -> dict:
-    shards = state["shards"]
+    shards, settings = state["shards"], state["settings"]
     counts = {split: sum(s["tokens"] for s in shards[split]) for split in SPLIT_ORDER}
-    settings = state["settings"]
     if not counts["train"]:
         raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens and "
                         f"the val split takes the first {settings['val_tokens']:,}; delete "
@@ -245,7 +237,7 @@ def cpu_seconds() -> dict[str, float]:
 
 
 def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000,
-            val_tokens: int = 10_000_000, max_tokens: int = 0, workers: int = 1,
+            val_tokens: int = VAL_TOKENS, max_tokens: int = 0, workers: int = 1,
             docs_per_task: int = 256, commit_tokens: int = 16_000_000,
             expected_tokens: int = 0, progress: bool = True) -> dict:
     """Stream `source` into token shards in out_dir (resuming); meta.json's content + `run`."""
@@ -291,8 +283,11 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
 
 def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
          bar_total: int) -> tuple[float, float]:
-    """read -> tokenize -> append -> commit; (largest worker peak MiB, seconds since opened)."""
-    pos, worker_peak = writer.state["pos"], 0.0
+    """read -> tokenize -> append -> commit; (largest worker peak MiB, seconds since opened).
+    bar_total: the progress bar's total (0: unknown, -1: no bar)."""
+    from tqdm import tqdm
+
+    pos, worker_peak, batch = writer.state["pos"], 0.0, None
     if writer.max_tokens and writer.written() >= writer.max_tokens:
         writer.finish(None)
         return worker_peak, 0.0
@@ -300,34 +295,25 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
     opened = time.perf_counter()
     batches = read_batches(ds, source.text_field, pos["batch_doc"],
                            pos["doc"] - pos["batch_doc"], docs_per_task, pos["stream_state"])
-    bar = None
-    if bar_total >= 0:
-        from tqdm import tqdm
-        bar = tqdm(total=bar_total or None, initial=writer.written(), unit="tok",
-                   unit_scale=True, dynamic_ncols=True, desc="tokens", smoothing=0.05)
-    batch = None
-    try:
-        with GracefulInterrupt() as interrupt, \
-                contextlib.closing(tokenize_in_order(batches, workers)) as results:
-            for batch, flat, lengths, peak in results:
-                worker_peak = max(worker_peak, peak)
-                before, ends = writer.written(), np.cumsum(lengths)
-                docs = range(pos["doc"] - batch.first_doc, batch.count)
-                if not all(writer.add_document(flat[ends[i] - lengths[i]:ends[i]], batch)
-                           for i in docs):
-                    break
-                if writer.uncommitted >= writer.commit_tokens:
-                    writer.commit(batch)
-                if bar is not None:
-                    bar.update(writer.written() - before)
-                    bar.set_postfix(docs=f"{pos['doc']:,}", refresh=False)
-                if interrupt.requested:
-                    writer.commit(batch)
-                    raise KeyboardInterrupt
-        writer.finish(batch)
-    finally:
-        if bar is not None:
-            bar.close()
+    with (tqdm(total=bar_total or None, initial=writer.written(), unit="tok", unit_scale=True,
+               dynamic_ncols=True, desc="tokens", smoothing=0.05, disable=bar_total < 0) as bar,
+          graceful_interrupt() as interrupt,
+          contextlib.closing(tokenize_in_order(batches, workers)) as results):
+        for batch, flat, lengths, peak in results:
+            worker_peak = max(worker_peak, peak)
+            before, ends = writer.written(), np.cumsum(lengths)
+            docs = range(pos["doc"] - batch.first_doc, batch.count)
+            if not all(writer.add_document(flat[ends[i] - lengths[i]:ends[i]], batch)
+                       for i in docs):
+                break
+            if writer.uncommitted >= writer.commit_tokens:
+                writer.commit(batch)
+            bar.update(writer.written() - before)
+            bar.set_postfix(docs=f"{pos['doc']:,}", refresh=False)
+            if interrupt.is_set():
+                writer.commit(batch)
+                raise KeyboardInterrupt
+    writer.finish(batch)
     return worker_peak, time.perf_counter() - opened
 
 
@@ -366,10 +352,7 @@ class Defaults:
     dataset: str
     out_dir: Path
     name: str | None = None
-    split: str = "train"
     expected_tokens: int = 0  # rough size of the full corpus, for the progress bar's ETA
-    shard_tokens: int = 100_000_000
-    val_tokens: int = 10_000_000
 
 
 @dataclass
@@ -379,13 +362,13 @@ class PrepareOptions:
     dataset: str = opt("", "hub dataset id, a builder over local files (json, text, parquet, "
                        "csv; with --data-files) or a folder saved with save_to_disk")
     name: str = opt("", "hub dataset config (the script's own for its dataset)")
-    split: str = opt("", "split to read (default train)")
+    split: str = opt("train", "split to read")
     data_files: str = opt("", "comma-separated local files or globs for those builders")
     text_field: str = opt("text", "column holding the document text")
     revision: str = opt("", "hub revision (branch, tag or commit)")
     out_dir: str = opt("", "where the shards go (default: the script's folder); a bare name in "
                        "train.py's --dataset is a folder under data/")
-    shard_tokens: str = opt("", "tokens per shard, e.g. 100M")
+    shard_tokens: str = opt("100M", "tokens per shard")
     val_tokens: str = opt("", "tokens held out as val, from the start of the stream (default "
                           "10M, or a tenth of --max-tokens when that is smaller)")
     max_tokens: str = opt("0", "stop after this many tokens (0: the whole dataset), e.g. 20M")
@@ -403,15 +386,13 @@ def main(defaults: Defaults, argv: list[str] | None = None, description: str = "
         out_dir = o.out_dir or out_dir
         max_tokens = parse_count(o.max_tokens)
         val_tokens = parse_count(o.val_tokens) if o.val_tokens else (
-            max(1, min(defaults.val_tokens, max_tokens // 10)) if max_tokens
-            else defaults.val_tokens)
+            max(1, min(VAL_TOKENS, max_tokens // 10)) if max_tokens else VAL_TOKENS)
         dataset = o.dataset or defaults.dataset
         own = dataset == defaults.dataset  # the script's config and size apply to its dataset
-        files = [f for f in o.data_files.split(",") if f] or None
-        source = Source(dataset, o.name or (defaults.name if own else None),
-                        o.split or defaults.split, files, o.text_field, o.revision or None)
-        prepare(source, out_dir, parse_count(o.shard_tokens) if o.shard_tokens
-                else defaults.shard_tokens, val_tokens, max_tokens,
+        source = Source(dataset, o.name or (defaults.name if own else None), o.split,
+                        [f for f in o.data_files.split(",") if f] or None, o.text_field,
+                        o.revision or None)
+        prepare(source, out_dir, parse_count(o.shard_tokens), val_tokens, max_tokens,
                 o.workers or max(1, (os.cpu_count() or 2) - 1), o.docs_per_task,
                 expected_tokens=defaults.expected_tokens if own else 0, progress=not o.no_progress)
     except (ConfigError, DataError) as e:

@@ -58,21 +58,11 @@ def open_stream(source: Source) -> datasets.IterableDataset:
     import datasets
 
     path = Path(source.dataset)
+    saved = path.is_dir() and any((path / m).is_file() for m in SAVED_DATASET_MARKERS)
     try:
-        if path.is_dir() and any((path / m).is_file() for m in SAVED_DATASET_MARKERS):
-            ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                if source.split not in ds:
-                    raise DataError(f"saved dataset {path} has splits {sorted(ds)}, not "
-                                    f"'{source.split}'; pass --split")
-                ds = ds[source.split]
-            ds = ds.to_iterable_dataset()
-        else:
-            ds = datasets.load_dataset(source.dataset, source.name, split=source.split,
-                                       data_files=source.data_files, revision=source.revision,
-                                       streaming=True)
-    except DataError:
-        raise
+        ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(
+            source.dataset, source.name, split=source.split, data_files=source.data_files,
+            revision=source.revision, streaming=True)
     except Exception as e:  # hub, network, file and script errors all land here
         hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
                 "or --dataset text) or a folder saved with Dataset.save_to_disk")
@@ -83,6 +73,13 @@ def open_stream(source: Source) -> datasets.IterableDataset:
         first = str(e).splitlines()[0] if str(e) else ""
         raise DataError(f"could not open {source.describe()}: {type(e).__name__}: {first}; "
                         f"{hint}") from None
+    if isinstance(ds, datasets.DatasetDict):  # a saved dataset of several splits
+        if source.split not in ds:
+            raise DataError(f"saved dataset {path} has splits {sorted(ds)}, not "
+                            f"'{source.split}'; pass --split")
+        ds = ds[source.split]
+    if saved:
+        ds = ds.to_iterable_dataset()
     columns = ds.column_names
     if columns is not None and source.text_field not in columns:
         raise DataError(f"documents in {source.describe()} have no '{source.text_field}' field "
@@ -103,8 +100,7 @@ def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, 
     else:
         start_doc, skip = 0, skip + start_doc
     rows = iter(ds)
-    for _ in islice(rows, skip):
-        pass
+    next(islice(rows, skip, skip), None)  # skip documents: itertools' consume recipe
     doc = start_doc + skip
     while True:
         state = ds.state_dict() if resumable else None

@@ -7,8 +7,7 @@ import base64
 import hashlib
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-GPT2_RANKS = REPO_ROOT / "data" / "gpt2.tiktoken"
+GPT2_RANKS = Path(__file__).resolve().parents[1] / "data" / "gpt2.tiktoken"
 # tiktoken's expected sha256 for r50k_base (the GPT-2 ranks)
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -44,6 +43,8 @@ class CharTokenizer:
                                  "use only characters that appear in the training data")
         return [self.stoi[c] for c in text]
 
+    encode_ordinary = encode  # no special tokens here
+
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
@@ -62,12 +63,8 @@ def load_ranks(path: Path) -> dict[bytes, int]:
     if digest != GPT2_RANKS_SHA256:
         raise TokenizerError(f"{path} failed its hash check (sha256 {digest}, expected "
                              f"{GPT2_RANKS_SHA256}); restore the file from the repository")
-    ranks = {}
-    for line in contents.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
+    return {base64.b64decode(token): int(rank)
+            for token, rank in (line.split() for line in contents.splitlines() if line)}
 
 
 class GPT2Tokenizer:
@@ -82,21 +79,14 @@ class GPT2Tokenizer:
                                      mergeable_ranks=load_ranks(Path(ranks_path)),
                                      special_tokens={"<|endoftext|>": GPT2_EOT})
         self.vocab_size = self.enc.n_vocab  # 50257
-        self.eot_id = GPT2_EOT
-        self.start_id = GPT2_EOT
+        self.eot_id = self.start_id = GPT2_EOT
+        # tiktoken's own encode_ordinary(text), decode(ids) -> str, decode_bytes(ids) -> bytes
+        self.encode_ordinary, self.decode = self.enc.encode_ordinary, self.enc.decode
+        self.decode_bytes = self.enc.decode_bytes
 
-    def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        allowed = {"<|endoftext|>"} if allow_special else set()
-        return self.enc.encode(text, allowed_special=allowed)
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        return self.enc.encode_ordinary(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.enc.decode(ids)
-
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        return self.enc.decode_bytes(ids)
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text`; a literal <|endoftext|> becomes the special token."""
+        return self.enc.encode(text, allowed_special={"<|endoftext|>"})
 
     def meta(self) -> dict:
         return {"kind": self.kind}

@@ -12,9 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 if __name__ == "__main__":  # imports here: the spawned tokenizer workers re-import this file
     from data.shards import Defaults, main
