@@ -43,13 +43,25 @@ class DiskFullError(CheckpointError):
     """Not enough space (or quota) to write; nothing partial was left behind."""
 
 
+def first_line(e: BaseException) -> str:
+    """'TypeName: the first line of its message', for errors quoted inside ours."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def model_state(model: GPT) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer, the tied head once."""
     return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != TIED}
 
 
-def sync_files(directory: Path) -> None:
-    """fsync every file in directory, so a rename publishes complete files."""
+def write_files(directory: Path, files: dict[str, bytes]) -> None:
+    """`files` beside a written model.safetensors, which gets the mode open() gives (safetensors
+    writes 0600); all fsynced, so that a rename publishes complete files."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(directory / "model.safetensors", 0o666 & ~mask)
+    for name, payload in files.items():
+        (directory / name).write_bytes(payload)
     for f in directory.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -78,13 +90,6 @@ def check_out_dir(out_dir: str | Path, flag: str = "--out_dir") -> None:
                                   f"{flag}=<a new or existing directory>")
 
 
-def umask_mode(path: Path) -> None:
-    """Give a file the mode open() would (0644 under umask 022); safetensors writes 0600."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
 def bytes_to_write(*objects) -> int:
     """About how many bytes storing these takes (tensors, nested containers, str, bytes)."""
     total = 0
@@ -96,19 +101,6 @@ def bytes_to_write(*objects) -> int:
         elif isinstance(obj, (str, bytes)):
             total += len(obj)
     return total
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes on path's filesystem; None when unknown (network mounts may report 0)."""
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError:
-        return None
-    return usage.free if usage.total > 0 else None
-
-
-def _bytes_text(n: int) -> str:
-    return f"{n:,} bytes" + (f" ({size_text(n)})" if n >= 2**20 else "")
 
 
 def disk_full_cause(e: BaseException) -> str | None:
@@ -124,23 +116,27 @@ def disk_full_cause(e: BaseException) -> str | None:
     return None
 
 
-def _disk_full(what: str, cause: str, needed: int, parent: Path, flag: str,
-               note: str) -> DiskFullError:
-    free = _free_bytes(parent)
-    room = f" and {_bytes_text(free)} are free there" if free is not None else ""
-    return DiskFullError(f"cannot write {what}: {cause}: it needs about {_bytes_text(needed)}"
-                         f"{room}; free some space, or pass {flag}=<a directory on a disk with "
-                         f"room>{note}")
-
-
 @contextmanager
 def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
                 note: str = "") -> Iterator[Path]:
     """A new hidden parent/<prefix><random> to write `what` (~`needed` bytes) in; removed on
     failure, and a full disk (up front or midway) becomes one DiskFullError."""
-    free = _free_bytes(parent)
+    try:  # None when unknown: network mounts may report a total of 0
+        usage = shutil.disk_usage(parent)
+        free = usage.free if usage.total > 0 else None
+    except OSError:
+        free = None
+
+    def full(cause: str) -> DiskFullError:
+        def text(n: int) -> str:
+            return f"{n:,} bytes" + (f" ({size_text(n)})" if n >= 2**20 else "")
+        room = f" and {text(free)} are free there" if free is not None else ""
+        return DiskFullError(f"cannot write {what}: {cause}: it needs about {text(needed)}{room};"
+                             f" free some space, or pass {flag}=<a directory on a disk with "
+                             f"room>{note}")
+
     if free is not None and free < needed:
-        raise _disk_full(what, "not enough free space", needed, parent, flag, note)
+        raise full("not enough free space")
     tmp = None
     try:
         while tmp is None:  # not tempfile.mkdtemp: its 0700 would hide the files from others
@@ -152,18 +148,15 @@ def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        cause = disk_full_cause(e)
-        if cause is None:
+        if (cause := disk_full_cause(e)) is None:
             raise
-        raise _disk_full(what, cause, needed, parent, flag, note) from None
+        raise full(cause) from None
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
     """Complete checkpoints in out_dir, oldest first."""
     out = Path(out_dir)
-    if not out.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in out.iterdir()
+    found = [(int(m.group(1)), p) for p in (out.iterdir() if out.is_dir() else ())
              if p.is_dir() and (m := CKPT_PATTERN.match(p.name))]
     return [p for _, p in sorted(found)]
 
@@ -182,24 +175,22 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
     out.mkdir(parents=True, exist_ok=True)
     recover(out)
     weights = model_state(model) if weights is None else weights
+    latest = latest_checkpoint(out)
     bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"refusing to save step {step}: NaN/inf in {len(bad)} weight "
                               f"tensor(s) ({', '.join(bad[:3])}); the last good checkpoint is "
-                              f"{latest_checkpoint(out)}")
+                              f"{latest}")
     final = out / f"ckpt_{step:07d}"
-    config_text, meta_text = cfg.to_json(), json.dumps({"step": step, **meta}, indent=1)
-    latest = latest_checkpoint(out)
+    files = {"config.json": cfg.to_json().encode(),
+             "meta.json": json.dumps({"step": step, **meta}, indent=1).encode()}
     note = f"; the last complete checkpoint, {latest}, is intact" if latest else ""
-    needed = bytes_to_write(weights, train_state, config_text, meta_text)
+    needed = bytes_to_write(weights, train_state, *files.values())
     with staging_dir(out, ".tmp_ckpt_", f"checkpoint {final}", needed, out_flag, note) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
-        umask_mode(tmp / "model.safetensors")
-        (tmp / "config.json").write_text(config_text)
-        (tmp / "meta.json").write_text(meta_text)
         if train_state is not None:
             torch.save(train_state, tmp / "train_state.pt")
-        sync_files(tmp)
+        write_files(tmp, files)
         # the same step saved again (e.g. eval + end) replaces it
         old = _hide(final, ".old_") if final.exists() else None
         os.rename(tmp, final)
@@ -240,16 +231,15 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if (p / "model.safetensors").is_file():
         return p
-    if p.is_dir():
-        if latest := latest_checkpoint(p):
-            return latest
-        raise CheckpointError(f"no checkpoint in {p}; train one first: python train.py "
-                              f"--out_dir={p}")
-    raise CheckpointError(f"checkpoint {p} does not exist; train one first with python train.py, "
-                          "or pass --checkpoint=PATH to an existing one")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} does not exist; train one first with python "
+                              "train.py, or pass --checkpoint=PATH to an existing one")
+    if latest := latest_checkpoint(p):
+        return latest
+    raise CheckpointError(f"no checkpoint in {p}; train one first: python train.py --out_dir={p}")
 
 
-def _read_json(ckpt: Path, name: str) -> dict:
+def read_meta(ckpt: Path, name: str = "meta.json") -> dict:
     try:
         return json.loads((ckpt / name).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -258,11 +248,7 @@ def _read_json(ckpt: Path, name: str) -> dict:
 
 
 def read_config(ckpt: Path) -> config_mod.Config:
-    return config_mod.from_dict(_read_json(ckpt, "config.json"))
-
-
-def read_meta(ckpt: Path) -> dict:
-    return _read_json(ckpt, "meta.json")
+    return config_mod.from_dict(read_meta(ckpt, "config.json"))
 
 
 def load_weights(model: GPT, ckpt: Path) -> None:
@@ -283,11 +269,10 @@ def mismatch_parts(missing: list, unexpected: list, shapes: list) -> list[str]:
 
 def load_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
     expected = model_state(model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
     shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
                     for k, v in expected.items() if k in state and state[k].shape != v.shape)
-    if parts := mismatch_parts(missing, unexpected, shapes):
+    if parts := mismatch_parts(sorted(set(expected) - set(state)),
+                               sorted(set(state) - set(expected)), shapes):
         raise CheckpointError(f"weights in {source} do not fit the model ("
                               + "; ".join(parts) + "); the checkpoint is from another "
                               "architecture: use the config it was trained with")
@@ -310,10 +295,8 @@ def load_train_state(ckpt: Path) -> dict:
                               "unpickled; it was not written by this code (crafted or foreign "
                               "file); resume from another checkpoint") from None
     except Exception as e:  # a truncated zip, a wrong file
-        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {first}); the file "
-                              "is truncated or corrupt; resume from an earlier "
-                              "checkpoint") from None
+        raise CheckpointError(f"{path} is unreadable ({first_line(e)}); the file is "
+                              "truncated or corrupt; resume from an earlier checkpoint") from None
 
 
 def check_tokenizer(ckpt: Path, data_meta: dict) -> None:

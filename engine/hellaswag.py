@@ -24,8 +24,7 @@ from engine import checkpoint, runtime, sources
 from engine.runtime import Runtime
 from engine.tokenizer import GPT2Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PATH = REPO_ROOT / "data" / "hellaswag" / "hellaswag_val.jsonl"
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "data" / "hellaswag" / "hellaswag_val.jsonl"
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_EXAMPLES = 10_042
 REFERENCES = "GPT-2 124M acc_norm 0.2955 (this scoring), GPT-3 Small 0.337"
@@ -47,15 +46,14 @@ def ensure_file(path: str | Path = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with urllib.request.urlopen(VAL_URL, timeout=60) as response, open(tmp, "wb") as f:
-            f.write(response.read())
+        with urllib.request.urlopen(VAL_URL, timeout=60) as response:
+            tmp.write_bytes(response.read())
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise HellaSwagError(f"could not download {VAL_URL} ({e}); on a machine without a "
                              f"network, copy hellaswag_val.jsonl to {path} or pass its "
                              "path") from None
-    tmp.replace(path)
-    return path
+    return tmp.replace(path)
 
 
 def load_examples(path: str | Path, limit: int = 0) -> list[dict]:
@@ -96,12 +94,9 @@ def example_rows(example: dict, tokenizer: GPT2Tokenizer, block_size: int
     """Per ending: context + " " + ending tokens (left-cropped to block_size + 1), and how many
     of the last ones are the ending's."""
     ctx = tokenizer.encode_ordinary(example["ctx"])
-    rows = []
-    for ending in example["endings"]:
-        end = tokenizer.encode_ordinary(" " + ending)
-        row = (ctx + end)[-(block_size + 1):]
-        rows.append((row, min(len(end), len(row) - 1)))
-    return rows
+    ends = [tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
+    rows = [(ctx + end)[-(block_size + 1):] for end in ends]
+    return [(row, min(len(end), len(row) - 1)) for row, end in zip(rows, ends)]
 
 
 @torch.no_grad()
@@ -117,7 +112,7 @@ def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
         inputs[i, :len(row) - 1], targets[i, :len(row) - 1] = t[:-1], t[1:]
         mask[i, len(row) - 1 - n_end:len(row) - 1] = True
     inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
-    with autocast if autocast is not None else contextlib.nullcontext():
+    with autocast or contextlib.nullcontext():
         logits, _ = model(inputs)  # (N, W, vocab)
     loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none") * mask
     return loss.sum(dim=1), mask.sum(dim=1)
@@ -130,12 +125,11 @@ def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[di
     """acc, acc_norm and the counts behind them over examples[rank::world_size]."""
     was_training = model.training
     model.eval()
-    block_size = model.config.block_size
     mine = examples[rank::world_size]
     correct = correct_norm = 0
     for start in range(0, len(mine), batch_examples):
         chunk = mine[start:start + batch_examples]
-        rows = [r for ex in chunk for r in example_rows(ex, tokenizer, block_size)]
+        rows = [r for ex in chunk for r in example_rows(ex, tokenizer, model.config.block_size)]
         total, count = ending_losses(model, rows, device, autocast)
         total, mean = total.view(-1, 4), (total / count).view(-1, 4)  # (examples, 4 endings)
         labels = torch.tensor([ex["label"] for ex in chunk], device=total.device)
@@ -169,10 +163,10 @@ class TrainingEval:
 
     def run(self, model: torch.nn.Module, step: int) -> dict:
         t0 = time.perf_counter()
-        result = evaluate(model, self.tokenizer, self.examples, self.rt.device, self.rt.autocast())
-        print(f"hellaswag {step:5d} | acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f}"
-              f" | {result['n']:,} examples | {time.perf_counter() - t0:.1f}s")
-        return {"acc": result["acc"], "acc_norm": result["acc_norm"], "n": result["n"]}
+        r = evaluate(model, self.tokenizer, self.examples, self.rt.device, self.rt.autocast())
+        print(f"hellaswag {step:5d} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
+              f"{r['n']:,} examples | {time.perf_counter() - t0:.1f}s")
+        return {"acc": r["acc"], "acc_norm": r["acc_norm"], "n": r["n"]}
 
 
 def for_training(cfg: Config, meta: dict, rt: Runtime) -> TrainingEval | None:

@@ -4,6 +4,7 @@ where nn.Linear is (out, in), so they are transposed; a padded vocabulary gets z
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -16,18 +17,18 @@ from safetensors.torch import load_file, save_file
 
 from config import Config, ModelConfig
 from engine import checkpoint
+from engine.checkpoint import first_line
 from engine.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, load_ranks
 from model import GPT
 
 GPT2_MODEL_IDS = {name: f"openai-community/{name}"
                   for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
-HUB_PREFIX = "hf:"
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json",
              "model-*.safetensors"]
 GPT2_VOCAB = 50257
-BLOCK_PARAMS = [f"{part}.{kind}" for part in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2",
-                                              "mlp.c_fc", "mlp.c_proj")
-                for kind in ("weight", "bias")]
+SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",  # ours -> HF config key
+         "block_size": "n_positions", "vocab_size": "vocab_size"}
+BLOCK_PARTS = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -43,28 +44,19 @@ class VerificationError(GPT2WeightsError):
     """Our logits and transformers' differ by more than the tolerance."""
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def hub_repo(source: str) -> str | None:
-    """The hub repository a source names, or None when it is not a hub id."""
-    if source in GPT2_MODEL_IDS:
-        return GPT2_MODEL_IDS[source]
-    if source in GPT2_MODEL_IDS.values():
-        return source
-    return source[len(HUB_PREFIX):] if source.startswith(HUB_PREFIX) else None
+    """The hub repository a source names (gpt2, openai-community/gpt2, hf:ORG/NAME), or None."""
+    if source.startswith("hf:"):
+        return source.removeprefix("hf:")
+    return GPT2_MODEL_IDS.get(source, source if source in GPT2_MODEL_IDS.values() else None)
 
 
 def is_gpt2_source(source: str) -> bool:
     """A local HF directory (config.json with model_type), a hub id, or a near miss of a GPT-2
     id (so that the error suggests the right name)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, TypeError):
         if "model_type" in json.loads((Path(source) / "config.json").read_text()):
             return True
-    except (OSError, ValueError, TypeError):
-        pass
     if hub_repo(source) is not None:
         return True
     return not Path(source).exists() and bool(difflib.get_close_matches(
@@ -93,7 +85,7 @@ def fetch(source: str) -> Path:
                                                                  "pytorch_model.bin"]))
     except Exception as e:  # no network, unknown or gated repository, ...
         raise GPT2WeightsError(f"could not fetch {repo} from the Hugging Face hub "
-                               f"({_first_line(e)}); without a network, copy a model directory "
+                               f"({first_line(e)}); without a network, copy a model directory "
                                "(config.json + model.safetensors) to this machine and pass its "
                                "path instead") from None
     return local
@@ -106,8 +98,7 @@ def read_hf_config(hf_dir: Path) -> dict:
     except (OSError, ValueError) as e:
         raise GPT2WeightsError(f"{hf_dir}/config.json is unreadable ({e})") from None
     act = hf.get("activation_function", "gelu_new")
-    missing = [k for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
-               if not isinstance(hf.get(k), int)]
+    missing = [k for k in SHAPE.values() if not isinstance(hf.get(k), int)]
     checks = [  # (cannot be represented, why)
         (hf.get("model_type") != "gpt2",
          f"model_type={hf.get('model_type')!r} (only 'gpt2' maps onto our model)"),
@@ -119,8 +110,7 @@ def read_hf_config(hf_dir: Path) -> dict:
         (hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True),
          "attention scaling other than 1/sqrt(head size)"),
         (hf.get("add_cross_attention"), "cross-attention layers")]
-    problems = [why for bad, why in checks if bad]
-    if problems:
+    if problems := [why for bad, why in checks if bad]:
         raise GPT2WeightsError(f"{hf_dir}/config.json describes a model ours cannot represent: "
                                + "; ".join(problems))
     return hf
@@ -144,28 +134,23 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
         try:
             return torch.load(pickled, map_location="cpu", weights_only=True)
         except Exception as e:  # the weights-only unpickler refuses code objects
-            raise GPT2WeightsError(f"refusing to load {pickled}: {_first_line(e)} (only tensors "
+            raise GPT2WeightsError(f"refusing to load {pickled}: {first_line(e)} (only tensors "
                                    "are accepted; use model.safetensors)") from None
     raise GPT2WeightsError(f"{hf_dir} holds no weights: expected model.safetensors (or "
                            "model.safetensors.index.json with its shards) or pytorch_model.bin")
 
 
-def name_map(n_layer: int) -> dict[str, str]:
-    """HF GPT-2 tensor name (without the 'transformer.' prefix) -> our state-dict name."""
-    names = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
-             *(f"h.{i}.{p}" for i in range(n_layer) for p in BLOCK_PARAMS)]
-    return {n: f"transformer.{n}" for n in names}
-
-
-def is_conv1d(hf_name: str) -> bool:
-    return hf_name.endswith(CONV1D)
+def hf_names(n_layer: int) -> list[str]:
+    """HF GPT-2 tensor names without 'transformer.'; ours are 'transformer.' + the same name."""
+    block = [f"{part}.{kind}" for part in BLOCK_PARTS for kind in ("weight", "bias")]
+    return ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
+            *(f"h.{i}.{p}" for i in range(n_layer) for p in block)]
 
 
 def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
                source: str) -> dict[str, torch.Tensor]:
     """Our state dict from HF GPT-2 tensors; every mismatch is listed in one error."""
-    cfg = model.config
-    names, own = name_map(cfg.n_layer), model.state_dict()
+    cfg, own, names = model.config, model.state_dict(), set(hf_names(model.config.n_layer))
     state: dict[str, torch.Tensor] = {}
     unexpected, shapes, head = [], [], None
     for key, tensor in hf_state.items():
@@ -176,17 +161,17 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
             if not MASK_BUFFER.fullmatch(name):  # mask buffers of older transformers: dropped
                 unexpected.append(key)
         else:
-            expected = tuple(own[names[name]].shape)
+            expected = tuple(own[f"transformer.{name}"].shape)
             if name == "wte.weight":
                 expected = (cfg.vocab_size, expected[1])  # HF has no padded rows
-            expected = expected[::-1] if is_conv1d(name) else expected
+            conv1d = name.endswith(CONV1D)
+            expected = expected[::-1] if conv1d else expected
             if tuple(tensor.shape) != expected:
                 shapes.append(f"{key}: file {tuple(tensor.shape)} vs config {expected}")
             else:
-                state[names[name]] = tensor.t() if is_conv1d(name) else tensor
+                state[f"transformer.{name}"] = tensor.t() if conv1d else tensor
     found = {k.removeprefix("transformer.") for k in hf_state}
-    parts = checkpoint.mismatch_parts(sorted(set(names) - found), sorted(unexpected),
-                                      sorted(shapes))
+    parts = checkpoint.mismatch_parts(sorted(names - found), sorted(unexpected), sorted(shapes))
     wte = state.get("transformer.wte.weight")
     if head is not None and wte is not None and not torch.equal(head, wte):
         parts.append("lm_head.weight differs from wte.weight, but our LM head is tied to the "
@@ -195,8 +180,7 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
         raise GPT2WeightsError(f"weights in {source} do not match its config.json ("
                                + "; ".join(parts) + "); the directory is not a complete GPT-2 "
                                "GPT2LMHeadModel: re-download or re-export it")
-    extra = model.padded_vocab - cfg.vocab_size
-    if extra:  # padded rows: zero, and sliced off the logits by the model
+    if extra := model.padded_vocab - cfg.vocab_size:  # zero rows, sliced off the logits
         state["transformer.wte.weight"] = torch.cat([wte, wte.new_zeros(extra, wte.size(1))])
     return state
 
@@ -206,9 +190,8 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
     model_cfg's shape is set from the HF config in place; its implementation switches stay."""
     hf_dir, model_cfg = fetch(source), model_cfg or ModelConfig()
     hf = read_hf_config(hf_dir)
-    model_cfg.n_layer, model_cfg.n_head = hf["n_layer"], hf["n_head"]
-    model_cfg.n_embd = hf["n_embd"]
-    model_cfg.block_size, model_cfg.vocab_size = hf["n_positions"], hf["vocab_size"]
+    for ours, theirs in SHAPE.items():
+        setattr(model_cfg, ours, hf[theirs])
     model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
     model_cfg.bias = True  # GPT-2 has biases everywhere
     model = GPT(model_cfg)
@@ -225,18 +208,17 @@ def tokenizer_meta(vocab_size: int) -> dict:
 
 def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel tensors: real vocabulary rows, Conv1D transposed, zero missing biases."""
-    own = model.state_dict()
-    out = {}
-    for hf_name, ours in name_map(model.config.n_layer).items():
+    own, out = model.state_dict(), {}
+    for name in hf_names(model.config.n_layer):
+        ours = f"transformer.{name}"
         if ours in own:
             tensor = own[ours].detach().cpu()
         else:  # bias=False: GPT-2 always has biases, and zero ones change nothing
             owner = own[ours.removesuffix(".bias") + ".weight"]
             tensor = torch.zeros(owner.shape[0], dtype=owner.dtype)
-        if hf_name == "wte.weight":
+        if name == "wte.weight":
             tensor = tensor[:model.config.vocab_size]
-        out[f"transformer.{hf_name}"] = (tensor.t() if is_conv1d(hf_name) else tensor
-                                         ).contiguous().clone()
+        out[ours] = (tensor.t() if name.endswith(CONV1D) else tensor).contiguous().clone()
     return out
 
 
@@ -244,8 +226,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     """config.json for GPT2LMHeadModel describing our model."""
     eot = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else None
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+            **{theirs: getattr(cfg, ours) for ours, theirs in SHAPE.items()}, "n_inner": None,
             "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "initializer_range": 0.02, "scale_attn_weights": True,
@@ -255,14 +236,11 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> character map of vocab.json: printable Latin-1 bytes are themselves, the
-    others chr(256), chr(257), ..."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    others = [b for b in range(256) if b not in mapping]
-    mapping.update({b: chr(256 + n) for n, b in enumerate(others)})
-    return mapping
+    """GPT-2's byte -> character map of vocab.json: printable non-space Latin-1 bytes are
+    themselves, the others chr(256), chr(257), ... in byte order."""
+    others = iter(range(256, 512))
+    return {b: chr(b) if b > 32 and chr(b).isprintable() else chr(next(others))
+            for b in range(256)}
 
 
 def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
@@ -284,13 +262,11 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
     """vocab.json, merges.txt, tokenizer_config.json from the bundled ranks (no download)."""
-    ranks = load_ranks(GPT2_RANKS)
-    alphabet = bytes_to_unicode()
+    ranks, alphabet, eot = load_ranks(GPT2_RANKS), bytes_to_unicode(), "<|endoftext|>"
 
     def text(token: bytes) -> str:
         return "".join(alphabet[b] for b in token)
 
-    eot = "<|endoftext|>"
     vocab = {text(token): rank for token, rank in ranks.items()} | {eot: GPT2_EOT}
     merges = "".join(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
     config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": eot, "eos_token": eot,
@@ -315,10 +291,7 @@ def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
     with checkpoint.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
                                 "--out") as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        checkpoint.umask_mode(tmp / "model.safetensors")
-        for name, payload in files.items():
-            (tmp / name).write_bytes(payload)
-        checkpoint.sync_files(tmp)
+        checkpoint.write_files(tmp, files)
         if out.is_dir():
             for f in tmp.iterdir():
                 os.replace(f, out / f.name)
