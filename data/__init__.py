@@ -1,1 +1,0 @@
-"""Datasets (one folder each, with prepare.py) and the token loader (loader.py)."""

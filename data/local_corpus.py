@@ -17,26 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
 
 SUFFIXES = (".py", ".md", ".rst", ".txt")
 NAMES = ("LICENSE", "README")
-SKIP = ("test", "tests", "__pycache__", "site-packages")
+SKIP = {"test", "tests", "__pycache__", "site-packages"}
 
 
 def text_files(roots: list[Path]) -> list[Path]:
-    files = set()
-    for root in roots:
-        for path in root.rglob("*"):
-            if any(part in SKIP for part in path.relative_to(root).parts):
-                continue
-            if path.is_file() and (path.suffix in SUFFIXES or path.name.startswith(NAMES)):
-                files.add(path)
-    return sorted(files)
+    return sorted({path for root in roots for path in root.rglob("*")
+                   if not SKIP.intersection(path.relative_to(root).parts) and path.is_file()
+                   and (path.suffix in SUFFIXES or path.name.startswith(NAMES))})
 
 
 @dataclass
@@ -58,10 +51,9 @@ def write_corpus(files: list[Path], out: Path, budget: int) -> tuple[int, int]:
                 text = path.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
                 continue  # binary or unreadable: not text
-            if not text.strip():
-                continue
-            f.write(json.dumps({"text": text, "source": str(path)}) + "\n")
-            written, docs = written + len(text.encode()), docs + 1
+            if text.strip():
+                f.write(json.dumps({"text": text, "source": str(path)}) + "\n")
+                written, docs = written + len(text.encode()), docs + 1
             if written >= budget:
                 break
     return docs, written

@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from config import ConfigError, load_options, opt
-from data.dataset import DataError, token_dtype, write_atomic
+from data.dataset import DataError, token_dtype, write_atomic, write_meta
 from data.stream import Batch, Source, open_stream, peak_rss_mib, read_batches, tokenize_in_order
 from engine.tokenizer import GPT2Tokenizer
 
@@ -215,19 +215,16 @@ def rename_shard(partial: Path, final: Path) -> None:
         os.close(fd)
 
 
-def write_meta(out_dir: Path, state: dict, source: Source) -> dict:
+def finish_meta(out_dir: Path, state: dict, source: Source) -> dict:
     shards, settings = state["shards"], state["settings"]
     counts = {split: sum(s["tokens"] for s in shards[split]) for split in SPLIT_ORDER}
     if not counts["train"]:
         raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens and "
                         f"the val split takes the first {settings['val_tokens']:,}; delete "
                         f"{out_dir} and prepare again with a smaller --val-tokens or more data")
-    tok = GPT2Tokenizer()
-    meta = {"vocab_size": tok.vocab_size, "dtype": settings["dtype"], "tokenizer": tok.meta(),
-            "splits": counts, "shards": shards, "shard_tokens": settings["shard_tokens"],
-            "documents": state["pos"]["doc"], "source": source.describe(), "settings": settings}
-    write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
-    return meta
+    return write_meta(out_dir, GPT2Tokenizer(), counts, shards=shards,
+                      shard_tokens=settings["shard_tokens"], documents=state["pos"]["doc"],
+                      source=source.describe(), settings=settings)
 
 
 def cpu_seconds() -> dict[str, float]:
@@ -250,7 +247,7 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
     writer = ShardWriter(out, settings, commit_tokens)
     if writer.state["finished"]:
         print(f"{out}: already prepared ({writer.written():,} tokens); nothing to do")
-        return {**write_meta(out, writer.state, source), "run": {"tokens": 0}}
+        return {**finish_meta(out, writer.state, source), "run": {"tokens": 0}}
     writer.recover()
     start_tokens, started, cpu_before = writer.written(), time.perf_counter(), cpu_seconds()
     begin = f"resuming at {start_tokens:,} tokens" if start_tokens else "starting"
@@ -262,7 +259,7 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
     finally:
         writer.close()
     seconds = time.perf_counter() - started
-    meta = write_meta(out, writer.state, source)
+    meta = finish_meta(out, writer.state, source)
     tokens = writer.written() - start_tokens
     cpu = {k: round(v - cpu_before[k], 1) for k, v in cpu_seconds().items()}
     # stream_seconds leaves out the start-up (imports, opening the dataset)

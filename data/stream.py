@@ -93,17 +93,14 @@ def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, 
                  docs_per_task: int, stream_state: dict | None
                  ) -> Iterator[tuple[Batch, list[str]]]:
     """Documents in batches from document start_doc + skip, resuming from `stream_state` (saved
-    at start_doc) where the dataset supports it, else re-reading from the start."""
-    resumable = hasattr(ds, "state_dict")
-    if stream_state is not None and resumable:
+    at start_doc; None: start_doc is 0)."""
+    if stream_state is not None:
         ds.load_state_dict(stream_state)
-    else:
-        start_doc, skip = 0, skip + start_doc
     rows = iter(ds)
     next(islice(rows, skip, skip), None)  # skip documents: itertools' consume recipe
     doc = start_doc + skip
     while True:
-        state = ds.state_dict() if resumable else None
+        state = ds.state_dict()
         texts, chars = [], 0
         for row in rows:  # a task ends at docs_per_task documents or TASK_CHARS of text
             texts.append(_text(row, text_field, doc + len(texts)))

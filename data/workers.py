@@ -1,6 +1,5 @@
-"""data.loader_workers: processes read batches into a shared-memory ring ahead of the trainer.
-The trainer still draws the window starts (so batches and the data position are the in-process
-loader's); workers only gather the (B, T+1) rows into a slot. Workers import numpy only.
+"""data.loader_workers: processes read batches into a shared-memory ring ahead of the trainer,
+which still draws the window starts (so batches and data position are the in-process loader's).
 """
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ def _shutdown(procs: list, tasks: mp.Queue, shm: shared_memory.SharedMemory) -> 
 class SharedMemoryBatches:
     """The loader `batches`, with `workers` processes reading `depth` batches ahead of next()."""
 
-    def __init__(self, batches: Batches, meta: dict, split: str, workers: int, depth: int = 0):
-        self.batches = batches
-        self.depth = depth or 2 * workers
+    def __init__(self, batches: Batches, meta: dict, split: str, workers: int):
+        self.batches, self.depth = batches, 2 * workers
         shape = (self.depth, batches.batch_size, batches.block_size + 1)
         self.shm = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 8)
         self.ring = np.ndarray(shape, dtype=np.int64, buffer=self.shm.buf)
