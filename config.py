@@ -1,11 +1,11 @@
-"""The one config: sections with defaults in dataclasses, configs/NAME.toml over them, then argv:
+"""The one config: dataclass defaults, then configs/NAME.toml, then the command line
+(`--section.key=value`, or `--key=value` where the key is one field's); `--help` lists them all.
 
     python train.py --config gpt2_124m --train.batch_size=8 --learning_rate=3e-4 --compile true
-
-`--key=value` works when the key names one field only; `--help` lists every resolved value.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -148,39 +148,30 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+KEYS = {section: [f.name for f in dataclasses.fields(cls)] for section, cls in SECTIONS.items()}
 
 
-def _all_keys() -> dict[str, list[str]]:
-    """bare key -> the sections that have it"""
-    owners: dict[str, list[str]] = {}
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            owners.setdefault(f.name, []).append(section)
-    return owners
+def _owners(key: str) -> list[str]:
+    """The sections that have a field named `key`."""
+    return [section for section, names in KEYS.items() if key in names]
 
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
     """A TOML or command-line value as the field's type, or ValueError."""
-    kind = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(typ)
-    if kind is None:
-        raise ValueError(f"{where}: unsupported field type {typ}")
+    kind = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}[typ]
     text = str(value).strip().lower()
     if typ is bool and (isinstance(value, bool) or text in BOOL_WORDS):
         return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
     if typ is str and not isinstance(value, (dict, list)):
         return str(value)
     if typ in (int, float) and not isinstance(value, (bool, dict, list)):
-        try:
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
             if typ is float or isinstance(value, int):
                 return typ(value)
-            try:
+            with contextlib.suppress(ValueError):
                 return int(str(value).replace("_", ""))
-            except ValueError:
-                as_float = float(str(value))  # 1e6, 3.0
-            if as_float.is_integer():
-                return int(as_float)
-        except (TypeError, ValueError, OverflowError):
-            pass
+            if float(str(value)).is_integer():  # 1e6, 3.0
+                return int(float(str(value)))
     raise ValueError(f"{where}: expected {kind}, got {value!r}")
 
 
@@ -189,7 +180,7 @@ def _did_you_mean(name: str, candidates: list[str], cutoff: float = 0.6) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def _unknown_key_message(key: str, source: str, candidates: list[str]) -> str:
+def _unknown(key: str, source: str, candidates: list[str]) -> str:
     return f"unknown key '{key}' in {source}{_did_you_mean(key, candidates)}"
 
 
@@ -209,12 +200,10 @@ def resolve_config_path(name: str) -> Path:
                       f"known configs: {', '.join(known)}")
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any, source: str,
-           problems: list[str]) -> None:
-    section_obj = getattr(cfg, section)
-    typ = typing.get_type_hints(type(section_obj))[key]
+def _set(obj: Any, key: str, value: Any, where: str, problems: list[str]) -> None:
+    """obj.key = value as its field's type; a value that does not fit is a problem."""
     try:
-        setattr(section_obj, key, _coerce(value, typ, f"{section}.{key} ({source})"))
+        setattr(obj, key, _coerce(value, typing.get_type_hints(type(obj))[key], where))
     except ValueError as e:
         problems.append(str(e))
 
@@ -225,34 +214,36 @@ def apply_sections(cfg: Config, data: dict, source: str, problems: list[str],
     (a stored config may hold keys dropped since)."""
     for section, body in data.items():
         if section in SECTIONS and isinstance(body, dict):
-            names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+            names = KEYS[section]
             for key, value in body.items():
                 if key in names:
-                    _apply(cfg, section, key, value, source, problems)
+                    _set(getattr(cfg, section), key, value, f"{section}.{key} ({source})",
+                         problems)
                 elif strict:
-                    problems.append(_unknown_key_message(f"{section}.{key}", source,
-                                                         [f"{section}.{n}" for n in names]))
+                    problems.append(_unknown(f"{section}.{key}", source,
+                                             [f"{section}.{n}" for n in names]))
         elif strict and section not in SECTIONS:
-            problems.append(_unknown_key_message(section, source, list(SECTIONS)) +
+            problems.append(_unknown(section, source, list(SECTIONS)) +
                             " (top-level tables must be sections)")
         elif strict:
             problems.append(f"{source}: [{section}] must be a table, got {body!r}")
 
 
 def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> None:
-    owners = _all_keys()
     section, name = key.split(".", 1) if "." in key else (None, key)
-    sections = owners.get(name, [])
+    sections = _owners(name)
     if section is not None and section not in sections:
-        dotted = [f"{s}.{n}" for n, ss in owners.items() for s in ss]
-        problems.append(_unknown_key_message(key, "command line", dotted))
+        dotted = [f"{s}.{n}" for s, names in KEYS.items() for n in names]
+        problems.append(_unknown(key, "command line", dotted))
     elif not sections:
-        problems.append(_unknown_key_message(key, "command line", list(owners)))
+        bare = list({name for names in KEYS.values() for name in names})
+        problems.append(_unknown(key, "command line", bare))
     elif section is None and len(sections) > 1:
         choices = " or ".join(f"--{s}.{key}" for s in sections)
         problems.append(f"'{key}' is ambiguous (command line); use {choices}")
     else:
-        _apply(cfg, section or sections[0], name, value, "command line", problems)
+        section = section or sections[0]
+        _set(getattr(cfg, section), name, value, f"{section}.{name} (command line)", problems)
 
 
 POSITIVE, NON_NEGATIVE = ("> 0", lambda v: v > 0), (">= 0", lambda v: v >= 0)
@@ -304,6 +295,7 @@ def validate(cfg: Config) -> list[str]:
     return problems
 
 
+
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (as stored in checkpoints)."""
     cfg, problems = Config(), []
@@ -327,15 +319,17 @@ class CommandLine:
 def parse_command_line(argv: list[str], script: type | None = None) -> CommandLine:
     """Split argv into --config, -h/--help, the script's options (a dataclass of opt() fields;
     they win over config keys of the same name) and --key=value overrides."""
-    line = CommandLine()
-    i = 0
+    line, i = CommandLine(), 0
+    hints = typing.get_type_hints(script) if script is not None else {}
+    options = {f.name: hints[f.name] for f in dataclasses.fields(script)} if hints else {}
     while i < len(argv):
         arg, following = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         i += 1
+        key, has_value, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
         if arg in ("-h", "--help"):
             line.wants_help = True
-            continue
-        if not arg.startswith("--") or len(arg) <= 2:
+        elif not arg.startswith("--") or len(arg) <= 2:
             # a script may name one option that also takes a bare argument (ClassVar positional)
             positional = getattr(script, "positional", None)
             if positional and positional not in dict(line.script):
@@ -343,38 +337,28 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
             else:
                 line.problems.append(f"unexpected argument {arg!r}; overrides look like "
                                      "--key=value")
-            continue
-        name = arg[2:].split("=", 1)[0].replace("-", "_")
-        fields = dataclasses.fields(script) if script is not None else ()
-        option = next((f for f in fields if f.name == name), None)
-        if option is not None and "=" not in arg and typing.get_type_hints(script)[name] is bool \
-                and (following is None or following.lower() not in BOOL_WORDS):
-            line.script.append((option.name, "true"))  # a bare switch: --estimate-memory
-            continue
-        if "=" in arg:  # --a.b=c
-            key, value = arg[2:].split("=", 1)
-        elif following is None or (following.startswith("--") and len(following) > 2):
+        elif not has_value and options.get(key) is bool and (following is None or
+                                                             following.lower() not in BOOL_WORDS):
+            line.script.append((key, "true"))  # a bare switch: --estimate-memory
+        elif not has_value and (following is None or (following.startswith("--")
+                                                      and len(following) > 2)):
             line.problems.append(f"{arg} needs a value: use {arg}=VALUE")
-            continue
-        else:  # --a.b c
-            key, value, i = arg[2:], following, i + 1
-        key = key.replace("-", "_")
-        if option is not None:
-            line.script.append((option.name, value))
-        elif key == "config":
-            line.config_name = value
         else:
-            line.overrides.append((key, value))
+            if not has_value:  # --a.b c
+                value, i = following, i + 1
+            if key in options:
+                line.script.append((key, value))
+            elif key == "config":
+                line.config_name = value
+            else:
+                line.overrides.append((key, value))
     return line
 
 
 def _script_options(line: CommandLine, script: type, problems: list[str]) -> Any:
-    options, types = script(), typing.get_type_hints(script)
+    options = script()
     for name, value in line.script:
-        try:
-            setattr(options, name, _coerce(value, types[name], f"--{name}"))
-        except ValueError as e:
-            problems.append(str(e))
+        _set(options, name, value, f"--{name}", problems)
     return options
 
 
@@ -409,8 +393,7 @@ def load_options(argv: list[str], script: type, prog: str, about: str = "") -> A
                          *_script_help(prog, script())]))
         raise SystemExit(0)
     names = [f.name for f in dataclasses.fields(script)]
-    problems = line.problems + [_unknown_key_message(key, "command line", names)
-                                for key, _ in line.overrides]
+    problems = line.problems + [_unknown(key, "command line", names) for key, _ in line.overrides]
     if line.config_name != DEFAULT_CONFIG:
         problems.append(f"{prog} reads no config: --config is not one of its options")
     options = _script_options(line, script, problems)
@@ -418,41 +401,38 @@ def load_options(argv: list[str], script: type, prog: str, about: str = "") -> A
     return options
 
 
-def _fields_help(title: str, options: Any,
-                 describe: Callable[[dataclasses.Field], tuple[str, str]]) -> list[str]:
-    """A help block: one line per field, `describe(f)` giving (the setting, a trailing note)."""
+def _fields_help(title: str, options: Any, setting: Callable[[str], str],
+                 note: Callable[[str], str] = lambda name: "") -> list[str]:
+    """[title], then one line per field: `setting(name)`, its help and choices, `note(name)`."""
     lines = [f"[{title}]"]
     for f in dataclasses.fields(options):
-        setting, note = describe(f)
-        text = f.metadata.get("help", "")
-        if f.metadata.get("choices"):
-            text += f" [{' | '.join(map(str, f.metadata['choices']))}]"
-        lines.append(f"  {setting:<32}  {text}{note}")
+        choices = f.metadata.get("choices")
+        text = f.metadata.get("help", "") + (f" [{' | '.join(choices)}]" if choices else "")
+        lines.append(f"  {setting(f.name):<32}  {text}{note(f.name)}")
     return lines + [""]
 
 
 def _script_help(prog: str, options: Any) -> list[str]:
-    def describe(f: dataclasses.Field) -> tuple[str, str]:
-        flag = f"--{f.name.replace('_', '-')}"
-        if f.name == getattr(options, "positional", None):
-            flag = f"[{f.name.upper()} | {flag}]"
-        return f"{flag}={getattr(options, f.name)!r}", ""
-    return _fields_help(f"{prog} options", options, describe)
+    def setting(name: str) -> str:
+        flag = f"--{name.replace('_', '-')}"
+        if name == getattr(options, "positional", None):
+            flag = f"[{name.upper()} | {flag}]"
+        return f"{flag}={getattr(options, name)!r}"
+    return _fields_help(f"{prog} options", options, setting)
 
 
 def _section_help(section: str, cfg: Config, from_file: Config, config_name: str) -> list[str]:
-    owners, default = _all_keys(), SECTIONS[section]()
+    default = SECTIONS[section]()
 
-    def describe(f: dataclasses.Field) -> tuple[str, str]:
-        value, initial = getattr(getattr(cfg, section), f.name), getattr(default, f.name)
-        setting = f"--{section}.{f.name}={value!r}"
-        if value != initial:
-            came_from = (f"config {Path(config_name).stem}"
-                         if value == getattr(getattr(from_file, section), f.name)
-                         else "command line")
-            setting += f" ({came_from}; default {initial!r})"
-        return setting, " (use the section prefix)" if len(owners[f.name]) > 1 else ""
-    return _fields_help(section, default, describe)
+    def setting(name: str) -> str:
+        value, initial = getattr(getattr(cfg, section), name), getattr(default, name)
+        if value == initial:
+            return f"--{section}.{name}={value!r}"
+        set_in_file = value == getattr(getattr(from_file, section), name)
+        came_from = f"config {Path(config_name).stem}" if set_in_file else "command line"
+        return f"--{section}.{name}={value!r} ({came_from}; default {initial!r})"
+    return _fields_help(section, default, setting,
+                        lambda name: " (use the section prefix)" if len(_owners(name)) > 1 else "")
 
 
 def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | None = None,
@@ -485,10 +465,10 @@ def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | 
 
 def command_line_keys(argv: list[str], section: str, script: type | None = None) -> list[str]:
     """The keys of `section` argv sets itself (--section.key or an unambiguous --key)."""
-    owners, keys = _all_keys(), []
+    keys = []
     for key, _ in parse_command_line(argv, script).overrides:
         prefix, _, name = key.rpartition(".")
-        if prefix == section or (not prefix and owners.get(name) == [section]):
+        if prefix == section or (not prefix and _owners(name) == [section]):
             keys.append(name)
     return keys
 

@@ -1,12 +1,7 @@
-"""What lets a long run survive interruption.
-
-    resolve_init       init_from=auto -> resume or scratch; refuses an out_dir holding another run
-    capture / restore  all a resumed run needs to continue as if it had never stopped: optimizer,
-                       scaler, Counters, the loader's position and the batch already fetched,
-                       every RNG (every rank's). FSDP shards are gathered onto rank 0, so a
-                       checkpoint has the single-process format and any world size resumes it.
-    StopRequest        SIGINT/SIGTERM (or a step budget): save and exit at the next step boundary
-    NonFiniteGuard     a NaN/inf loss or gradient norm skips the update; `limit` in a row stop
+"""What lets a long run survive interruption: resolve_init (init_from=auto), capture/restore
+(optimizer, scaler, counters, data position, every rank's RNG: resuming continues the run
+exactly; FSDP state is saved in the single-process format, so any world size resumes it),
+StopRequest (save and exit on SIGINT/SIGTERM) and NonFiniteGuard (skip NaN/inf steps).
 """
 from __future__ import annotations
 
@@ -49,13 +44,13 @@ class Counters:
 
 
 def rng_state(device: torch.device) -> dict:
-    """Every random number generator the run may draw from, as plain tensors and numbers."""
-    np_state = np.random.get_state(legacy=False)
+    """Every random number generator the run may draw from, as tensors and plain numbers (what
+    a weights_only load accepts)."""
+    bit_generator, key, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"bit_generator": np_state["bit_generator"],
-                       "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                       "pos": int(np_state["state"]["pos"]),
-                       "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])}}
+             "numpy": {"bit_generator": bit_generator,
+                       "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state_all()
     if device.type == "mps":
@@ -65,61 +60,18 @@ def rng_state(device: torch.device) -> dict:
 
 def restore_rng_state(state: dict, device: torch.device) -> list[str]:
     """Put every generator back where rng_state() found it; returns notes on what could not be."""
-    notes = []
-    random.setstate(_as_tuples(state["python"]))
-    np_state = state["numpy"]
-    np.random.set_state({"bit_generator": np_state["bit_generator"],
-                         "state": {"key": np_state["key"].numpy().astype(np.uint32),
-                                   "pos": np_state["pos"]},
-                         "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]})
+    random.setstate(state["python"])
+    s = state["numpy"]
+    np.random.set_state((s["bit_generator"], np.asarray(s["key"], dtype=np.uint32), s["pos"],
+                         s["has_gauss"], s["gauss"]))
     torch.set_rng_state(state["torch"])
-    if device.type == "cuda":
-        saved = state.get("cuda")
-        if saved is not None and len(saved) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(saved)
-        else:
-            notes.append("CUDA RNG not restored (saved on another device count or on CPU)")
-    if device.type == "mps" and "mps" in state:
+    if device.type == "cuda" and len(state.get("cuda", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    elif device.type == "mps" and "mps" in state:
         torch.mps.set_rng_state(state["mps"])
-    elif device.type == "mps":
-        notes.append("MPS RNG not restored (saved on another device)")
-    return notes
-
-
-def _as_tuples(value):
-    """random.setstate wants tuples where a loader may give lists."""
-    if isinstance(value, (list, tuple)):
-        return tuple(_as_tuples(v) for v in value)
-    return value
-
-
-def restore_train_state(state: dict, optimizer: torch.optim.Optimizer,
-                        scaler: torch.amp.GradScaler, batches, device: torch.device,
-                        source: str) -> tuple[Counters, tuple, list[str]]:
-    """Load a capture() dict into a freshly built run: (counters, next batch, notes)."""
-    if state.get("format") != STATE_FORMAT:
-        raise CheckpointError(f"{source} has train state format {state.get('format')!r}, this "
-                              f"code reads format {STATE_FORMAT}; start a new run from its "
-                              f"weights with --init_from={source} instead of resuming")
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"optimizer state in {source} does not fit this model/optimizer "
-                              f"({e}); resume with the config the run was started with") from None
-    scaler.load_state_dict(state["scaler"])
-    batches.load_state_dict(state["data"])
-    notes = restore_rng_state(state["rng"], device)
-    known = set(Counters.__dataclass_fields__)
-    counters = Counters(**{k: v for k, v in state["counters"].items() if k in known})
-    # every rank's rows are saved (rank r's are [r::world]): any world size takes its share
-    x, y = state["next_batch"]["x"], state["next_batch"]["y"]
-    rank, world = getattr(batches, "rank", 0), getattr(batches, "world_size", 1)
-    if x.shape[0] != batches.batch_size * world or x.shape[1] != batches.block_size:
-        notes.append(f"batch shape changed from {tuple(x.shape)}: the next batch is drawn anew")
-        next_batch = batches.next()
-    else:
-        next_batch = (x[rank::world].to(device), y[rank::world].to(device))
-    return counters, next_batch, notes
+    elif device.type in ("cuda", "mps"):  # saved on CPU, another device or device count
+        return [f"{device.type.upper()} RNG not restored (saved on another device or count)"]
+    return []
 
 
 def resolve_init(t: TrainConfig) -> None:
@@ -147,7 +99,7 @@ def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         if device.type == "cuda":
             rngs["cuda"] = torch.cuda.get_rng_state(device)
         rank_rng = {key: torch.stack(dist.all_gather(rng)) for key, rng in rngs.items()}
-    optimizer_state = full_state(dist, model, optimizer).state_dict()
+    optimizer_state = optimizer_state_dict(dist, model, optimizer)
     if not dist.is_main:
         return None
     state = {"format": STATE_FORMAT, "optimizer": optimizer_state,
@@ -164,13 +116,33 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
     """With init_from=resume, `source`'s state put back into this freshly built run:
     (counters, next batch or None, notes). Call it after techniques.apply (it draws from the
     RNG) and before the first step."""
-    state, counters, next_batch, notes = None, Counters(), None, []
-    if cfg.train.init_from == "resume":
-        state = checkpoint.load_train_state(source)
-        counters, next_batch, notes = restore_train_state(
-            state, full_state(dist, model, optimizer), scaler, batches, device, str(source))
-        notes += config_changes(checkpoint.read_config(source), cfg,
-                                (state.get("world_size", 1), dist.world_size))
+    if cfg.train.init_from != "resume":
+        return Counters(), None, restore_rank_rng(dist, None, cfg.system.seed, 0)
+    state = checkpoint.load_train_state(source)
+    if state.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"{source} has train state format {state.get('format')!r}, this "
+                              f"code reads format {STATE_FORMAT}; start a new run from its "
+                              f"weights with --init_from={source} instead of resuming")
+    try:
+        load_optimizer_state_dict(dist, model, optimizer, state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"optimizer state in {source} does not fit this model/optimizer "
+                              f"({e}); resume with the config the run was started with") from None
+    scaler.load_state_dict(state["scaler"])
+    batches.load_state_dict(state["data"])
+    notes = restore_rng_state(state["rng"], device)
+    counters = Counters(**{k: v for k, v in state["counters"].items()
+                           if k in Counters.__dataclass_fields__})
+    # every rank's rows are saved (rank r's are [r::world]): any world size takes its share
+    x, y = state["next_batch"]["x"], state["next_batch"]["y"]
+    rank, world = batches.rank, batches.world_size
+    if x.shape[0] != batches.batch_size * world or x.shape[1] != batches.block_size:
+        notes.append(f"batch shape changed from {tuple(x.shape)}: the next batch is drawn anew")
+        next_batch = batches.next()
+    else:
+        next_batch = (x[rank::world].to(device), y[rank::world].to(device))
+    notes += config_changes(checkpoint.read_config(source), cfg,
+                            (state.get("world_size", 1), dist.world_size))
     return counters, next_batch, notes + restore_rank_rng(dist, state, cfg.system.seed,
                                                           counters.step)
 
@@ -196,11 +168,6 @@ def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> li
             "ranks > 0 draw new dropout masks (the same run when dropout is 0)"]
 
 
-def full_state(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """The optimizer as saved and loaded: under FSDP a full-state view, else itself."""
-    return FullStateOptimizer(model, optimizer) if dist.parallel == "fsdp" else optimizer
-
-
 def full_weights(dist: Dist, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """The full weights on rank 0 (gathered from the shards under FSDP); None elsewhere."""
     if dist.parallel != "fsdp":
@@ -214,49 +181,53 @@ def full_weights(dist: Dist, model: torch.nn.Module) -> dict[str, torch.Tensor] 
     return {k: v.contiguous() for k, v in full.items() if k != checkpoint.TIED}
 
 
-class FullStateOptimizer:
-    """An FSDP-sharded optimizer seen as a single process's (torch.optim's format, parameters
-    numbered in param_groups order): state_dict gathers onto rank 0, load_state_dict shards.
-    Both are collectives."""
+def _fsdp_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in param_groups order: how torch.optim's format numbers them."""
+    from torch.distributed.fsdp import FSDPModule
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():  # the root stays gathered after a forward (eval)
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
-        self.model, self.optimizer = model, optimizer
-        for module in model.modules():  # the root stays gathered after a forward (eval)
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict)
+def optimizer_state_dict(dist: Dist, model: torch.nn.Module,
+                         optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.state_dict(); under FSDP gathered onto rank 0 in the same single-process
+    format ({} elsewhere; a collective)."""
+    if dist.parallel != "fsdp":
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
 
-        full = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
-        if not full:  # ranks > 0
-            return {}
-        index = {name: i for i, name in enumerate(self.names)}
-        return {"state": {index[n]: s for n, s in full["state"].items()},
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                 for g in full["param_groups"]]}
+    index = {name: i for i, name in enumerate(_fsdp_names(model, optimizer))}
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    if not full:  # ranks > 0
+        return {}
+    return {"state": {index[n]: s for n, s in full["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                             for g in full["param_groups"]]}
 
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             set_optimizer_state_dict)
 
-        groups = state["param_groups"]
-        count = sum(len(g["params"]) for g in groups)
-        if count != len(self.names) or len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"the saved state has {count} parameters in {len(groups)} groups, "
-                             f"this optimizer {len(self.names)} in "
-                             f"{len(self.optimizer.param_groups)}")
-        by_name = {"state": {self.names[i]: s for i, s in state["state"].items()},
-                   "param_groups": [{**g, "params": [self.names[i] for i in g["params"]]}
-                                    for g in groups]}
-        set_optimizer_state_dict(self.model, self.optimizer, by_name,
-                                 options=StateDictOptions(full_state_dict=True))
+def load_optimizer_state_dict(dist: Dist, model: torch.nn.Module,
+                              optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """optimizer.load_state_dict(state); under FSDP each rank takes its shards (a collective)."""
+    if dist.parallel != "fsdp":
+        return optimizer.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_optimizer_state_dict)
+
+    names, groups = _fsdp_names(model, optimizer), state["param_groups"]
+    count = sum(len(g["params"]) for g in groups)
+    if count != len(names) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"the saved state has {count} parameters in {len(groups)} groups, "
+                         f"this optimizer {len(names)} in {len(optimizer.param_groups)}")
+    by_name = {"state": {names[i]: s for i, s in state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
+    set_optimizer_state_dict(model, optimizer, by_name,
+                             options=StateDictOptions(full_state_dict=True))
 
 
 # settings that may change on resume without the run differing from an uninterrupted one
@@ -270,18 +241,17 @@ def config_changes(stored: Config, cfg: Config,
                    world_sizes: tuple[int, int] = (1, 1)) -> list[str]:
     """Notes naming the train/data/system settings a resumed run changes from its checkpoint's.
     world_sizes (then, now): the micro-batch may change if the global batch stays."""
-    free = set(FREE_ON_RESUME)
     then, now = stored.train, cfg.train
+    free = set(FREE_ON_RESUME)
     if then.batch_size * world_sizes[0] == now.batch_size * world_sizes[1] and \
             then.grad_accum_steps == now.grad_accum_steps:
         free.add("train.batch_size")
     changed = []
     for section in ("train", "data", "system"):
         old, new = getattr(stored, section), getattr(cfg, section)
-        for key in vars(new):
-            name = f"{section}.{key}"
-            if name not in free and getattr(old, key, None) != getattr(new, key):
-                changed.append(f"{name} {getattr(old, key, None)!r} -> {getattr(new, key)!r}")
+        changed += [f"{section}.{key} {getattr(old, key, None)!r} -> {value!r}"
+                    for key, value in vars(new).items()
+                    if f"{section}.{key}" not in free and getattr(old, key, None) != value]
     if not changed:
         return []
     return ["resuming with changed settings (the run will differ from an uninterrupted one): "
@@ -325,7 +295,7 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
-            self._restore()
+            self.__exit__()
             print(f"\n{name} again: stopping now without saving", file=sys.stderr, flush=True)
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
@@ -336,11 +306,6 @@ class StopRequest:
         print(f"\n{name} received: saving a checkpoint after this step, then exiting "
               f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
-    def _restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
     def __enter__(self) -> "StopRequest":
         # handlers can only be installed from the main thread; elsewhere signals act as usual
         if threading.current_thread() is threading.main_thread():
@@ -349,17 +314,20 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._restore()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
 
 
+@dataclass
 class NonFiniteGuard:
-    """Counts steps whose loss or gradient norm is not finite (check() syncs the device)."""
+    """Counts steps whose loss or gradient norm is not finite in a row; `limit` of them stop."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.in_a_row = 0
+    limit: int
+    in_a_row: int = 0
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether this step's loss and norm are finite (syncs the device)."""
         good = bool(torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all())
         self.in_a_row = 0 if good else self.in_a_row + 1
         return good

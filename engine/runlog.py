@@ -9,6 +9,7 @@ drops the rows written after its checkpoint, so the files read as one uninterrup
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
 import json
 import math
@@ -41,23 +42,18 @@ def plot_losses(records: list[dict], path: Path, title: str) -> None:
     """Logged train loss and evaluated train/val loss as a PNG (matplotlib Figure: no pyplot)."""
     from matplotlib.figure import Figure
 
-    def finite(kind: str, key: str) -> list[tuple[int, float]]:
-        return [(r["step"], r[key]) for r in records
-                if r.get("kind") == kind and isinstance(r.get(key), (int, float))
-                and math.isfinite(r[key])]
-
     fig = Figure(figsize=(7, 4.2), dpi=110)
     ax = fig.subplots()
-    logged = finite("train", "loss")
-    if logged:
-        ax.plot(*zip(*logged), lw=0.8, alpha=0.45, color="tab:blue", label="train (logged steps)")
-    for key, style in (("train", "tab:blue"), ("val", "tab:orange")):
-        points = finite("eval", key)
+    for kind, key, style, color, label in (
+            ("train", "loss", dict(lw=0.8, alpha=0.45), "tab:blue", "train (logged steps)"),
+            ("eval", "train", dict(marker="o", ms=3), "tab:blue", "train (eval)"),
+            ("eval", "val", dict(marker="o", ms=3), "tab:orange", "val (eval)")):
+        points = [(r["step"], r[key]) for r in records
+                  if r.get("kind") == kind and isinstance(r.get(key), (int, float))
+                  and math.isfinite(r[key])]
         if points:
-            ax.plot(*zip(*points), "o-", ms=3, color=style, label=f"{key} (eval)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
+            ax.plot(*zip(*points), color=color, label=label, **style)
+    ax.set(xlabel="step", ylabel="loss", title=title)
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend()
@@ -88,42 +84,27 @@ def start_wandb(cfg: Config, out_dir: Path, run_id: str):
                          "--wandb.enabled=false") from None
 
 
-def _strict_json(value):
-    """NaN/inf become null, so summary.json is JSON that any parser reads."""
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 class RunLog:
     """The run's metrics files, loss curve, optional wandb run, progress/ETA and summary."""
 
     def __init__(self, cfg: Config, start_step: int, resumed: bool, train_seconds: float = 0.0,
                  wandb_id: str = "", files: bool = True):
-        # files=False (ranks > 0): counts and summary, nothing written
-        self.files = files
+        self.files = files  # False on ranks > 0: counts and summary, nothing written
         self.out_dir = Path(cfg.train.out_dir)
-        if files:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl, self.csv, self.png = (self.out_dir / name for name in (
-            "metrics.jsonl", "metrics.csv", "loss_curve.png"))
+        self.jsonl, self.csv = self.out_dir / "metrics.jsonl", self.out_dir / "metrics.csv"
         self.title = f"{self.out_dir.name}: {cfg.model.n_layer} layers, {cfg.model.n_embd} wide"
         self.max_iters = cfg.train.max_iters
-        self.records = self._earlier_records(start_step) if resumed and files else []
+        self.records = []
         if files:
-            self._rewrite_files()
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._append(self._earlier_records(start_step) if resumed else [], rewrite=True)
         self.clock_start = time.perf_counter()
         self.seconds_before = train_seconds  # spent by the earlier parts of a resumed run
         self.marks = collections.deque([(self.clock_start, start_step)], maxlen=ETA_WINDOW)
         self.plot_note = ""
         self.wandb = start_wandb(cfg, self.out_dir, wandb_id) if cfg.wandb.enabled and files \
             else None
-
-    @property
-    def wandb_id(self) -> str:
-        return self.wandb.id if self.wandb is not None else ""
+        self.wandb_id = self.wandb.id if self.wandb is not None else ""
 
     @property
     def train_seconds(self) -> float:
@@ -131,40 +112,35 @@ class RunLog:
         return self.seconds_before + time.perf_counter() - self.clock_start
 
     def _earlier_records(self, start_step: int) -> list[dict]:
-        if not self.jsonl.is_file():
-            return []
         kept = []
-        for line in self.jsonl.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-            if isinstance(record, dict) and record.get("step", math.inf) <= start_step:
-                kept.append(record)
-        return kept
+        for line in self.jsonl.read_text().splitlines() if self.jsonl.is_file() else []:
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill
+                kept.append(json.loads(line))
+        return [r for r in kept if isinstance(r, dict) and r.get("step", math.inf) <= start_step]
 
-    def _rewrite_files(self) -> None:
-        tmp = self.jsonl.with_name(self.jsonl.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, self.jsonl)
-        with open(self.csv, "w", newline="") as f:
+    def _append(self, records: list[dict], rewrite: bool = False) -> None:
+        """Add records to metrics.jsonl and .csv; rewrite: replace both (jsonl atomically)."""
+        self.records += records
+        jsonl = self.jsonl.with_name(self.jsonl.name + ".tmp") if rewrite else self.jsonl
+        with open(jsonl, "w" if rewrite else "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        if rewrite:
+            os.replace(jsonl, self.jsonl)
+        with open(self.csv, "w" if rewrite else "a", newline="") as f:
             writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(self.records)
+            if rewrite:
+                writer.writeheader()
+            writer.writerows(records)
 
     def write(self, **record) -> None:
         """Append one event (it must have `kind` and `step`) to every sink."""
         record.setdefault("time_s", round(self.train_seconds, 3))
-        self.records.append(record)
         if not self.files:
+            self.records.append(record)
             return
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        with open(self.csv, "a", newline="") as f:
-            csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore").writerow(record)
+        self._append([record])
         if self.wandb is not None:
-            kind = record["kind"]
-            values = {f"{kind}/{k}": v for k, v in record.items()
+            values = {f"{record['kind']}/{k}": v for k, v in record.items()
                       if k not in ("kind", "step") and isinstance(v, (int, float))}
             self.wandb.log(values, step=record["step"])
 
@@ -174,10 +150,9 @@ class RunLog:
         print(f"eval {step:5d} | train {losses['train']:.4f} | val {val:.4f} | val ppl "
               f"{math.exp(min(val, 700)):.2f}")
         self.write(kind="eval", step=step, **losses)
-        if not self.files:
-            return
         try:
-            plot_losses(self.records, self.png, self.title)
+            if self.files:
+                plot_losses(self.records, self.out_dir / "loss_curve.png", self.title)
         except ImportError:
             self.plot_note = ("no loss_curve.png: matplotlib is not installed "
                               "(pip install matplotlib)")
@@ -203,15 +178,15 @@ class RunLog:
                    "best_val": counters.best_val, "tokens_seen": counters.tokens_seen,
                    "skipped_steps": counters.skipped_steps,
                    "checkpoint": str(ckpt) if ckpt is not None else None}
-        best, final = counters.best_val, counters.losses.get("val", math.nan)
         label = "done" if reason == "done" else f"stopped ({reason})"
-        print(f"{label}: step {summary['step']} of {self.max_iters} | "
+        print(f"{label}: step {counters.step} of {self.max_iters} | "
               f"{summary['steps']} steps in {format_duration(summary['seconds'])} "
               f"({format_duration(summary['train_seconds'])} in all) | "
-              f"{summary['tokens_seen']:,} tokens seen | val {final:.4f} (best {best:.4f}) | "
+              f"{counters.tokens_seen:,} tokens seen | "
+              f"val {counters.losses.get('val', math.nan):.4f} (best {counters.best_val:.4f}) | "
               f"checkpoint {summary['checkpoint']}")
-        if summary.get("skipped_steps"):
-            print(f"skipped {summary['skipped_steps']} non-finite step(s) in all")
+        if counters.skipped_steps:
+            print(f"skipped {counters.skipped_steps} non-finite step(s) in all")
         if self.plot_note:
             print(self.plot_note)
         clean = _strict_json(summary)
@@ -230,6 +205,13 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.finish(exit_code=1 if exc_type else 0)
             self.wandb = None
+
+
+def _strict_json(value):
+    """NaN/inf become null, so summary.json is JSON that any parser reads."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: float,

@@ -244,7 +244,7 @@ def test_each_rank_reads_its_share_of_the_global_batch(char_dataset):
     assert ranks[0].state_dict()["rng"] == ranks[1].state_dict()["rng"] == one.state_dict()["rng"]
 
 
-def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset):
+def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset, tmp_path):
     meta = load_meta(str(char_dataset))
     model = GPT(tiny_model_config(vocab_size=meta["vocab_size"]))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -253,10 +253,14 @@ def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset):
     x, y = saved.next()  # the next global batch, as two processes save it
     state = resume.capture(distributed.Dist(), model, optimizer, scaler, saved, (x, y),
                            resume.Counters(), torch.device("cpu"))
+    cfg = Config()
+    cfg.train.init_from = "resume"
+    torch.save(state, tmp_path / "train_state.pt")
+    (tmp_path / "config.json").write_text(cfg.to_json())
     for rank in range(2):
         batches = Batches(meta, "train", 2, 16, seed=1, rank=rank, world_size=2)
-        _, (xr, yr), notes = resume.restore_train_state(state, optimizer, scaler, batches,
-                                                          torch.device("cpu"), "ckpt")
+        _, (xr, yr), notes = resume.restore(tmp_path, cfg, distributed.Dist(), model, optimizer,
+                                            scaler, batches, torch.device("cpu"))
         assert torch.equal(xr, x[rank::2]) and torch.equal(yr, y[rank::2]) and notes == []
 
 
