@@ -1,14 +1,10 @@
-"""Sample text from a trained model.
+"""Sample text from a trained model or GPT-2, streaming tokens to stdout (engine/sampling.py).
 
     python generate.py --prompt "ROMEO:"                       # the default run's last checkpoint
     python generate.py --checkpoint out/tiny --temperature 0   # greedy, from another run
     python generate.py --prompt FILE:prompt.txt --num_samples 3 --top_p 0.9 --seed 7
     python generate.py --init-from gpt2 --prompt "Hello, I'm a language model,"   # OpenAI's GPT-2
-
-Tokens stream to stdout as they come; engine/sampling.py does the decoding.
 """
-from __future__ import annotations
-
 import codecs
 import sys
 import time
@@ -27,36 +23,30 @@ from model import GPT
 class StreamPrinter:
     """Writes tokens as text as they arrive, holding back bytes of an unfinished UTF-8 char."""
 
-    def __init__(self, tokenizer, out=None):
-        self.tokenizer, self.out = tokenizer, out or sys.stdout
+    def __init__(self, tokenizer):
+        as_bytes = getattr(tokenizer, "decode_bytes", None)  # GPT-2 BPE: bytes, maybe partial
+        self.to_bytes = as_bytes or (lambda ids: tokenizer.decode(ids).encode())
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def __call__(self, token: torch.Tensor) -> None:
-        ids = [int(token[0, 0])]
-        as_bytes = getattr(self.tokenizer, "decode_bytes", None)  # GPT-2 BPE: bytes, maybe partial
-        self.out.write(self.utf8.decode(as_bytes(ids)) if as_bytes else self.tokenizer.decode(ids))
-        self.out.flush()
+        print(self.utf8.decode(self.to_bytes([int(token[0, 0])])), end="", flush=True)
 
     def finish(self) -> None:
-        self.out.write(self.utf8.decode(b"", final=True) + "\n")
-        self.out.flush()
+        print(self.utf8.decode(b"", final=True), flush=True)
 
 
-def read_prompt(prompt: str) -> str:
+def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
+    """The ids of the prompt (FILE:path: that file's text), its last block_size; empty: start."""
     if prompt.startswith("FILE:"):
         path = Path(prompt[5:])
         if not path.is_file():
             raise ConfigError(f"prompt file {path} not found")
         try:
-            return path.read_text(encoding="utf-8")
+            prompt = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise TokenizerError(f"prompt file {path} is not UTF-8 text (byte "
                                  f"{e.object[e.start]:#04x} at offset {e.start}); save it as "
                                  "UTF-8") from None
-    return prompt
-
-
-def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:
         return [tokenizer.start_id]
@@ -74,39 +64,35 @@ class GenerateOptions:
                          "dir | our checkpoint; default: sample.checkpoint, else train.out_dir")
 
 
-def load_for_sampling(cfg: Config, device: torch.device,
-                      init_from: str = "") -> tuple[GPT, Config, dict, str]:
-    """(model, its config, meta, label) from --init-from, sample.checkpoint or train.out_dir."""
+def load_for_sampling(cfg: Config, device: torch.device, init_from: str) -> tuple[GPT, dict, str]:
+    """(model, meta, label) from --init-from, sample.checkpoint or train.out_dir; int8 if asked."""
     if init_from and cfg.sample.checkpoint:
         raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
                           "name a model to sample from; pass one of them")
     if init_from == "scratch":
         raise ConfigError("--init-from scratch has nothing to sample from; pass a GPT-2 id, a "
                           "Hugging Face directory or one of our checkpoints")
+    if cfg.sample.quantize != "none":
+        quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
     if init_from in ("", "resume", "auto"):
         init_from = cfg.sample.checkpoint or cfg.train.out_dir
-    model, stored, meta, label = sources.load_model(init_from, cfg, device)
+    model, _, meta, label = sources.load_model(init_from, cfg, device)
     if meta["tokenizer"]["kind"] == "unknown":
         raise TokenizerError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not "
                              f"GPT-2's {hf.GPT2_VOCAB}: there is no tokenizer for it here")
-    return model, stored, meta, label
-
-
-def sample(cfg: Config, init_from: str = "") -> list[str]:
-    """Generate sample.num_samples texts from init_from (or the config's checkpoint), streaming
-    them to stdout; returns them."""
-    rt = runtime.setup(cfg.system)
-    if cfg.sample.quantize != "none":
-        quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
-    model, _, meta, path = load_for_sampling(cfg, rt.device, init_from)
-    model.eval()
     if cfg.sample.quantize == "int8":
         chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
         print(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
               f"weights now {quantize.weight_bytes(model) / 2**20:.1f} MiB", file=sys.stderr)
+    return model.eval(), meta, label
+
+
+def sample(cfg: Config, init_from: str = "") -> None:
+    """Stream sample.num_samples texts from init_from (or the config's checkpoint) to stdout."""
+    rt, s = runtime.setup(cfg.system), cfg.sample
+    model, meta, label = load_for_sampling(cfg, rt.device, init_from)
     tokenizer = from_meta(meta["tokenizer"])
-    s = cfg.sample
-    prompt_ids = encode_prompt(tokenizer, read_prompt(s.prompt), model.config.block_size)
+    prompt_ids = encode_prompt(tokenizer, s.prompt, model.config.block_size)
     bucket = 0
     if cfg.system.compile and s.kv_cache:  # bucketed prompts: a few shapes, no recompiles
         model, note = techniques.compile_model(model, cfg.system, rt)
@@ -115,24 +101,21 @@ def sample(cfg: Config, init_from: str = "") -> list[str]:
         print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     step = f" (step {meta['step']})" if "step" in meta else ""
-    print(f"sampling from {path}{step} on {rt.device}", file=sys.stderr)
+    print(f"sampling from {label}{step} on {rt.device}", file=sys.stderr)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.system.seed)
-    texts = []
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
     for i in range(s.num_samples):
-        idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
+        if i:
+            print("---------------")
         printer = StreamPrinter(tokenizer)
-        sys.stdout.write(tokenizer.decode(prompt_ids) if s.prompt else "")
+        print(tokenizer.decode(prompt_ids) if s.prompt else "", end="")
         t0 = time.perf_counter()
-        out = generate_tokens(model, idx, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                              s.kv_cache, generator, printer, rt.autocast, bucket)
+        generate_tokens(model, idx, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                        s.kv_cache, generator, printer, rt.autocast, bucket)
         printer.finish()
         dt = time.perf_counter() - t0
         print(f"[sample {i + 1}/{s.num_samples}: {s.max_new_tokens} tokens in {dt:.2f}s, "
               f"{s.max_new_tokens / dt:,.0f} tok/s]", file=sys.stderr)
-        texts.append(tokenizer.decode(out[0].tolist()))
-        if i + 1 < s.num_samples:
-            print("---------------")
-    return texts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,6 @@ optimizer groups; each part switches between a written-out reference and a fast 
 
     logits, loss = GPT(ModelConfig(vocab_size=65))(idx, targets)   # (B, T, vocab), float32 loss
 """
-from __future__ import annotations
-
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,10 +18,7 @@ IGNORE_INDEX = -1
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     """A config field: its default, one line of help, and optionally the allowed values."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -38,18 +33,16 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout probability (0 for pretraining, ~0.1 for finetuning)")
     bias: bool = opt(True, "biases in Linear and LayerNorm layers, as GPT-2")
     layer_norm_eps: float = opt(1e-5, "LayerNorm epsilon")
-    attention: str = opt("scratch", "attention: softmax(QK^T/sqrt(d))V by hand, or "
-                         "F.scaled_dot_product_attention (Flash/memory-efficient kernels)",
-                         ("scratch", "sdpa"))
+    attention: str = opt("scratch", "softmax(QK^T/sqrt(d))V by hand, or "
+                         "F.scaled_dot_product_attention (Flash kernels)", ("scratch", "sdpa"))
     causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
                            ("buffer", "on_the_fly"))
     norm: str = opt("scratch", "LayerNorm: written out, or F.layer_norm", ("scratch", "native"))
     gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu", ("scratch", "native"))
     vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
                                   "(64: 50257 -> 50304); padded logits never win")
-    activation_checkpointing: str = opt("none", "recompute activations in backward (less memory, "
-                                        "~1/3 more compute): none | all | attention | mlp (that "
-                                        "part of each block) | every:K (blocks) | blocks:0,3,5")
+    activation_checkpointing: str = opt("none", "recompute in backward (less memory, ~1/3 more "
+                                        "compute): none|all|attention|mlp|every:K|blocks:0,3,5")
 
 
 def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
@@ -103,36 +96,28 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values, (B, nh, max_len, hs) per layer, written at the positions the caller gives
-    and read whole under a mask of each query's past: one shape for every decode step (compiled
-    code never recompiles), and what lies beyond (padding, an older context) is never seen."""
+    """Keys and values (B, nh, block_size, hs) per layer, written at the caller's positions, read
+    whole under a mask of each query's past: one shape per step; padding beyond is never seen."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device | str,
-                 dtype: torch.dtype):
-        shape = (batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.slots = torch.arange(max_len, device=device)
+        self.slots = torch.arange(cfg.block_size, device=device)
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) at input_pos (T,); return the layer's whole cache."""
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) at input_pos (T,) -> the layer's whole keys and values
+        (B, nh, block_size, hs) and the (T, block_size) mask: each query sees keys up to it."""
         self.k[layer].index_copy_(2, input_pos, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(2, input_pos, v.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer]  # (B, nh, max_len, hs)
-
-    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
-        """(T, max_len) boolean: the query at input_pos[i] sees the keys at positions <= it."""
-        return self.slots[None, :] <= input_pos[:, None]
+        return self.k[layer], self.v[layer], self.slots[None, :] <= input_pos[:, None]
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.layer = layer
-        self.n_head = cfg.n_head
-        self.n_embd = cfg.n_embd
-        self.impl = cfg.attention
+        self.layer, self.n_head, self.impl = layer, cfg.n_head, cfg.attention
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_dropout = nn.Dropout(cfg.dropout)
@@ -146,16 +131,14 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         hs = C // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-                   for t in self.c_attn(x).split(self.n_embd, dim=2))
+                   for t in self.c_attn(x).split(C, dim=2))
         mask = None  # sdpa without a cache or buffer: is_causal
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer, input_pos, k, v)  # (B, nh, max_len, hs)
-            mask = kv_cache.mask(input_pos)  # (T, max_len)
+        if kv_cache is not None:  # k, v: (B, nh, block_size, hs), mask (T, block_size)
+            k, v, mask = kv_cache.update(self.layer, input_pos, k, v)
         elif hasattr(self, "mask"):
             mask = self.mask[:T, :T]
         elif self.impl == "scratch":  # built on the fly
-            pos = torch.arange(T, device=x.device)
-            mask = pos[None, :] <= pos[:, None]
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         dropout_p = self.attn_dropout.p if self.training else 0.0
         if self.impl == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
@@ -178,7 +161,7 @@ class MLP(nn.Module):
         self.native_gelu = cfg.gelu == "native"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
+        h = self.c_fc(x)  # (B, T, 4C)
         h = F.gelu(h, approximate="tanh") if self.native_gelu else gelu_tanh(h)
         return self.dropout(self.c_proj(h))
 
@@ -220,7 +203,7 @@ class Block(nn.Module):
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+    return -(-vocab_size // multiple) * multiple
 
 
 class GPT(nn.Module):
@@ -241,18 +224,15 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
-        self.apply(self._init_weights)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         # GPT-2 scales the residual output projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the LM head is tied). non_embedding drops wte and wpe."""
@@ -261,12 +241,11 @@ class GPT(nn.Module):
             n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
         return n
 
-    def flops_per_token(self, seq_len: int | None = None) -> float:
+    def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B), N without the wpe."""
         cfg = self.config
-        T = seq_len or cfg.block_size
         n = self.num_params(non_embedding=False) - self.transformer.wpe.weight.numel()
-        return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+        return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None,
@@ -291,11 +270,10 @@ class GPT(nn.Module):
                                    targets.reshape(-1), ignore_index=IGNORE_INDEX)
         return logits, loss
 
-    def new_kv_cache(self, batch: int, max_len: int | None = None,
-                     dtype: torch.dtype | None = None) -> KVCache:
+    def new_kv_cache(self, batch: int) -> KVCache:
+        """An empty cache of block_size positions, on the weights' device and in their dtype."""
         p = self.transformer.wte.weight
-        return KVCache(self.config, batch, max_len or self.config.block_size, p.device,
-                       dtype or p.dtype)
+        return KVCache(self.config, batch, p.device, p.dtype)
 
     def crop_block_size(self, block_size: int) -> None:
         """Shorten the context (e.g. 1024 -> 256) by keeping the first position embeddings."""
@@ -309,8 +287,6 @@ class GPT(nn.Module):
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (Linear and embedding weights) only, not biases or norms."""
-        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        decay = [p for p in params.values() if p.dim() >= 2]
-        no_decay = [p for p in params.values() if p.dim() < 2]
-        return [{"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

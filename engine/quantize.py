@@ -1,22 +1,16 @@
-"""int8 weight-only quantization of chosen Linear layers (sample.quantize=int8, torchao), and the
-bytes a model's weights occupy (int8 tensors count their data and scales).
+"""int8 weight-only quantization of chosen Linear layers (torchao), and the bytes the weights take.
 
     python generate.py --quantize=int8 --quantize_layers=attn,mlp
 """
-from __future__ import annotations
-
 import torch
 
 from config import ConfigError
 from model import GPT
 
 # sample.quantize_layers names -> the Linear layers of every block they cover
-QUANTIZABLE = {
-    "attn": ("attn.c_attn", "attn.c_proj"),
-    "mlp": ("mlp.c_fc", "mlp.c_proj"),
-    "c_attn": ("attn.c_attn",), "attn.c_proj": ("attn.c_proj",),
-    "c_fc": ("mlp.c_fc",), "mlp.c_proj": ("mlp.c_proj",),
-}
+QUANTIZABLE = {"attn": ("attn.c_attn", "attn.c_proj"), "mlp": ("mlp.c_fc", "mlp.c_proj"),
+               "c_attn": ("attn.c_attn",), "attn.c_proj": ("attn.c_proj",),
+               "c_fc": ("mlp.c_fc",), "mlp.c_proj": ("mlp.c_proj",)}
 
 
 def quantize_targets(layers: str) -> set[str]:
@@ -31,9 +25,8 @@ def quantize_targets(layers: str) -> set[str]:
 
 
 def quantize_linears(model: GPT, layers: str) -> list[str]:
-    """Replace the chosen Linear weights of every block by int8 weight-only tensors (per-channel
-    scales; torchao). Activations stay in floating point, biases are kept as they are. Returns
-    the quantized module names."""
+    """Replace the chosen Linear weights of every block by int8 tensors with per-channel scales;
+    activations and biases stay as they are. Returns the quantized module names."""
     targets = quantize_targets(layers)
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -47,8 +40,7 @@ def quantize_linears(model: GPT, layers: str) -> list[str]:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the model's weights occupy (int8 tensors count their int8 data and scales); the
-    tied embedding / LM head once."""
+    """Bytes the weights occupy (int8 tensors: their data and scales), tied parameters once."""
     total = 0
     for p in model.parameters():  # yields a tied parameter once
         tensors = [getattr(p, name) for name in getattr(p, "tensor_data_names", [])] or [p]

@@ -1,10 +1,7 @@
-"""Token generation for generate.py, the benchmarks and a server: the KV cache at explicit
-positions; temperature, top-k and top-p sampling; a full context drops its oldest half.
+"""Token generation: top-k/top-p sampling, a KV cache at explicit positions, context overflow.
 
     out = generate_tokens(model, idx, 100, temperature=0.8, top_k=200)   # (B, T + 100)
 """
-from __future__ import annotations
-
 import contextlib
 from typing import Callable
 
@@ -29,8 +26,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p (the first stays)
         drop = probs.cumsum(dim=-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
@@ -38,12 +34,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 def prefill(model: GPT, ids: torch.Tensor, cache: KVCache,
             bucket: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ids (B, L) into the cache at 0..L-1 -> (logits (B, L, vocab), next position (1,)).
-    bucket > 0 right-pads to a multiple of it (at most block_size) so compiled code sees few
-    shapes; the padding lands beyond L, masked out and then overwritten."""
+    bucket > 0 right-pads to a multiple of it (at most block_size), masked: few shapes to compile."""
     length = ids.size(1)
     padded = min(model.config.block_size, -(-length // bucket) * bucket) if bucket > 0 else length
-    # a copy with standard strides: a slice of the growing idx carries its row stride, a changing
-    # number that compiled code would otherwise guard on (and recompile for)
+    # a copy with standard strides: a slice of the growing idx carries its row stride, which
+    # compiled code would guard on (and recompile for)
     ids = F.pad(ids, (0, padded - length)).clone(memory_format=torch.contiguous_format)
     input_pos = torch.arange(padded, device=ids.device)
     logits, _ = model(ids, kv_cache=cache, input_pos=input_pos)  # (B, padded, vocab)
@@ -59,13 +54,12 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
     """Extend idx (B, T) by max_new_tokens tokens, passing each (B, 1) to on_token. When the
     context is full its oldest half is dropped and the rest re-read once (cache or not)."""
     block = model.config.block_size
-    keep = block - block // 2  # context kept when it overflows: the newest half
     start = max(0, idx.size(1) - block)
     cache = model.new_kv_cache(idx.size(0)) if kv_cache else None
     input_pos = None  # the next token's position in the cache; None: read the context first
     for _ in range(max_new_tokens):
-        if idx.size(1) - start > block:
-            start, input_pos = idx.size(1) - keep, None  # positions shifted: re-read once
+        if idx.size(1) - start > block:  # keep the newest half; positions shift: re-read once
+            start, input_pos = idx.size(1) - (block - block // 2), None
         with (autocast or contextlib.nullcontext)():
             if cache is None:
                 logits, _ = model(idx[:, start:])

@@ -3,9 +3,6 @@
     model, cfg, meta, label = load_model(source, cfg, device)   # generate.py, engine/hellaswag.py
     model, source = build_model(cfg, data_meta, device)         # train.py (init_from)
 """
-from __future__ import annotations
-
-import copy
 import dataclasses
 from pathlib import Path
 
@@ -17,8 +14,7 @@ from engine import checkpoint, hf
 from model import GPT
 
 DEFAULT_DATASET = "shakespeare_char"
-# model-section keys that fix the weights' shapes; the others (attention, norm, ...) are free to
-# change when starting from a checkpoint
+# model keys that fix the weights' shapes; the others (attention, norm, ...) may change on loading
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "vocab_pad_multiple",
               "layer_norm_eps", "block_size")
 
@@ -40,22 +36,15 @@ def load_model(source: str, cfg: Config, device: torch.device | str = "cpu",
                overrides: dict | None = None) -> tuple[GPT, Config, dict, str]:
     """(model, its config, meta with 'tokenizer', a label). A checkpoint keeps its stored config;
     a GPT-2 takes its shape from config.json, the rest from cfg.model; `overrides` apply to both."""
-    if hf.is_gpt2_source(source):
-        used = copy.deepcopy(cfg)
-        used.model = dataclasses.replace(used.model, **(overrides or {}))
-        model, hf_dir = hf.load_hf(source, used.model)
-        label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
-        meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
-        return model.to(device), used, meta, label
-    path = checkpoint.resolve(source)
-    model, stored, meta = checkpoint.load_model(path, device, overrides)
-    return model, stored, meta, str(path)
-
-
-def check_context(block_size: int, context: int, what: str) -> None:
-    if block_size > context:
-        raise ConfigError(f"block_size {block_size} is larger than {what} context {context}; "
-                          f"use a block_size <= {context}")
+    if not hf.is_gpt2_source(source):
+        path = checkpoint.resolve(source)
+        model, stored, meta = checkpoint.load_model(path, device, overrides)
+        return model, stored, meta, str(path)
+    used = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **(overrides or {})))
+    model, hf_dir = hf.load_hf(source, used.model)
+    label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
+    meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
+    return model.to(device), used, meta, label
 
 
 def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path | None]:
@@ -72,18 +61,19 @@ def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Pat
             raise checkpoint.CheckpointError(f"init_from=resume but {cfg.train.out_dir} has no "
                                              "checkpoint; use init_from=scratch to start")
     switches = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in SHAPE_KEYS}
+    model, _, source_meta, label = load_model(str(init), cfg, "cpu", switches)
+    context = model.config.block_size
     if hf.is_gpt2_source(str(init)):
-        model, _, source_meta, _ = load_model(str(init), cfg, "cpu", switches)
-        source = Path(source_meta["source"])
+        source, what = Path(source_meta["source"]), f"{init}'s"
         kind = source_meta["tokenizer"]["kind"]
         check_vocab(meta, model.config.vocab_size, kind if kind == "gpt2" else None)
-        check_context(block, model.config.block_size, f"{init}'s")
     else:
-        source = checkpoint.resolve(init)
+        source, what = Path(label), "the checkpoint's"
         checkpoint.check_tokenizer(source, meta)
-        check_context(block, checkpoint.read_config(source).model.block_size, "the checkpoint's")
-        model, _, _, _ = load_model(str(source), cfg, "cpu", switches)
         check_vocab(meta, model.config.vocab_size)
+    if block > context:
+        raise ConfigError(f"block_size {block} is larger than {what} context {context}; "
+                          f"use a block_size <= {context}")
     for f in dataclasses.fields(cfg.model):  # cfg.model stays the object the run holds
         setattr(cfg.model, f.name, getattr(model.config, f.name))
     model.config = cfg.model
