@@ -295,13 +295,11 @@ def validate(cfg: Config) -> list[str]:
     return problems
 
 
-
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (as stored in checkpoints)."""
     cfg, problems = Config(), []
     apply_sections(cfg, data, "stored config", problems, strict=False)
-    if problems:
-        raise ConfigError("stored config is invalid:\n  " + "\n  ".join(problems))
+    _raise_problems(problems, "stored config")
     return cfg
 
 
@@ -401,38 +399,30 @@ def load_options(argv: list[str], script: type, prog: str, about: str = "") -> A
     return options
 
 
-def _fields_help(title: str, options: Any, setting: Callable[[str], str],
-                 note: Callable[[str], str] = lambda name: "") -> list[str]:
-    """[title], then one line per field: `setting(name)`, its help and choices, `note(name)`."""
+def _fields_help(title: str, current: Any, flag: Callable[[str], str], default: Any = None,
+                 from_file: Any = None, config: str = "") -> list[str]:
+    """[title], then per field `flag=value`, its help and choices; given `default`, a value that
+    differs says where it was set (the config, as in `from_file`, or the command line)."""
     lines = [f"[{title}]"]
-    for f in dataclasses.fields(options):
-        choices = f.metadata.get("choices")
+    for f in dataclasses.fields(current):
+        value, choices, note = getattr(current, f.name), f.metadata.get("choices"), ""
+        setting = f"{flag(f.name)}={value!r}"
+        if default is not None:
+            if value != (initial := getattr(default, f.name)):
+                came_from = (f"config {config}" if value == getattr(from_file, f.name)
+                             else "command line")
+                setting += f" ({came_from}; default {initial!r})"
+            note = " (use the section prefix)" if len(_owners(f.name)) > 1 else ""
         text = f.metadata.get("help", "") + (f" [{' | '.join(choices)}]" if choices else "")
-        lines.append(f"  {setting(f.name):<32}  {text}{note(f.name)}")
+        lines.append(f"  {setting:<32}  {text}{note}")
     return lines + [""]
 
 
 def _script_help(prog: str, options: Any) -> list[str]:
-    def setting(name: str) -> str:
-        flag = f"--{name.replace('_', '-')}"
-        if name == getattr(options, "positional", None):
-            flag = f"[{name.upper()} | {flag}]"
-        return f"{flag}={getattr(options, name)!r}"
-    return _fields_help(f"{prog} options", options, setting)
-
-
-def _section_help(section: str, cfg: Config, from_file: Config, config_name: str) -> list[str]:
-    default = SECTIONS[section]()
-
-    def setting(name: str) -> str:
-        value, initial = getattr(getattr(cfg, section), name), getattr(default, name)
-        if value == initial:
-            return f"--{section}.{name}={value!r}"
-        set_in_file = value == getattr(getattr(from_file, section), name)
-        came_from = f"config {Path(config_name).stem}" if set_in_file else "command line"
-        return f"--{section}.{name}={value!r} ({came_from}; default {initial!r})"
-    return _fields_help(section, default, setting,
-                        lambda name: " (use the section prefix)" if len(_owners(name)) > 1 else "")
+    positional = getattr(options, "positional", None)
+    return _fields_help(f"{prog} options", options, lambda name: (
+        f"[{name.upper()} | --{name.replace('_', '-')}]" if name == positional
+        else f"--{name.replace('_', '-')}"))
 
 
 def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | None = None,
@@ -451,15 +441,16 @@ def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | 
     lines = [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
              "--key=value ...]", "",
              f"config: {line.config_name} ({label}){overrides}",
-             "Each key shows the value this command line resolves to; where that is not the "
-             "built-in default,",
-             f"it says where it was set: (config {Path(line.config_name).stem}; default ...) or "
+             "Each key shows the value this command line resolves to; one not the built-in default",
+             f"says where it was set: (config {Path(line.config_name).stem}; default ...) or "
              "(command line; default ...).", "",
              f"  {'--config NAME':<13}  configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
              f"  {'-h, --help':<13}  this list, for the config and overrides given with it", ""]
     lines += _script_help(prog, options) if options is not None else []
     for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
-        lines += _section_help(section, cfg, from_file, line.config_name)
+        lines += _fields_help(section, getattr(cfg, section), lambda name: f"--{section}.{name}",
+                              SECTIONS[section](), getattr(from_file, section),
+                              Path(line.config_name).stem)
     return "\n".join(lines)
 
 

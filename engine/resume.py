@@ -1,8 +1,6 @@
-"""What lets a long run survive interruption: resolve_init (init_from=auto), capture/restore
-(optimizer, scaler, counters, data position, every rank's RNG: resuming continues the run
-exactly; FSDP state is saved in the single-process format, so any world size resumes it),
-StopRequest (save and exit on SIGINT/SIGTERM) and NonFiniteGuard (skip NaN/inf steps).
-"""
+"""Surviving interruption: capture/restore put a run back exactly (optimizer, scaler, counters,
+data position, every rank's RNG; FSDP state is saved as one process's, so any world size resumes);
+StopRequest saves and exits on SIGINT/SIGTERM; NonFiniteGuard skips NaN/inf steps."""
 from __future__ import annotations
 
 import math
@@ -44,8 +42,7 @@ class Counters:
 
 
 def rng_state(device: torch.device) -> dict:
-    """Every random number generator the run may draw from, as tensors and plain numbers (what
-    a weights_only load accepts)."""
+    """Every random number generator the run may draw from, as a weights_only load accepts it."""
     bit_generator, key, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"bit_generator": bit_generator,
@@ -113,9 +110,8 @@ def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batches,
             device: torch.device) -> tuple[Counters, tuple | None, list[str]]:
-    """With init_from=resume, `source`'s state put back into this freshly built run:
-    (counters, next batch or None, notes). Call it after techniques.apply (it draws from the
-    RNG) and before the first step."""
+    """With init_from=resume, `source`'s state put into this freshly built run: (counters, next
+    batch or None, notes). Call it after techniques.apply (which draws random numbers)."""
     if cfg.train.init_from != "resume":
         return Counters(), None, restore_rank_rng(dist, None, cfg.system.seed, 0)
     state = checkpoint.load_train_state(source)
@@ -162,10 +158,9 @@ def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> li
     if not dist.is_main:
         torch.manual_seed(int(np.random.SeedSequence([seed, dist.rank, step])
                               .generate_state(1)[0]))
-    if state is None:
-        return []
-    return [f"resuming on {dist.world_size} processes, saved on {state.get('world_size', 1)}: "
-            "ranks > 0 draw new dropout masks (the same run when dropout is 0)"]
+    return [] if state is None else [
+        f"resuming on {dist.world_size} processes, saved on {state.get('world_size', 1)}: "
+        "ranks > 0 draw new dropout masks (the same run when dropout is 0)"]
 
 
 def full_weights(dist: Dist, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -266,12 +261,9 @@ def weights_finite(model: torch.nn.Module, dist: Dist | None = None) -> bool:
 
 
 class StopRequest:
-    """Why the loop should stop early. As a context manager SIGINT/SIGTERM (a preemption notice)
-    request a save and exit at the next step boundary; a second one stops at once. synced: a
-    signal reaches ranks at different moments, so it stays pending until Dist.sync_step
-    commits it on every rank at the same step."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    """Why the loop should stop early. In a `with`, SIGINT/SIGTERM (a preemption notice) ask for a
+    save and exit at the next step boundary; a second one stops at once. synced: a signal reaches
+    ranks at different moments, so it stays pending until Dist.sync_step commits it everywhere."""
 
     def __init__(self, synced: bool = False) -> None:
         self.synced = synced
@@ -294,22 +286,22 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signum is not None:
-            self.__exit__()
-            print(f"\n{name} again: stopping now without saving", file=sys.stderr, flush=True)
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            os.kill(os.getpid(), signum)
+        if self.signum is None:
+            self.signum = signum
+            self.request(name)
+            print(f"\n{name} received: saving a checkpoint after this step, then exiting "
+                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
             return
-        self.signum = signum
-        self.request(name)
-        print(f"\n{name} received: saving a checkpoint after this step, then exiting "
-              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+        self.__exit__()  # the second one: the previous handlers act on it
+        print(f"\n{name} again: stopping now without saving", file=sys.stderr, flush=True)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signum)
 
     def __enter__(self) -> "StopRequest":
         # handlers can only be installed from the main thread; elsewhere signals act as usual
         if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
+            for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -321,7 +313,7 @@ class StopRequest:
 
 @dataclass
 class NonFiniteGuard:
-    """Counts steps whose loss or gradient norm is not finite in a row; `limit` of them stop."""
+    """Counts steps in a row whose loss or gradient norm is not finite; `limit` of them stop."""
 
     limit: int
     in_a_row: int = 0

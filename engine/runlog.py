@@ -1,11 +1,7 @@
-"""What a run shows while it runs and when it ends: the log line, and in out_dir
-    metrics.jsonl / metrics.csv   one row per event: kind=train (every log_interval steps),
-                                  eval, skip (a non-finite step), hellaswag
-    loss_curve.png                train and val loss, redrawn at every evaluation
-    summary.json                  the final summary (also printed)
-and optionally the same metrics in Weights & Biases (the [wandb] section). A resumed run first
-drops the rows written after its checkpoint, so the files read as one uninterrupted run.
-"""
+"""What a run shows: the log line, and in out_dir metrics.jsonl / metrics.csv (one row per event:
+kind=train every log_interval steps, eval, skip for a non-finite step, hellaswag), loss_curve.png
+(redrawn at every evaluation) and summary.json (also printed); optionally Weights & Biases too.
+A resumed run first drops the rows written after its checkpoint: the files read as one run."""
 from __future__ import annotations
 
 import collections
