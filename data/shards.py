@@ -299,7 +299,7 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
         for batch, flat, lengths, peak in results:
             worker_peak = max(worker_peak, peak)
             before, ends = writer.written(), np.cumsum(lengths)
-            docs = range(pos["doc"] - batch.first_doc, batch.count)
+            docs = range(pos["doc"] - batch.first_doc, len(lengths))
             if not all(writer.add_document(flat[ends[i] - lengths[i]:ends[i]], batch)
                        for i in docs):
                 break

@@ -49,7 +49,6 @@ class Batch:
     """Documents handed to one tokenizer task, and where they sit in the stream."""
 
     first_doc: int  # index of texts[0] in the document stream
-    count: int
     stream_state: dict | None  # the dataset iterator's state just before texts[0]
 
 
@@ -109,7 +108,7 @@ def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, 
                 break
         if not texts:
             return
-        yield Batch(doc, len(texts), state), texts
+        yield Batch(doc, state), texts
         doc += len(texts)
 
 
@@ -130,13 +129,8 @@ def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Each document's GPT-2 tokens + <|endoftext|>, concatenated, and each one's count."""
     global _worker_tokenizer
     tok = _worker_tokenizer = _worker_tokenizer or GPT2Tokenizer()
-    docs = [tok.encode_ordinary(text) for text in texts]
-    lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
-    flat = np.empty(int(lengths.sum()), dtype=np.uint16)
-    for d, end in zip(docs, np.cumsum(lengths)):
-        flat[end - len(d) - 1:end - 1] = d
-        flat[end - 1] = tok.eot_id
-    return flat, lengths
+    docs = [np.array(tok.encode_ordinary(text) + [tok.eot_id], dtype=np.uint16) for text in texts]
+    return np.concatenate(docs), np.array([len(d) for d in docs], dtype=np.int64)
 
 
 def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, float]:
@@ -153,8 +147,7 @@ def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
     """encode_in_worker in `workers` processes, in input order; at most 2 * workers + 1 batches
     in flight, so memory stays bounded."""
     if workers == 1:
-        for batch, texts in batches:
-            yield (batch, *encode_in_worker(texts))
+        yield from ((batch, *encode_in_worker(texts)) for batch, texts in batches)
         return
     # spawn, not fork: the datasets/fsspec stack runs threads that fork would copy mid-flight
     context = multiprocessing.get_context("spawn")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import copy
 import multiprocessing as mp
-import queue
 import weakref
 from multiprocessing import shared_memory
 
@@ -19,8 +18,8 @@ WAIT_S = 1.0  # how often a waiting trainer checks that the workers are alive
 
 
 def _work(meta: dict, split: str, block_size: int, shm_name: str, shape: tuple,
-          tasks: mp.Queue, done: mp.Queue) -> None:
-    """Worker loop: (slot, starts) in, rows written into the slot, slot number out."""
+          tasks: mp.Queue, ready: list) -> None:
+    """Worker loop: (slot, starts) in, rows written into the slot, then its event set."""
     shm = shared_memory.SharedMemory(name=shm_name)
     ring = np.ndarray(shape, dtype=np.int64, buffer=shm.buf)  # (slots, B, T+1)
     reader = Tokens(meta, split, block_size)
@@ -28,7 +27,7 @@ def _work(meta: dict, split: str, block_size: int, shm_name: str, shape: tuple,
         while (task := tasks.get()) is not None:
             slot, starts = task
             ring[slot] = reader.rows(starts)
-            done.put(slot)
+            ready[slot].set()
     finally:
         del ring
         shm.close()
@@ -54,15 +53,14 @@ class SharedMemoryBatches:
         self.shm = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 8)
         self.ring = np.ndarray(shape, dtype=np.int64, buffer=self.shm.buf)
         ctx = mp.get_context("spawn")  # no fork of a process holding torch's threads
-        self.tasks, self.done = ctx.Queue(), ctx.Queue()
+        self.tasks, self.ready = ctx.Queue(), [ctx.Event() for _ in range(self.depth)]
         self.procs = [ctx.Process(target=_work, daemon=True,
                                   args=(meta, split, batches.block_size, self.shm.name, shape,
-                                        self.tasks, self.done)) for _ in range(workers)]
+                                        self.tasks, self.ready)) for _ in range(workers)]
         for p in self.procs:
             p.start()
         self._close = weakref.finalize(self, _shutdown, self.procs, self.tasks, self.shm)
         self.pending: collections.deque = collections.deque()  # (slot, loader state before it)
-        self.finished: set[int] = set()
         for slot in range(self.depth):
             self._request(slot)
 
@@ -71,24 +69,21 @@ class SharedMemoryBatches:
 
     def _request(self, slot: int) -> None:
         state = copy.deepcopy(self.batches.state_dict())
+        self.ready[slot].clear()
         self.tasks.put((slot, self.batches.draw()))
         self.pending.append((slot, state))
 
     def _wait(self, slot: int) -> None:
-        while slot not in self.finished:
-            try:
-                self.finished.add(self.done.get(timeout=WAIT_S))
-            except queue.Empty:
-                dead = [p.exitcode for p in self.procs if not p.is_alive()]
-                if dead:
-                    raise DataError(f"a data loader worker died (exit code {dead[0]}); run "
-                                    "with --loader_workers=0 to see the error in-process") from None
+        while not self.ready[slot].wait(WAIT_S):
+            dead = [p.exitcode for p in self.procs if not p.is_alive()]
+            if dead:
+                raise DataError(f"a data loader worker died (exit code {dead[0]}); run "
+                                "with --loader_workers=0 to see the error in-process")
 
     def next(self):
         slot, _ = self.pending[0]
         self._wait(slot)
         self.pending.popleft()
-        self.finished.discard(slot)
         rows = self.ring[slot].copy()  # the trainer's own copy: the slot is refilled now
         self._request(slot)
         return self.batches.to_tensors(rows)
@@ -101,7 +96,6 @@ class SharedMemoryBatches:
         for slot, _ in self.pending:  # let the workers finish what they were given
             self._wait(slot)
         self.pending.clear()
-        self.finished.clear()
         self.batches.load_state_dict(state)
         for slot in range(self.depth):
             self._request(slot)
