@@ -1,16 +1,13 @@
-"""The speedup ablation: what each flag buys on this machine, alone or chained, as one table and
-one plot; with --memory, what each memory strategy costs and saves (engine/bench_memory.py).
+"""The speedup ablation: what each flag buys here, alone or chained, as one table and one plot;
+--memory: what each memory strategy costs and saves (engine/bench_memory.py).
 
-    python bench.py                                   # the baseline, then each flag added in turn
-    python bench.py --only all                        # each flag alone against the baseline
-    python bench.py --order attention,compile,dtype=float16    # your own chain and values
-    python bench.py --config gpt2_124m --batch_size=8 # any config and override, as for train.py
-    python bench.py --time-budget 150                 # rows not reached in 150 s are skipped
-    python bench.py --memory --part train,decode      # the memory benchmark (--help lists parts)
+    python bench.py                          # the baseline, then each flag added in turn
+    python bench.py --only all               # each flag alone against the baseline
+    python bench.py --order attention,compile=max-autotune --config gpt2_124m --time-budget 150
+    python bench.py --memory --part train,decode
 
-Each row runs in a fresh process from the same seed on real tokens: warm-up steps (compiling
-there), then timed ones. A flag that changes nothing here (TF32 on a CPU) is skipped with the
-reason. Default config: bench_gpu on CUDA, else bench_cpu. Output: RESULTS/NAME.{json,md,png}.
+Each row runs in a fresh process from the same seed; a flag that changes nothing here is skipped
+with the reason. Config: bench_gpu on CUDA, else bench_cpu. Output: RESULTS/NAME.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ import collections
 import copy
 import dataclasses
 import difflib
+import itertools
 import json
 import os
 import platform
@@ -67,8 +65,8 @@ class BenchOptions:
     warmup_steps: int = opt(2, "untimed steps per row")
     measure_steps: int = opt(5, "timed steps per row")
     repeat: int = opt(1, "passes over all rows; tokens/s: the median of all their timed steps")
-    clock: str = opt("wall", "time steps by the wall clock, or by this process's CPU time (CPU "
-                     "with --threads=1 only)", choices=("wall", "process"))
+    clock: str = opt("wall", "time steps by the wall clock or this process's CPU time (CPU, "
+                     "--threads=1)", choices=("wall", "process"))
     time_budget: float = opt(0.0, "seconds in all: a row still running then is stopped "
                              "(failed), rows not started are skipped; 0: no limit")
     ceiling_size: int = opt(0, "N of the ceiling's N^3 matmul (0: 8192 on CUDA, else 2048)")
@@ -89,10 +87,6 @@ class BenchOptions:
     decode_model: str = opt("gpt2", "memory decode: the shape of the random weights (gpt2: "
                             "GPT-2 124M)", choices=tuple(bench_memory.DECODE_SHAPES))
     prompt_tokens: int = opt(16, "memory decode: prompt length")
-
-
-COLUMNS = ["#", "step", "tok/s", "vs prev", "vs base", "MFU", "MFU (meas.)", "peak memory",
-           "loss", "attention kernel", "note"]
 
 
 def parse_steps(text: str) -> list[tuple[str, str]]:
@@ -151,9 +145,8 @@ def label(row: dict, only: bool) -> str:
     if row["flag"] is None:
         return "baseline"
     value = row.get("dtype", row["value"]) if row["flag"] == "dtype" else row["value"]
-    shown = row["flag"] if value.lower() in ("true", "on", "yes", "1") else \
-        f"{row['flag']}={value}"
-    return ("only " if only else "+ ") + shown
+    shown = "" if value.lower() in ("true", "on", "yes", "1") else f"={value}"
+    return ("only " if only else "+ ") + row["flag"] + shown
 
 
 def derive(rows: list[dict], ceiling: dict) -> None:
@@ -184,38 +177,9 @@ def merge_pass(first: dict, again: dict) -> None:
     first["memory"] = {k: max(v, again["memory"].get(k, 0)) for k, v in first["memory"].items()}
 
 
-def run_pass(rows: list[dict], results: list[dict], opts: BenchOptions, only: bool,
-             repeat: int, workdir: Path, left) -> None:
-    """One pass over the rows: the first appends to results, later ones add timed steps."""
-    for i, row in enumerate(rows):
-        if repeat and results[i]["status"] != "ok":
-            continue  # skipped and failed rows are not retried
-        prev = results[row["previous"]] if row["previous"] is not None else None
-        passes = f" (pass {repeat + 1}/{opts.repeat})" if opts.repeat > 1 else ""
-        print(f"[{i + 1}/{len(rows)}] {label(row, only)}{passes}", flush=True)
-        if left() is not None and left() <= 0:
-            if repeat:
-                continue  # a later pass only adds samples
-            why = f"the --time-budget of {opts.time_budget:g} s ran out"
-            print(f"    skipped: {why}", flush=True)
-            result = {"status": "skipped", "reason": why + " before this row"}
-        else:
-            spec = {"kind": "row", "config": row["config"].to_dict(), "clock": opts.clock,
-                    "warmup": opts.warmup_steps, "measure": opts.measure_steps,
-                    "previous": prev if prev and "settings" in prev else None}
-            result = run_worker("engine.benchmark", spec, workdir, f"row{i}", left())
-        if repeat:
-            merge_pass(results[i], result)
-            continue
-        result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
-                      previous_notes=prev.get("notes", []) if prev else [])
-        result["label"] = label(result, only)
-        results.append(result)
-
-
 def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, command: str) -> dict:
-    """The ceiling, then every row; each pass runs all rows again, so a burst of load on a shared
-    machine lands on different rows in different passes."""
+    """The ceiling, then every row, --repeat times: a later pass adds timed steps to the first's,
+    so a burst of load on a shared machine lands on different rows in different passes."""
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results: list[dict] = []
     left = time_left(opts.time_budget)
@@ -224,8 +188,27 @@ def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, comma
         ceiling = run_worker("engine.benchmark", {
             "kind": "ceiling", "config": cfg.to_dict(), "clock": opts.clock,
             "matmul_n": opts.ceiling_size}, Path(tmp), "ceiling", left())
-        for repeat in range(opts.repeat):
-            run_pass(rows, results, opts, only, repeat, Path(tmp), left)
+        for repeat, (i, row) in itertools.product(range(opts.repeat), enumerate(rows)):
+            if repeat and (results[i]["status"] != "ok" or left() <= 0):
+                continue  # skipped and failed rows are not retried
+            prev = results[row["previous"]] if row["previous"] is not None else None
+            passes = f" (pass {repeat + 1}/{opts.repeat})" if opts.repeat > 1 else ""
+            print(f"[{i + 1}/{len(rows)}] {label(row, only)}{passes}", flush=True)
+            if left() <= 0:
+                why = f"the --time-budget of {opts.time_budget:g} s ran out"
+                print(f"    skipped: {why}", flush=True)
+                result = {"status": "skipped", "reason": why + " before this row"}
+            else:
+                spec = {"kind": "row", "config": row["config"].to_dict(), "clock": opts.clock,
+                        "warmup": opts.warmup_steps, "measure": opts.measure_steps,
+                        "previous": prev if prev and "settings" in prev else None}
+                result = run_worker("engine.benchmark", spec, Path(tmp), f"row{i}", left())
+            if repeat:
+                merge_pass(results[i], result)
+            else:
+                result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
+                              previous_notes=prev.get("notes", []) if prev else [])
+                results.append({**result, "label": label(result, only)})
     if ceiling["status"] != "ok":
         print(f"matmul ceiling not measured: {ceiling.get('error')}")
     derive(results, ceiling)
@@ -269,7 +252,8 @@ def table(rows: list[dict]) -> str:
                     times(r["vs_baseline"]), pct(r["mfu"]), pct(r["mfu_measured"]),
                     memory(r["memory"]), f"{r['loss']:.4f}",
                     ", ".join(r["kernels"]) or "-", row_note(r)])
-    return markdown_table(COLUMNS, out)
+    return markdown_table(["#", "step", "tok/s", "vs prev", "vs base", "MFU", "MFU (meas.)",
+                           "peak memory", "loss", "attention kernel", "note"], out)
 
 
 def describe(report: dict) -> str:
@@ -360,19 +344,16 @@ def write_outputs(report: dict, folder: Path, stem: str) -> list[Path]:
 def load_bench_config(argv: list[str]) -> tuple[Config, BenchOptions, list[str]]:
     """(config, options, the config's own arguments, for a train.py subprocess to rebuild it);
     by default bench_gpu on CUDA, else bench_cpu."""
-    def load(default: str):
-        line = parse_command_line(["--config", default, *argv], BenchOptions)
-        config_args = ["--config", line.config_name, *(f"--{k}={v}" for k, v in line.overrides)]
-        return (*load_config(["--config", default, *argv], prog="bench.py",
-                             script=BenchOptions), config_args)
-
-    cfg, opts, config_args = load("bench_cpu")
+    line = parse_command_line(argv, BenchOptions)
+    given = any(a == "--config" or a.startswith("--config=") for a in argv)
+    name = line.config_name if given else "bench_cpu"
+    cfg, opts = load_config(["--config", name, *argv], prog="bench.py", script=BenchOptions)
     device = runtime.resolve_device(cfg.system.device)
-    if device.type == "cuda" and not any(a == "--config" or a.startswith("--config=")
-                                         for a in argv):
-        cfg, opts, config_args = load("bench_gpu")
+    if device.type == "cuda" and not given:
+        name = "bench_gpu"
+        cfg, opts = load_config(["--config", name, *argv], prog="bench.py", script=BenchOptions)
     cfg.system.device = str(device)
-    return cfg, opts, config_args
+    return cfg, opts, ["--config", name, *(f"--{k}={v}" for k, v in line.overrides)]
 
 
 def check_options(opts: BenchOptions, cfg: Config) -> None:

@@ -1,15 +1,7 @@
-"""The memory benchmark (`python bench.py --memory`): what each memory strategy costs and saves.
-
-    python bench.py --memory                            # every part: train, quant, loader, decode
-    python bench.py --memory --part train --rows baseline,checkpointing=all --time-budget 60
-    python bench.py --memory --part quant --checkpoint out/shakespeare_char
-
-train: a row per setting, each in its own process: peak memory and tokens/s beside the estimate.
-quant: int8 weight-only Linears of a trained model: bytes, decode tok/s, val loss. loader:
-batches/s of the in-process loader and of shared-memory workers. decode: batch-1 greedy tok/s on
-random GPT-2-shaped weights, ours vs transformers, against the memory-bandwidth limit. Peak
-memory: CUDA max allocated, or the peak RSS above start-up. Output: RESULTS/memory_NAME.{json,md}.
-"""
+"""The memory benchmark, `python bench.py --memory [--part train,quant,loader,decode]`: train:
+peak memory and tokens/s per setting, beside the estimate; quant: an int8 model's bytes, decode
+tok/s, val loss; loader: batches/s; decode: batch-1 tok/s, ours vs transformers, against the
+memory-bandwidth limit. Output: RESULTS/memory_NAME.{json,md}."""
 from __future__ import annotations
 
 import json
@@ -28,9 +20,9 @@ from data.loader import Batches, load_meta
 from engine import checkpoint, memory, quantize, runtime
 from engine import hf as hf_weights
 from engine.benchmark import (REPO_ROOT, build, hardware_name, markdown_table, run_worker, serve,
-                              time_left)
+                              stepper, time_left, timed)
 from engine.sampling import generate_tokens
-from engine.step import evaluate, train_step
+from engine.step import evaluate
 from model import GPT, ModelConfig
 
 MIB = 2**20
@@ -47,6 +39,8 @@ TRAIN_ROWS = [
     ("empty_cache=off", ["--empty_cache=false"], True),
     ("prefetch=on", ["--prefetch=true"], True),
 ]
+TRAIN_HEADER = ["setting", "tokens/s", "step peak MiB (estimate)", "ratio",
+                "whole peak MiB (estimate)", "ratio", "reserved MiB"]
 # --decode-model: the shape of the random weights decoded (the same vocabulary, 50257)
 DECODE_SHAPES = {
     "gpt2": dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
@@ -54,54 +48,41 @@ DECODE_SHAPES = {
 }
 
 
-def in_use(device: torch.device) -> int:
-    """Bytes held now: CUDA allocated, or the process's RSS."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+def held(device: torch.device) -> int:
+    """Bytes held now (CUDA allocated, or the RSS), with the peak reset to them."""
+    memory.reset_peak_memory(device)
+    return memory.peak_memory(device).get("allocated", memory.peak_memory(device).get("rss", 0))
 
 
 def train_row(spec: dict) -> dict:
     """Build as train.py does, one step (AdamW's state appears), `steps` steps, an evaluation
     (then empty_cache as configured), `steps` more: the peak above what was held before them
-    (the step's own memory), the whole peak, and tokens/s after the evaluation."""
+    (the step's own memory), the peak above start-up, and tokens/s after the evaluation. Peak
+    memory: CUDA max allocated, or the peak RSS."""
     cfg, steps = from_dict(spec["config"]), spec["steps"]
     rt = runtime.setup(cfg.system)
-    start = in_use(rt.device)
+    start = held(rt.device)
     parts, _ = build(cfg, rt)
-    model, optimizer, batches, t = parts["model"], parts["optimizer"], parts["batches"], cfg.train
+    t = cfg.train
     val = Batches(parts["meta"], "val", t.batch_size, cfg.model.block_size, cfg.system.seed,
                   rt.device)
-
-    def step(batch):
-        r = train_step(model, parts["raw_model"], optimizer, parts["scaler"], batches, batch, rt,
-                       t.learning_rate, t.grad_accum_steps, t.grad_clip)
-        r.loss_sum.item()
-        rt.synchronize()
-        return r.next_batch
-
-    model.train()
-    batch = step(batches.next())
-    resident = in_use(rt.device)
-    memory.reset_peak_memory(rt.device)
+    step = stepper(parts, cfg, rt)
+    parts["model"].train()
+    timed(lambda: step(t.learning_rate), rt)
+    resident = held(rt.device)
     times = []
     for i in range(2 * steps):
         if i == steps:
-            evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
+            evaluate(parts["model"], {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
             memory.release_cached(rt.device, cfg.system.empty_cache)
-        t0 = time.perf_counter()
-        batch = step(batch)
-        if i >= steps:
-            times.append(time.perf_counter() - t0)
+        seconds, _ = timed(lambda: step(t.learning_rate), rt)
+        times.append(seconds)
     peak = memory.peak_memory(rt.device)
-    peak = peak["allocated"] if rt.device.type == "cuda" else peak.get("rss", 0)
-    e = memory.estimate(cfg)
+    top, e = peak.get("allocated", peak.get("rss", 0)), memory.estimate(cfg)
     return {"tokens_per_s": t.batch_size * t.grad_accum_steps * cfg.model.block_size
-            / statistics.median(times), "step_peak": peak - resident, "peak": peak - start,
+            / statistics.median(times[steps:]), "step_peak": top - resident, "peak": top - start,
             "estimate_step": e.total - e.weights - e.optimizer, "estimate": e.total,
-            **({"reserved": torch.cuda.max_memory_reserved(rt.device)}
-               if rt.device.type == "cuda" else {})}
+            **{k: v for k, v in peak.items() if k == "reserved"}}
 
 
 def train_rows(chosen: str) -> list[tuple[str, list[str], bool]]:
@@ -117,13 +98,26 @@ def train_rows(chosen: str) -> list[tuple[str, list[str], bool]]:
     return [row for row in TRAIN_ROWS if row[0] in names]
 
 
+def train_cells(r: dict) -> list[str]:
+    """A train row as the cells of TRAIN_HEADER."""
+    if r["status"] != "ok":
+        why = r.get("reason") or r.get("error", "")
+        return [r["setting"], f"{r['status']}{': ' + why if why else ''}", *[""] * 5]
+    return [r["setting"], f"{r['tokens_per_s']:,.0f}",
+            f"{r['step_peak'] / MIB:,.0f} ({r['estimate_step'] / MIB:,.0f})",
+            f"{r['step_peak'] / r['estimate_step']:.2f}",
+            f"{r['peak'] / MIB:,.0f} ({r['estimate'] / MIB:,.0f})",
+            f"{r['peak'] / r['estimate']:.2f}",
+            f"{r['reserved'] / MIB:,.0f}" if "reserved" in r else "-"]
+
+
 def bench_train(config_args: list[str], opts, device: torch.device, left) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for i, (label, overrides, needs_cuda) in enumerate(train_rows(opts.rows)):
             if needs_cuda and device.type != "cuda":
                 rows.append({"setting": label, "status": "needs CUDA"})
-            elif left() is not None and left() <= 0:
+            elif left() <= 0:
                 rows.append({"setting": label, "status": "skipped",
                              "reason": "the --time-budget ran out before this row"})
             else:
@@ -134,16 +128,11 @@ def bench_train(config_args: list[str], opts, device: torch.device, left) -> lis
                     "kind": "train", "config": cfg.to_dict(), "steps": opts.steps},
                     Path(tmp), f"train{i}", left(), env={"MALLOC_MMAP_THRESHOLD_": "65536"})
                 rows.append({"setting": label, **result})
-            print(f"  train {label}: {row_text(rows[-1])}", flush=True)
+            cells = train_cells(rows[-1])
+            print(f"  train {label}: " + (", ".join(f"{h} {c}" for h, c in zip(
+                TRAIN_HEADER[1:], cells[1:])) if rows[-1]["status"] == "ok" else cells[1]),
+                flush=True)
     return rows
-
-
-def row_text(row: dict) -> str:
-    if row["status"] != "ok":
-        return f"{row['status']} {row.get('reason') or row.get('error', '')}".strip()
-    return (f"{row['tokens_per_s']:,.0f} tok/s, step peak {row['step_peak'] / MIB:,.0f} MiB "
-            f"(estimate {row['estimate_step'] / MIB:,.0f}), whole peak {row['peak'] / MIB:,.0f} "
-            f"MiB (estimate {row['estimate'] / MIB:,.0f})")
 
 
 def decode_rate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
@@ -153,11 +142,13 @@ def decode_rate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
     run = run or (lambda n: generate_tokens(model, prompt, n, temperature=0,
                                             autocast=rt.autocast))
     run(4)
-    rt.synchronize()
-    t0 = time.perf_counter()
-    out = run(new_tokens)
-    rt.synchronize()
-    return new_tokens / (time.perf_counter() - t0), out
+    seconds, out = timed(lambda: run(new_tokens), rt)
+    return new_tokens / seconds, out
+
+
+def bytes_per_token(model: GPT) -> int:
+    """The weight bytes one decoded token reads: all but the position table (one row of it)."""
+    return quantize.weight_bytes(model) - model.transformer.wpe.weight.numel() * 4
 
 
 def trained_model(opts, config_args: list[str], rt: runtime.Runtime):
@@ -197,6 +188,14 @@ def bench_quant(opts, config_args: list[str], rt: runtime.Runtime) -> dict:
             "params": model.num_params(False), "rows": rows}
 
 
+def quant_markdown(q: dict) -> list[str]:
+    rows = [[label, f"{r['weight_bytes'] / MIB:,.2f} MiB", f"{r['decode_tokens_per_s']:,.0f}",
+             f"{r['val_loss']:.4f}"] for label, r in q["rows"].items()]
+    return [f"int8 weight-only ({q['layers']}, {q['quantized']} Linears, {q['params'] / 1e6:.2f}M"
+            "-parameter model):", "",
+            markdown_table(["weights", "bytes", "decode tok/s (batch 1)", "val loss"], rows), ""]
+
+
 def bench_loader(cfg: Config, opts, trainer_rows: list[dict] | None) -> dict:
     """Batches/s the in-process loader and the shared-memory workers produce (data reading
     alone, nothing else running), beside what the trainer consumes (the baseline train row)."""
@@ -229,22 +228,15 @@ def bench_loader(cfg: Config, opts, trainer_rows: list[dict] | None) -> dict:
     return result
 
 
-def copy_bandwidth(device: torch.device, mib: int = 256) -> float:
-    """Bytes/s of a large device-memory copy (read + write), the best of a few."""
-    src = torch.empty(mib * MIB // 4, device=device)
-    dst, best = torch.empty_like(src), 0.0
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        best = max(best, 2 * src.numel() * 4 / (time.perf_counter() - t0))
-    return best
+def loader_markdown(lo: dict) -> list[str]:
+    rows = [[k, f"{v:,.0f}"] for k, v in lo["batches_per_s"].items()]
+    if lo["trainer_batches_per_s"]:
+        rows.append(["trainer consumes (baseline row)", f"{lo['trainer_batches_per_s']:,.1f}"])
+    return [f"Batches of {lo['batch'][0]}x{lo['batch'][1]} tokens produced per second (reading "
+            "alone):", "", markdown_table(["producer", "batches/s"], rows), ""]
 
 
-def hf_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int,
-              rt: runtime.Runtime) -> dict:
+def hf_decode(ours: GPT, prompt: torch.Tensor, new: int, rt: runtime.Runtime) -> dict:
     """transformers' GPT2LMHeadModel.generate on our weights, batch 1, greedy, with its cache."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -263,8 +255,8 @@ def hf_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int,
                                 if not k.endswith("attn.bias") and k != "lm_head.weight"]}
 
 
-def int8_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int, rt: runtime.Runtime,
-                layers: str, our_tokens: torch.Tensor) -> dict:
+def int8_decode(ours: GPT, prompt: torch.Tensor, new: int, rt: runtime.Runtime, layers: str,
+                our_tokens: torch.Tensor) -> dict:
     """Our decoding again with the chosen block Linears in int8 (torchao); changes `ours`."""
     try:
         quantize.quantize_linears(ours, layers)
@@ -273,8 +265,7 @@ def int8_decode(ours: torch.nn.Module, prompt: torch.Tensor, new: int, rt: runti
         return {"int8_skipped": str(e), "int8_layers": layers}
     rate, tokens = decode_rate(ours, prompt, new, rt)
     return {"int8_tokens_per_s": rate, "int8_layers": layers,
-            "int8_weight_bytes_per_token": quantize.weight_bytes(ours)
-            - ours.transformer.wpe.weight.numel() * 4,
+            "int8_weight_bytes_per_token": bytes_per_token(ours),
             "int8_same_tokens": int(torch.eq(tokens, our_tokens).sum()) - prompt.numel()}
 
 
@@ -287,52 +278,21 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     prompt = torch.randint(0, m.vocab_size, (1, opts.prompt_tokens), device=rt.device)
     new = min(opts.decode_tokens, m.block_size - opts.prompt_tokens)
     our_rate, our_tokens = decode_rate(ours, prompt, new, rt)
-    weight = quantize.weight_bytes(ours) - ours.transformer.wpe.weight.numel() * 4  # wpe: 1 row
-    bandwidth = copy_bandwidth(rt.device)
+    src = torch.empty(256 * MIB // 4, device=rt.device)  # copy bandwidth: read + write, best of 5
+    dst, weight = torch.empty_like(src), bytes_per_token(ours)
+    bandwidth = max(2 * src.numel() * 4 / timed(lambda: dst.copy_(src), rt)[0] for _ in range(5))
     hf = hf_decode(ours, prompt, new, rt)
     hf_tokens = hf.pop("hf_tokens", None)
-    same = None if hf_tokens is None else bool(torch.equal(our_tokens, hf_tokens))
     result = {"model": opts.decode_model, "device": rt.device.type,
               "params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
-              "ours_tokens_per_s": our_rate, **hf, "same_tokens": same,
-              "prompt_tokens": opts.prompt_tokens, "new_tokens": new}
-    result.update(int8_decode(ours, prompt, new, rt, opts.quantize_layers, our_tokens))
+              "ours_tokens_per_s": our_rate, **hf,
+              "same_tokens": None if hf_tokens is None else bool(torch.equal(our_tokens,
+                                                                             hf_tokens)),
+              "prompt_tokens": opts.prompt_tokens, "new_tokens": new,
+              **int8_decode(ours, prompt, new, rt, opts.quantize_layers, our_tokens)}
     print(f"  decode: {result}", flush=True)
     return result
-
-
-def train_markdown(rows: list[dict]) -> list[str]:
-    out = []
-    for r in rows:
-        if r["status"] != "ok":
-            why = r.get("reason") or r.get("error", "")
-            out.append([r["setting"], f"{r['status']}{': ' + why if why else ''}", *[""] * 5])
-            continue
-        out.append([r["setting"], f"{r['tokens_per_s']:,.0f}",
-                    f"{r['step_peak'] / MIB:,.0f} ({r['estimate_step'] / MIB:,.0f})",
-                    f"{r['step_peak'] / r['estimate_step']:.2f}",
-                    f"{r['peak'] / MIB:,.0f} ({r['estimate'] / MIB:,.0f})",
-                    f"{r['peak'] / r['estimate']:.2f}",
-                    f"{r['reserved'] / MIB:,.0f}" if "reserved" in r else "-"])
-    return [markdown_table(["setting", "tokens/s", "step peak MiB (estimate)", "ratio",
-                            "whole peak MiB (estimate)", "ratio", "reserved MiB"], out), ""]
-
-
-def quant_markdown(q: dict) -> list[str]:
-    rows = [[label, f"{r['weight_bytes'] / MIB:,.2f} MiB", f"{r['decode_tokens_per_s']:,.0f}",
-             f"{r['val_loss']:.4f}"] for label, r in q["rows"].items()]
-    return [f"int8 weight-only ({q['layers']}, {q['quantized']} Linears, {q['params'] / 1e6:.2f}M"
-            "-parameter model):", "",
-            markdown_table(["weights", "bytes", "decode tok/s (batch 1)", "val loss"], rows), ""]
-
-
-def loader_markdown(lo: dict) -> list[str]:
-    rows = [[k, f"{v:,.0f}"] for k, v in lo["batches_per_s"].items()]
-    if lo["trainer_batches_per_s"]:
-        rows.append(["trainer consumes (baseline row)", f"{lo['trainer_batches_per_s']:,.1f}"])
-    return [f"Batches of {lo['batch'][0]}x{lo['batch'][1]} tokens produced per second (reading "
-            "alone):", "", markdown_table(["producer", "batches/s"], rows), ""]
 
 
 def decode_markdown(d: dict) -> list[str]:
@@ -377,6 +337,8 @@ def run(cfg: Config, opts, config_args: list[str], command: str) -> int:
     report = {"hardware": hardware_name(rt.device), "command": command, "config": cfg.to_dict()}
     left = time_left(opts.time_budget)
     text = [f"Memory benchmark on {report['hardware']} (`{command}`)", ""]
+    train_markdown = lambda rows: [  # noqa: E731
+        markdown_table(TRAIN_HEADER, [train_cells(r) for r in rows]), ""]
     parts = {"train": (lambda: bench_train(config_args, opts, rt.device, left), train_markdown),
              "quant": (lambda: bench_quant(opts, config_args, rt), quant_markdown),
              "loader": (lambda: bench_loader(cfg, opts, report.get("train")), loader_markdown),

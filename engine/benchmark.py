@@ -1,11 +1,13 @@
-"""The measuring half of bench.py (a row of the ablation, the matmul ceiling) and what both
-benchmarks share: each row runs in a fresh process (`python -m engine.benchmark SPEC.json`) so its
-peak memory and compile state are its own; the hardware name; the markdown table."""
+"""The measuring half of bench.py (an ablation row, the matmul ceiling) and what both benchmarks
+share: each row runs in a fresh process (`python -m engine.benchmark SPEC.json`), so its peak
+memory and compile state are its own; the timing, the hardware name, the markdown table."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -51,12 +53,8 @@ def hardware_name(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
     model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
+        model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     threads = torch.get_num_threads()
     return f"CPU: {model}, {threads} thread{'s' if threads > 1 else ''}"
 
@@ -67,20 +65,25 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def time_left(budget: float) -> Callable[[], float | None]:
-    """A clock of the seconds left of budget from now (None: no budget)."""
-    deadline = time.monotonic() + budget if budget else None
-    return lambda: None if deadline is None else deadline - time.monotonic()
+def time_left(budget: float) -> Callable[[], float]:
+    """A clock of the seconds left of budget from now (inf: no budget)."""
+    deadline = time.monotonic() + budget if budget else math.inf
+    return lambda: deadline - time.monotonic()
 
 
-def _relay(stream, tail: collections.deque) -> None:
-    for line in stream:
-        print("    " + line, end="", flush=True)
-        if line.strip():
-            tail.append(line.strip())
+def timed(fn: Callable[[], object], rt: runtime.Runtime, clock: str = "wall"
+          ) -> tuple[float, object]:
+    """(seconds, fn()) with the device synced around it; the process clock counts only this
+    process's CPU time, not its waits for the cores."""
+    now = time.process_time if clock == "process" else time.perf_counter
+    rt.synchronize()
+    start = now()
+    out = fn()
+    rt.synchronize()
+    return now() - start, out
 
 
-def run_worker(module: str, spec: dict, workdir: Path, name: str, timeout: float | None = None,
+def run_worker(module: str, spec: dict, workdir: Path, name: str, timeout: float = math.inf,
                env: dict | None = None) -> dict:
     """Run `python -m module SPEC` in a fresh process, streaming its output, and return the
     result it wrote; stop it after timeout seconds (what is left of --time-budget)."""
@@ -90,16 +93,24 @@ def run_worker(module: str, spec: dict, workdir: Path, name: str, timeout: float
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tail: collections.deque[str] = collections.deque(maxlen=5)
-    reader = threading.Thread(target=_relay, args=(proc.stdout, tail), daemon=True)
+
+    def relay() -> None:  # a thread, so that the wait below can time out
+        for line in proc.stdout:
+            print("    " + line, end="", flush=True)
+            if line.strip():
+                tail.append(line.strip())
+
+    reader = threading.Thread(target=relay, daemon=True)
     reader.start()
+    limit = max(timeout, 1.0)
     try:
-        rc = proc.wait(timeout=None if timeout is None else max(timeout, 1.0))
+        rc = proc.wait(timeout=None if limit == math.inf else limit)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
         reader.join(timeout=5)
-        return {"status": "failed",
-                "error": f"stopped after {max(timeout, 1.0):.0f} s: the --time-budget ran out"}
+        return {"status": "failed", "error": f"stopped after {limit:.0f} s: the --time-budget "
+                "ran out"}
     reader.join()
     if result_path.is_file():
         return json.loads(result_path.read_text())
@@ -120,55 +131,8 @@ def serve(spec_path: str, kinds: dict[str, Callable[[dict], dict]]) -> int:
     return 0 if result["status"] != "failed" else 1
 
 
-def resolve_auto_dtype(cfg: Config) -> None:
-    if cfg.system.dtype != "auto":
-        return
-    device = runtime.resolve_device(cfg.system.device)
-    bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
-    cfg.system.dtype = "bfloat16" if bf16 else "float16"
-
-
-def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measure: int,
-               clock: str = "wall") -> dict:
-    """warmup untimed steps, then measure timed ones (device synced around each); the process
-    clock counts only this process's CPU time, not its waits for the cores."""
-    now = time.process_time if clock == "process" else time.perf_counter
-    t = cfg.train
-    tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
-    batch = parts["batches"].next()
-    times, losses = [], []
-
-    def step(i: int):
-        r = train_step(parts["model"], parts["raw_model"], parts["optimizer"], parts["scaler"],
-                       parts["batches"], batch, rt, lr_at(i, cfg), t.grad_accum_steps,
-                       t.grad_clip)
-        return r.loss_sum / t.grad_accum_steps, r.norm, r.next_batch
-
-    for i in range(warmup + measure):
-        if i == warmup:
-            memory.reset_peak_memory(rt.device)
-        rt.synchronize()
-        t0 = now()
-        loss, norm, batch = step(i)
-        loss_value = loss.item()
-        rt.synchronize()
-        dt = now() - t0
-        if i >= warmup:
-            times.append(dt)
-            losses.append(loss_value)
-        kind = "warm-up" if i < warmup else "timed  "
-        print(f"{kind} " + log_line(i + 1, loss_value, lr_at(i, cfg), norm.item(), 1000 * dt,
-                                    tokens_per_step / dt, None), flush=True)
-    peak = memory.peak_memory(rt.device)
-    kernels = techniques.attention_kernels(lambda: step(warmup + measure))  # one more, untimed
-    return {"tokens_per_step": tokens_per_step, "step_s": times, "losses": losses,
-            "loss": losses[-1], "tokens_per_s": tokens_per_step / statistics.median(times),
-            "memory": peak, "kernels": kernels}
-
-
 def build(cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
-    """(model, optimizer, scaler, batches as train.py builds them; the banner's settings), the
-    banner printed."""
+    """(model, optimizer, scaler, batches as train.py builds them; the banner's settings)."""
     meta = load_meta(cfg.data.dataset)
     raw_model, _ = build_model(cfg, meta, rt.device)
     model, notes = techniques.apply(raw_model, cfg, rt, Dist())
@@ -184,11 +148,49 @@ def build(cfg: Config, rt: runtime.Runtime) -> tuple[dict, dict]:
     return parts, values
 
 
+def stepper(parts: dict, cfg: Config, rt: runtime.Runtime) -> Callable:
+    """step(lr) -> (mean loss, a float; the gradient norm): one train.py step on parts."""
+    t, state = cfg.train, {"batch": parts["batches"].next()}
+
+    def step(lr: float) -> tuple[float, torch.Tensor]:
+        r = train_step(parts["model"], parts["raw_model"], parts["optimizer"], parts["scaler"],
+                       parts["batches"], state["batch"], rt, lr, t.grad_accum_steps, t.grad_clip)
+        state["batch"] = r.next_batch
+        return r.loss_sum.item() / t.grad_accum_steps, r.norm
+
+    return step
+
+
+def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measure: int,
+               clock: str = "wall") -> dict:
+    """warmup untimed steps, then measure timed ones, then one more for the attention kernels."""
+    t, step = cfg.train, stepper(parts, cfg, rt)
+    tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
+    times, losses = [], []
+    for i in range(warmup + measure):
+        if i == warmup:
+            memory.reset_peak_memory(rt.device)
+        dt, (loss, norm) = timed(lambda: step(lr_at(i, cfg)), rt, clock)
+        if i >= warmup:
+            times.append(dt)
+            losses.append(loss)
+        print(("warm-up " if i < warmup else "timed   ") + log_line(
+            i + 1, loss, lr_at(i, cfg), norm.item(), 1000 * dt, tokens_per_step / dt, None),
+            flush=True)
+    peak = memory.peak_memory(rt.device)
+    kernels = techniques.attention_kernels(lambda: step(lr_at(warmup + measure, cfg)))
+    return {"tokens_per_step": tokens_per_step, "step_s": times, "losses": losses,
+            "loss": losses[-1], "tokens_per_s": tokens_per_step / statistics.median(times),
+            "memory": peak, "kernels": kernels}
+
+
 def run_row(spec: dict) -> dict:
-    """Build, then time the steps; skipped with the reason when its settings on this device are
-    the previous row's."""
+    """Build, then time the steps; skipped when its settings here are the previous row's."""
     cfg = from_dict(spec["config"])
-    resolve_auto_dtype(cfg)
+    if cfg.system.dtype == "auto":  # bf16 where supported, else fp16
+        device = runtime.resolve_device(cfg.system.device)
+        bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        cfg.system.dtype = "bfloat16" if bf16 else "float16"
     rt = runtime.setup(cfg.system)
     start = time.perf_counter()
     parts, values = build(cfg, rt)  # compiles here, when asked: techniques.warm_up
@@ -210,39 +212,25 @@ def run_row(spec: dict) -> dict:
                                    spec["clock"])}
 
 
-def matmul_flops(n: int, dtype: torch.dtype, device: torch.device, iters: int,
-                 clock: str = "wall") -> float:
-    """FLOP/s of an n x n matmul, after two warm-up ones."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    now = time.process_time if clock == "process" else time.perf_counter
-    sync()
-    t0 = now()
-    for _ in range(iters):
-        a @ b
-    sync()
-    return 2 * n**3 * iters / (now() - t0)
-
-
 def measure_ceiling(spec: dict) -> dict:
     """The device's dense matmul ceiling (the best of its fast dtypes) and its datasheet peak."""
     system = from_dict(spec["config"]).system
-    device = runtime.setup(system).device
-    if device.type == "cuda":
+    rt = runtime.setup(system)
+    if rt.device.type == "cuda":
         dtypes = [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
         n, iters = 8192, 30
     else:
         dtypes = [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else [])
         n, iters = 2048, 5
-    n = spec.get("matmul_n") or n
-    measured = {str(d).removeprefix("torch."): matmul_flops(n, d, device, iters, spec["clock"])
-                for d in dtypes}
+    n, measured = spec.get("matmul_n") or n, {}
+    for dtype in dtypes:
+        a, b = (torch.randn(n, n, device=rt.device, dtype=dtype) for _ in range(2))
+        [a @ b for _ in range(2)]  # warm-up
+        seconds, _ = timed(lambda: [a @ b for _ in range(iters)], rt, spec["clock"])
+        measured[str(dtype).removeprefix("torch.")] = 2 * n**3 * iters / seconds
     best = max(measured, key=measured.get)
-    half = runtime.Runtime(device=device, dtype=torch.bfloat16, tf32=False, notes=[])
-    return {"hardware": hardware_name(device), "device": device.type,
+    half = runtime.Runtime(device=rt.device, dtype=torch.bfloat16, tf32=False, notes=[])
+    return {"hardware": hardware_name(rt.device), "device": rt.device.type,
             "measured": measured[best], "measured_dtype": best, "measured_all": measured,
             "matmul_n": n, "datasheet": runtime.peak_flops(half, system.peak_flops),
             "torch": torch.__version__}

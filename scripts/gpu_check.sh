@@ -110,9 +110,20 @@ limited() {  # limited CMD...: run under the part's time limit
     fi
 }
 
+nvidia_smi() {  # the GPUs as nvidia-smi lists them, for the env part
+    command -v nvidia-smi >/dev/null || { echo "not found"; return; }
+    local out
+    if out=$(limited nvidia-smi --query-gpu=name,memory.total,driver_version \
+        --format=csv,noheader 2>&1) && [[ -n $out ]]; then
+        echo "${out//$'\n'/; }"
+    else
+        echo "failed (${out:0:200})"
+    fi
+}
+
 part_env() {
     begin env 60 || return
-    local args=(--json "$WORK/env.json" --shell "$WORK/env.sh")
+    local args=(--json "$WORK/env.json" --shell "$WORK/env.sh" --nvidia-smi "$(nvidia_smi)")
     [[ $CPU_MODE == 1 ]] && args+=(--cpu)
     limited "$PYTHON" scripts/gpu_check_report.py env "${args[@]}"
     local rc=$?
@@ -227,7 +238,7 @@ part_summary() {
 main() {
     SLUG=cpu-check
     # what the env part finds out; until then, as if nothing were there
-    GC_SLUG=cpu-check GC_HAS_CUDA=0 GC_HAS_PYTEST=0 GC_HAS_TIKTOKEN=0
+    GC_SLUG=cpu-check GC_HAS_CUDA=0 GC_HAS_TIKTOKEN=0
     GC_CANNOT_RUN="the env part did not finish: what this machine has is unknown"
     say "gpu_check: results in $RESULTS, budget ${BUDGET} s, python: $PYTHON"
     part_env

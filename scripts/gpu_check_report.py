@@ -1,16 +1,17 @@
 """The two Python halves of scripts/gpu_check.sh: what this machine has, and the summary page.
 
-    python3 scripts/gpu_check_report.py env --json ENV.json --shell ENV.sh [--cpu]
+    python3 scripts/gpu_check_report.py env --json ENV.json --shell ENV.sh [--cpu] \\
+        [--nvidia-smi TEXT]
     python3 scripts/gpu_check_report.py summary --results DIR --slug SLUG --env ENV.json \\
         --parts PARTS.tsv --budget SECONDS
 
-`env` prints the environment (device, versions, missing packages and what each one skips) and
-writes it as JSON and as shell assignments. `summary` gathers what the parts wrote into DIR (the
-test report, bench.py's and bench.py --memory's pages and JSON) into gpu_check_SLUG.md and .json.
-Standard library only; `env` looks for (or imports) the rest.
+`env` prints the device, versions, nvidia-smi's TEXT and the missing packages (and what each
+one skips), and writes them as JSON and shell assignments. `summary` gathers what the parts
+wrote into DIR into gpu_check_SLUG.md and .json. Standard library only.
 """
 from __future__ import annotations
 
+import collections
 import importlib
 import importlib.metadata
 import importlib.util
@@ -18,8 +19,6 @@ import json
 import platform
 import re
 import shlex
-import shutil
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -44,48 +43,28 @@ OPTIONAL = {
     "wandb": "not used by this check (train.py's Weights & Biases logging needs it)",
 }
 # the ones this check imports, so a broken install counts as missing (the rest: looked up only)
-USED = {"tiktoken", "pytest", "torchao", "transformers", "triton", "matplotlib"}
+USED = {"torch", "numpy", "safetensors", "tiktoken", "pytest", "torchao", "transformers",
+        "triton", "matplotlib"}
 
 
-def slugify(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
-
-
-def package_version(name: str, load: bool) -> str | None:
-    """The installed version ('' when unknown), None when missing. load: import it (a broken
-    install counts as missing), else only look it up (fast)."""
-    if load:
-        try:
-            return str(getattr(importlib.import_module(name), "__version__", ""))
-        except Exception:  # noqa: BLE001 - a broken install counts as missing
-            return None
-    if importlib.util.find_spec(name) is None:
-        return None
+def package_version(name: str) -> str | None:
+    """The installed version ('' when unknown), None when missing or (USED) not importable."""
     try:
-        return importlib.metadata.version(name)
+        if name in USED:
+            return str(getattr(importlib.import_module(name), "__version__", ""))
+        return importlib.metadata.version(name) if importlib.util.find_spec(name) else None
     except importlib.metadata.PackageNotFoundError:
         return ""
+    except Exception:  # noqa: BLE001 - a broken install counts as missing
+        return None
 
 
-def nvidia_smi() -> str:
-    if shutil.which("nvidia-smi") is None:
-        return "not found"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"failed ({e})"
-    return out.stdout.strip().replace("\n", "; ") or f"failed ({out.stderr.strip()[:200]})"
-
-
-def environment(cpu_mode: bool) -> dict:
+def environment(cpu_mode: bool, smi: str) -> dict:
     info = {"python": platform.python_version(), "executable": sys.executable,
-            "nvidia_smi": nvidia_smi(), "has_cuda": False, "device": "cpu", "slug": "cpu-check"}
-    info["packages"] = {name: package_version(name, load=name in REQUIRED or name in USED)
-                        for name in [*REQUIRED, *OPTIONAL]}
-    info["missing_required"] = {n: why for n, why in REQUIRED.items()
-                                if info["packages"][n] is None}
-    info["missing"] = {n: why for n, why in OPTIONAL.items() if info["packages"][n] is None}
+            "nvidia_smi": smi, "has_cuda": False, "device": "cpu", "slug": "cpu-check",
+            "packages": {name: package_version(name) for name in [*REQUIRED, *OPTIONAL]}}
+    for key, wanted in (("missing_required", REQUIRED), ("missing", OPTIONAL)):
+        info[key] = {n: why for n, why in wanted.items() if info["packages"][n] is None}
     if info["packages"]["torch"] is not None:
         import torch
         info.update(torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()
@@ -95,35 +74,30 @@ def environment(cpu_mode: bool) -> dict:
             info.update(has_cuda=True, device=props.name, memory_gib=props.total_memory / 2**30,
                         capability=f"{props.major}.{props.minor}",
                         bf16=bool(torch.cuda.is_bf16_supported()),
-                        device_count=torch.cuda.device_count())
-            info["slug"] = "cpu-check" if cpu_mode else slugify(props.name)
+                        device_count=torch.cuda.device_count(), slug="cpu-check" if cpu_mode
+                        else re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-") or "gpu")
     return info
 
 
-def environment_lines(info: dict) -> list[str]:
-    torch_version = info["packages"].get("torch")
-    lines = [f"nvidia-smi: {info['nvidia_smi']}", f"python {info['python']} ({info['executable']})",
-             "torch: not importable" if torch_version is None else
-             f"torch {torch_version} | CUDA {info.get('torch_cuda') or '-'} | "
-             f"cuDNN {info.get('cudnn') or '-'}",
-             f"device: {info['device']} ({info['memory_gib']:.1f} GiB, compute capability "
-             f"{info['capability']}, bf16 {'yes' if info['bf16'] else 'no'}, "
-             f"{info['device_count']} visible)" if info["has_cuda"] else
-             "device: no CUDA device (torch.cuda.is_available() is False)",
-             "present: " + ", ".join(f"{n} {v}".strip() for n, v in info["packages"].items()
-                                     if v is not None)]
-    lines += [f"MISSING (required) {n}: needed by {why}"
-              for n, why in info["missing_required"].items()]
-    return lines + [f"missing {n}: {why}" for n, why in info["missing"].items()]
-
-
 def cmd_env(args: dict) -> int:
-    info = environment(args.get("cpu", False))
-    print("\n".join(environment_lines(info)))
+    info = environment(args.get("cpu", False), args.get("nvidia-smi") or "not found")
+    torch_version = info["packages"].get("torch")
+    print("\n".join([
+        f"nvidia-smi: {info['nvidia_smi']}", f"python {info['python']} ({info['executable']})",
+        "torch: not importable" if torch_version is None else f"torch {torch_version} | CUDA "
+        f"{info.get('torch_cuda') or '-'} | cuDNN {info.get('cudnn') or '-'}",
+        f"device: {info['device']} ({info['memory_gib']:.1f} GiB, compute capability "
+        f"{info['capability']}, bf16 {'yes' if info['bf16'] else 'no'}, "
+        f"{info['device_count']} visible)" if info["has_cuda"] else
+        "device: no CUDA device (torch.cuda.is_available() is False)",
+        "present: " + ", ".join(f"{n} {v}".strip() for n, v in info["packages"].items()
+                                if v is not None),
+        *(f"MISSING (required) {n}: needed by {why}"
+          for n, why in info["missing_required"].items()),
+        *(f"missing {n}: {why}" for n, why in info["missing"].items())]))
     Path(args["json"]).write_text(json.dumps(info, indent=1) + "\n")
     cannot = ", ".join(f"{n} ({why})" for n, why in info["missing_required"].items())
     shell = {"GC_SLUG": info["slug"], "GC_HAS_CUDA": int(info["has_cuda"]),
-             "GC_HAS_PYTEST": int("pytest" not in info["missing"]),
              "GC_HAS_TIKTOKEN": int("tiktoken" not in info["missing"]),
              "GC_CANNOT_RUN": f"required packages missing for {sys.executable}: {cannot}"
              if cannot else ""}
@@ -139,14 +113,6 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def read_parts(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        name, status, seconds, note = (line.split("\t") + ["", "", ""])[:4]
-        rows.append({"part": name, "status": status, "seconds": int(seconds or 0), "note": note})
-    return rows
-
-
 def read_tests(path: Path) -> dict | None:
     """Counts and the failed/skipped test names from pytest's JUnit XML."""
     try:
@@ -155,30 +121,17 @@ def read_tests(path: Path) -> dict | None:
         return None
     counts = {k: sum(int(s.get(k, 0)) for s in root.iter("testsuite"))  # root too, if one
               for k in ("tests", "failures", "errors", "skipped")}
-    failed, skipped = [], {}
-    for case in root.iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.append(name)
-        mark = case.find("skipped")
-        if mark is not None:
-            reason = (mark.get("message") or "").strip()
-            skipped[reason] = skipped.get(reason, 0) + 1
+    cases = list(root.iter("testcase"))
+    failed = [f"{c.get('classname', '')}::{c.get('name', '')}" for c in cases
+              if c.find("failure") is not None or c.find("error") is not None]
+    skipped = collections.Counter((c.find("skipped").get("message") or "").strip()
+                                  for c in cases if c.find("skipped") is not None)
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    return {**counts, "failed": failed, "skip_reasons": skipped}
-
-
-def test_lines(tests: dict | None, part: dict | None) -> list[str]:
-    if tests is None:
-        return [f"No report from pytest: {part['note'] if part else 'the part did not run'}."]
-    lines = [f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
-             f"{tests['skipped']} skipped, of {tests['tests']} selected with `-m cuda`."]
-    lines += [f"- FAILED {name}" for name in tests["failed"]]
-    return lines + [f"- skipped x{n}: {reason}" for reason, n in tests["skip_reasons"].items()]
+    return {**counts, "failed": failed, "skip_reasons": dict(skipped)}
 
 
 def table_of(md: Path) -> list[str]:
-    """A table bench.py wrote, without its own heading."""
+    """A page bench.py wrote, without its own heading."""
     lines = md.read_text().splitlines() if md.is_file() else ["(no table written)"]
     return [line for line in lines if not line.startswith("# ")]
 
@@ -194,12 +147,8 @@ def bench_headline(bench: dict) -> dict:
             "datasheet_flops": ceiling.get("datasheet"), "measured_flops": ceiling.get("measured")}
 
 
-def memory_ratios(train: list[dict]) -> list[dict]:
-    return [{"setting": r["setting"], "step_ratio": r["step_peak"] / r["estimate_step"],
-             "whole_ratio": r["peak"] / r["estimate"]} for r in train if r["status"] == "ok"]
-
-
-def header(env: dict, parts: list[dict], budget: str) -> list[str]:
+def page_top(env: dict, parts: list[dict], tests: dict | None, budget: str) -> list[str]:
+    """The page down to the CUDA tests: the machine, a table of the parts, the test results."""
     missing = ", ".join(f"{n} ({why})" for n, why in env.get("missing", {}).items()) or "none"
     lines = [f"# GPU check: {env.get('device', '?')}", "",
              f"- torch {env.get('packages', {}).get('torch')}, CUDA {env.get('torch_cuda') or '-'}"
@@ -207,17 +156,27 @@ def header(env: dict, parts: list[dict], budget: str) -> list[str]:
              f"- missing packages: {missing}",
              f"- {sum(p['seconds'] for p in parts)} s for the parts, budget {budget} s", "",
              "| part | status | seconds | note |", "|---|---|---:|---|"]
-    return lines + [f"| {p['part']} | {p['status']} | {p['seconds']} | {p['note']} |"
-                    for p in parts]
+    lines += [f"| {p['part']} | {p['status']} | {p['seconds']} | {p['note']} |" for p in parts]
+    lines += ["", "## CUDA tests", ""]
+    if tests is None:
+        part = next((p for p in parts if p["part"] == "tests"), None)
+        why = part["note"] if part else "the part did not run"
+        return lines + [f"No report from pytest: {why}."]
+    lines += [f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
+              f"{tests['skipped']} skipped, of {tests['tests']} selected with `-m cuda`."]
+    lines += [f"- FAILED {name}" for name in tests["failed"]]
+    return lines + [f"- skipped x{n}: {reason}" for reason, n in tests["skip_reasons"].items()]
 
 
 def cmd_summary(args: dict) -> int:
-    folder, slug = Path(args["results"]), args["slug"]
+    folder, slug, tsv = Path(args["results"]), args["slug"], Path(args["parts"])
     env = read_json(Path(args["env"])) or {}
-    parts = read_parts(Path(args["parts"]))
+    parts = [dict(zip(("part", "status", "seconds", "note"), (line.split("\t") + [""] * 3)[:4]))
+             for line in (tsv.read_text().splitlines() if tsv.is_file() else [])]
+    for p in parts:
+        p["seconds"] = int(p["seconds"] or 0)
     tests = read_tests(folder / f"gpu_check_{slug}_tests.xml")
-    lines = header(env, parts, args.get("budget", "0")) + ["", "## CUDA tests", ""]
-    lines += test_lines(tests, next((p for p in parts if p["part"] == "tests"), None))
+    lines = page_top(env, parts, tests, args.get("budget", "0"))
     summary = {"device": env.get("device"), "slug": slug, "parts": parts, "tests": tests,
                "env": env}
     if bench := read_json(folder / f"gpu_check_{slug}_bench.json"):
@@ -233,7 +192,9 @@ def cmd_summary(args: dict) -> int:
             "bandwidth_limit_tokens_per_s")}
         lines += ["", "## Decoding", ""] + table_of(folder / f"memory_{slug}_decode.md")
     if train := (read_json(folder / f"memory_{slug}_train.json") or {}).get("train"):
-        summary["memory"] = memory_ratios(train)
+        summary["memory"] = [{"setting": r["setting"], "step_ratio": r["step_peak"]
+                              / r["estimate_step"], "whole_ratio": r["peak"] / r["estimate"]}
+                             for r in train if r["status"] == "ok"]
         lines += ["", "## Memory estimate vs measured peak", "",
                   "step peak: the peak during the steps minus what was held before them (weights "
                   "+ AdamW); whole: everything above the process's start; ratio: measured / "
@@ -249,15 +210,11 @@ def cmd_summary(args: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     needs = {"env": ("json", "shell"), "summary": ("results", "slug", "env", "parts")}
-    command, args, i = (argv or [""])[0], {}, 1
-    while i < len(argv):
-        key = argv[i].removeprefix("--")
-        if key == "cpu":  # the CPU pass: results named cpu-check
-            args["cpu"], i = True, i + 1
-        else:
-            args[key], i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
-    missing = [k for k in needs.get(command, ()) if not args.get(k)]
-    if command not in needs or missing:
+    command, args, rest = (argv or [""])[0], {}, argv[1:]
+    while rest:
+        key = rest.pop(0).removeprefix("--")
+        args[key] = True if key == "cpu" else (rest.pop(0) if rest else "")  # --cpu: no value
+    if command not in needs or not all(args.get(k) for k in needs[command]):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     return cmd_env(args) if command == "env" else cmd_summary(args)
