@@ -8,12 +8,11 @@ The model section sets the implementation (--attention sdpa, ...); --device wher
 """
 from __future__ import annotations
 
-import copy
 import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
-from config import ConfigError, load_config, opt
+from config import Config, ConfigError, load_config, opt
 from engine import checkpoint, hf
 from engine.runtime import SetupError, resolve_device
 
@@ -32,16 +31,13 @@ class WeightsOptions:
     tolerance: float = opt(1e-4, "allowed max |logit difference| relative to max(1, max |logit|)")
 
 
-def check_options(o: WeightsOptions) -> None:
+def run(cfg: Config, o: WeightsOptions) -> None:
     if bool(o.source) == bool(o.export):
         raise ConfigError("give a SOURCE to import, or --export CKPT --out DIR (not both)")
     if o.export and not o.out:
         raise ConfigError("--export needs --out HF_DIR")
     if o.source and not (o.out or o.verify):
         raise ConfigError("nothing to do: add --out DIR to write our checkpoint and/or --verify")
-
-
-def run(cfg, o: WeightsOptions) -> None:
     if o.out:  # a file there: say so before loading anything
         checkpoint.check_out_dir(o.out, "--out")
     if o.export:
@@ -49,7 +45,7 @@ def run(cfg, o: WeightsOptions) -> None:
         print(f"exported {checkpoint.resolve(o.export)} ({hf.describe(model)}) to {hf_dir}: "
               + ", ".join(files))
     else:
-        model, hf_dir = hf.load_hf(o.source, copy.deepcopy(cfg.model))
+        model, hf_dir = hf.load_hf(o.source, cfg.model)  # sets cfg.model's shape
         print(f"loaded {o.source} from {hf_dir}: {hf.describe(model)}")
     if o.verify:  # before writing a checkpoint, so a failed import leaves nothing behind
         hf.verify(model, hf_dir, o.tolerance, str(resolve_device(cfg.system.device)))
@@ -62,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv,
                                    prog="load_gpt2_weights.py", script=WeightsOptions)
-        check_options(options)
         run(cfg, options)
     except hf.VerificationError as e:
         print(f"FAILED: {e}", file=sys.stderr)

@@ -1,10 +1,10 @@
-"""Checkpoints: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (the resolved
-config), meta.json and train_state.pt (optimizer, RNG, data position; loaded weights_only). Staged
-in a hidden directory and renamed into place: a crash or a full disk never leaves half a one.
-"""
+"""Checkpoints: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (resolved), meta.json
+and train_state.pt (optimizer, RNG, data position; loaded weights_only). Staged in a hidden
+directory and renamed into place: a crash or a full disk never leaves half a one."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -26,12 +26,14 @@ from model import GPT
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)$")
 TIED = "lm_head.weight"
-DISK_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+FULL, QUOTA = "no space left on device", "disk quota exceeded"
+DISK_FULL_ERRNOS = {errno.ENOSPC: FULL, errno.EDQUOT: QUOTA}
 # a full disk as writers that do not raise OSError report it: safetensors' Rust I/O error text,
 # and torch.save's stream writer, which checks the stream and its position but not errno
-DISK_FULL_TEXT = {"No space left on device": errno.ENOSPC, "os error 28": errno.ENOSPC,
-                  "Disk quota exceeded": errno.EDQUOT, "os error 122": errno.EDQUOT}
-TORCH_WRITE_FAILED = ("file write failed", "unexpected pos", "iostream error")
+TORCH_FAILED = "the write failed, most likely because the disk is full"
+DISK_FULL_TEXT = {"No space left on device": FULL, "os error 28": FULL, "os error 122": QUOTA,
+                  "Disk quota exceeded": QUOTA, "file write failed": TORCH_FAILED,
+                  "unexpected pos": TORCH_FAILED, "iostream error": TORCH_FAILED}
 BYTES_PER_TENSOR = 128  # its name, header or zip record, alignment
 
 
@@ -67,15 +69,6 @@ def write_files(directory: Path, files: dict[str, bytes]) -> None:
             os.fsync(fh.fileno())
 
 
-def sync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def check_out_dir(out_dir: str | Path, flag: str = "--out_dir") -> None:
     """Refuse, before any work, an output directory that is (or lies under) a file."""
     path = Path(out_dir).absolute()
@@ -107,20 +100,14 @@ def disk_full_cause(e: BaseException) -> str | None:
     """Why a write failed, when the failure is a full disk (or quota); None for anything else."""
     if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
         return DISK_FULL_ERRNOS[e.errno]
-    text = str(e)
-    for marker, code in DISK_FULL_TEXT.items():
-        if marker in text:
-            return DISK_FULL_ERRNOS[code]
-    if isinstance(e, RuntimeError) and any(marker in text for marker in TORCH_WRITE_FAILED):
-        return "the write failed, most likely because the disk is full"
-    return None
+    return next((cause for marker, cause in DISK_FULL_TEXT.items() if marker in str(e)), None)
 
 
 @contextmanager
 def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
                 note: str = "") -> Iterator[Path]:
-    """A new hidden parent/<prefix><random> to write `what` (~`needed` bytes) in; removed on
-    failure, and a full disk (up front or midway) becomes one DiskFullError."""
+    """A new hidden parent/<prefix><random> to write `what` (~`needed` bytes) in and rename; removed
+    on failure, and a full disk (up front or midway) becomes one DiskFullError."""
     try:  # None when unknown: network mounts may report a total of 0
         usage = shutil.disk_usage(parent)
         free = usage.free if usage.total > 0 else None
@@ -145,6 +132,12 @@ def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
                 path.mkdir()
                 tmp = path
         yield tmp
+        with contextlib.suppress(OSError):  # make the renames in parent durable
+            fd = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -196,7 +189,6 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
         os.rename(tmp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        sync_dir(out)
     if keep > 0:  # renamed first: a kill mid-delete never leaves half a checkpoint by its name
         for stale in list_checkpoints(out)[:-keep]:
             shutil.rmtree(_hide(stale, ".del_"), ignore_errors=True)
@@ -204,9 +196,8 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
 
 
 def _hide(ckpt: Path, prefix: str) -> Path:
-    """Rename ckpt to <prefix><name> (clearing a leftover of that name first); the new path."""
+    """Rename ckpt to <prefix><name> (recover() at the start of save cleared any leftover)."""
     hidden = ckpt.with_name(f"{prefix}{ckpt.name}")
-    shutil.rmtree(hidden, ignore_errors=True)
     os.rename(ckpt, hidden)
     return hidden
 
@@ -322,8 +313,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
     that keep the weights' shapes (attention, norm, ...)."""
     ckpt = resolve(path)
     cfg, meta = read_config(ckpt), read_meta(ckpt)
-    for key, value in (model_overrides or {}).items():
-        setattr(cfg.model, key, value)
+    cfg.model = dataclasses.replace(cfg.model, **(model_overrides or {}))
     model = GPT(cfg.model)
     load_weights(model, ckpt)
     return model.to(device), cfg, meta

@@ -235,19 +235,22 @@ def hf_config(cfg: ModelConfig) -> dict:
             "eos_token_id": eot, "torch_dtype": "float32"}
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> character map of vocab.json: printable non-space Latin-1 bytes are
-    themselves, the others chr(256), chr(257), ... in byte order."""
-    others = iter(range(256, 512))
-    return {b: chr(b) if b > 32 and chr(b).isprintable() else chr(next(others))
-            for b in range(256)}
+def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
+    """vocab.json, merges.txt, tokenizer_config.json from the bundled ranks (no download)."""
+    ranks, eot, others = load_ranks(GPT2_RANKS), "<|endoftext|>", iter(range(256, 512))
+    # GPT-2's byte -> character map: printable non-space Latin-1 bytes are themselves, the
+    # others chr(256), chr(257), ... in byte order
+    alphabet = {b: chr(b) if b > 32 and chr(b).isprintable() else chr(next(others))
+                for b in range(256)}
 
+    def text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
 
-def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merge that creates each multi-byte token, in rank order: BPE over the token's own
-    bytes, using only merges ranked before it, ends in exactly the two parts it was made from."""
-    merges = []
+    vocab = {text(token): rank for token, rank in ranks.items()} | {eot: GPT2_EOT}
+    merges = ["#version: 0.2\n"]
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        # the merge that made a token: BPE over its own bytes, with only the merges ranked
+        # before it, ends in exactly the two parts it was made from
         parts = [bytes([b]) for b in token]
         while len(parts) > 2:
             best, i = min((ranks.get(parts[i] + parts[i + 1], rank), i)
@@ -256,23 +259,11 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
                 raise GPT2WeightsError(f"cannot derive the merge for token rank {rank}")
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
-            merges.append((parts[0], parts[1]))
-    return merges
-
-
-def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
-    """vocab.json, merges.txt, tokenizer_config.json from the bundled ranks (no download)."""
-    ranks, alphabet, eot = load_ranks(GPT2_RANKS), bytes_to_unicode(), "<|endoftext|>"
-
-    def text(token: bytes) -> str:
-        return "".join(alphabet[b] for b in token)
-
-    vocab = {text(token): rank for token, rank in ranks.items()} | {eot: GPT2_EOT}
-    merges = "".join(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
+            merges.append(f"{text(parts[0])} {text(parts[1])}\n")
     config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": eot, "eos_token": eot,
               "unk_token": eot, "add_prefix_space": False, "model_max_length": model_max_length}
     return {"vocab.json": json.dumps(vocab, ensure_ascii=False).encode(),
-            "merges.txt": ("#version: 0.2\n" + merges).encode(),
+            "merges.txt": "".join(merges).encode(),
             "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
@@ -298,7 +289,6 @@ def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
             tmp.rmdir()
         else:
             os.rename(tmp, out)
-        checkpoint.sync_dir(staging)
     return ["config.json", "model.safetensors", *list(files)[1:]]
 
 
@@ -317,7 +307,6 @@ def verify(model: GPT, hf_dir: Path, tolerance: float = 1e-4, device: str = "cpu
 
     reference = GPT2LMHeadModel.from_pretrained(str(hf_dir), attn_implementation="eager"
                                                 ).float().to(device).eval()
-    was_training = model.training
     model.eval()
     vocab_size, T = model.config.vocab_size, min(model.config.block_size, 64)
     idx = torch.randint(0, vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
@@ -327,7 +316,6 @@ def verify(model: GPT, hf_dir: Path, tolerance: float = 1e-4, device: str = "cpu
     idx = idx.to(device)
     expected = reference(idx).logits.float()  # (B, T, vocab)
     ours, _ = model.to(device)(idx)
-    model.train(was_training)
     diff, scale = (ours.float() - expected).abs().max().item(), expected.abs().max().item()
     limit = tolerance * max(1.0, scale)
     print(f"verify: max |logit difference| ours vs transformers GPT2LMHeadModel = {diff:.2e} "
