@@ -182,17 +182,14 @@ class Block(nn.Module):
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_2(x))
 
-    def body(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn_branch(x)
-        return x + self.mlp_branch(x)
-
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+                input_pos: torch.Tensor | None = None, part: str | None = None) -> torch.Tensor:
         # activation checkpointing (model.activation_checkpointing): keep only this part's input
         # and recompute the rest in backward; dropout replays the same masks (RNG is restored)
-        part = self.recompute if kv_cache is None and torch.is_grad_enabled() else ""
-        if part == "block":
-            return checkpoint(self.body, x, use_reentrant=False)
+        if part is None:
+            part = self.recompute if kv_cache is None and torch.is_grad_enabled() else ""
+        if part == "block":  # this forward with nothing recomputed inside
+            return checkpoint(self.forward, x, None, None, "", use_reentrant=False)
         if part == "attention":
             x = x + checkpoint(self.attn_branch, x, use_reentrant=False)
         else:

@@ -34,7 +34,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 def prefill(model: GPT, ids: torch.Tensor, cache: KVCache,
             bucket: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ids (B, L) into the cache at 0..L-1 -> (logits (B, L, vocab), next position (1,)).
-    bucket > 0 right-pads to a multiple of it (at most block_size), masked: few shapes to compile."""
+    bucket > 0 right-pads to a multiple of it (at most block_size, masked): few compiled shapes."""
     length = ids.size(1)
     padded = min(model.config.block_size, -(-length // bucket) * bucket) if bucket > 0 else length
     # a copy with standard strides: a slice of the growing idx carries its row stride, which

@@ -65,12 +65,11 @@ def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Pat
     context = model.config.block_size
     if hf.is_gpt2_source(str(init)):
         source, what = Path(source_meta["source"]), f"{init}'s"
-        kind = source_meta["tokenizer"]["kind"]
-        check_vocab(meta, model.config.vocab_size, kind if kind == "gpt2" else None)
     else:
         source, what = Path(label), "the checkpoint's"
-        checkpoint.check_tokenizer(source, meta)
-        check_vocab(meta, model.config.vocab_size)
+        checkpoint.check_tokenizer(source, meta)  # the same ids, or a clear refusal
+    kind = source_meta.get("tokenizer", {}).get("kind")
+    check_vocab(meta, model.config.vocab_size, kind if kind == "gpt2" else None)
     if block > context:
         raise ConfigError(f"block_size {block} is larger than {what} context {context}; "
                           f"use a block_size <= {context}")
