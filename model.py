@@ -77,8 +77,7 @@ class LayerNorm(nn.Module):
         self.eps, self.impl = eps, impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # precision policy: statistics and affine in float32 whatever the weights' dtype (no-op
-        # casts when everything is float32 already); the output keeps the input's dtype
+        # precision policy: statistics and affine in float32 whatever the weights' dtype
         w = self.weight.float()
         b = self.bias.float() if self.bias is not None else None
         x32 = x.float()
