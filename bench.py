@@ -73,8 +73,7 @@ class BenchOptions:
     results: str = opt("bench_results", "folder for the outputs")
     name: str = opt("", "output file stem (default: the device; memory_NAME with --memory)")
     memory: bool = opt(False, "the memory benchmark instead of the ablation")
-    part: str = opt(",".join(bench_memory.PARTS), "memory: a comma list of "
-                    + ", ".join(bench_memory.PARTS))
+    part: str = opt(",".join(bench_memory.PARTS), "memory: the parts to run, a comma list")
     rows: str = opt("", "memory train: only these rows ("
                     + ", ".join(r[0] for r in bench_memory.TRAIN_ROWS) + ")")
     steps: int = opt(3, "memory train: steps before and after the evaluation")

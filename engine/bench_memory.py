@@ -283,12 +283,11 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     bandwidth = max(2 * src.numel() * 4 / timed(lambda: dst.copy_(src), rt)[0] for _ in range(5))
     hf = hf_decode(ours, prompt, new, rt)
     hf_tokens = hf.pop("hf_tokens", None)
+    same = None if hf_tokens is None else bool(torch.equal(our_tokens, hf_tokens))
     result = {"model": opts.decode_model, "device": rt.device.type,
               "params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
-              "ours_tokens_per_s": our_rate, **hf,
-              "same_tokens": None if hf_tokens is None else bool(torch.equal(our_tokens,
-                                                                             hf_tokens)),
+              "ours_tokens_per_s": our_rate, **hf, "same_tokens": same,
               "prompt_tokens": opts.prompt_tokens, "new_tokens": new,
               **int8_decode(ours, prompt, new, rt, opts.quantize_layers, our_tokens)}
     print(f"  decode: {result}", flush=True)

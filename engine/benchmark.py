@@ -31,16 +31,14 @@ from engine.sources import build_model
 from engine.step import train_step
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# datasets the benchmarks prepare themselves: made from the bundled text, no download
-LOCAL_DATASETS = ("shakespeare_char", "shakespeare")
 
 
 def ensure_dataset(cfg: Config) -> dict:
-    """The dataset's meta; a bundled one is prepared first when missing."""
+    """The dataset's meta; one made from the bundled text (no download) is prepared if missing."""
     try:
         return load_meta(cfg.data.dataset)
     except DataError:
-        if cfg.data.dataset not in LOCAL_DATASETS:
+        if cfg.data.dataset not in ("shakespeare_char", "shakespeare"):
             raise
     print(f"preparing {cfg.data.dataset} (from the bundled text) ...")
     importlib.import_module(f"data.{cfg.data.dataset}.prepare").prepare()
