@@ -27,10 +27,9 @@ def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     s = int(round(seconds))
-    for unit, big, small, small_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"),
-                                         (60, "m", 1, "s")):
+    for unit, small, names in ((86400, 3600, "dh"), (3600, 60, "hm"), (60, 1, "ms")):
         if s >= unit:
-            return f"{s // unit}{big}{s % unit // small:02d}{small_unit}"
+            return f"{s // unit}{names[0]}{s % unit // small:02d}{names[1]}"
     return f"{s}s"
 
 
@@ -117,6 +116,8 @@ class RunLog:
     def _append(self, records: list[dict], rewrite: bool = False) -> None:
         """Add records to metrics.jsonl and .csv; rewrite: replace both (jsonl atomically)."""
         self.records += records
+        if not self.files:
+            return
         jsonl = self.jsonl.with_name(self.jsonl.name + ".tmp") if rewrite else self.jsonl
         with open(jsonl, "w" if rewrite else "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
@@ -131,11 +132,8 @@ class RunLog:
     def write(self, **record) -> None:
         """Append one event (it must have `kind` and `step`) to every sink."""
         record.setdefault("time_s", round(self.train_seconds, 3))
-        if not self.files:
-            self.records.append(record)
-            return
         self._append([record])
-        if self.wandb is not None:
+        if self.wandb is not None:  # only where files are written
             values = {f"{record['kind']}/{k}": v for k, v in record.items()
                       if k not in ("kind", "step") and isinstance(v, (int, float))}
             self.wandb.log(values, step=record["step"])
