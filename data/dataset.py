@@ -90,23 +90,22 @@ def load_meta(name: str) -> dict:
     return meta
 
 
-def open_split(meta: dict, split: str, block_size: int) -> np.memmap:
-    """The memory map of a single-file split (train.bin / val.bin), at least one window long."""
-    path = Path(meta["dir"]) / f"{split}.bin"
-    if not path.is_file():
-        raise DataError(f"{path} is missing; re-run the dataset's prepare script")
-    n = path.stat().st_size // np.dtype(meta["dtype"]).itemsize
-    if n == 0:
-        raise DataError(f"{path} is empty; re-run the dataset's prepare script")
-    if n < block_size + 1:
-        raise DataError(f"{path} has {n} tokens, fewer than one block of block_size+1 = "
-                        f"{block_size + 1}; use a smaller --block_size or more data")
-    return np.memmap(path, dtype=meta["dtype"], mode="r", shape=(n,))
-
-
-def open_shards(meta: dict, split: str) -> list[np.memmap]:
-    """Memory maps of a split's shards, each checked against the size meta.json records."""
-    folder, dtype, maps = Path(meta["dir"]), np.dtype(meta["dtype"]), []
+def open_files(meta: dict, split: str, block_size: int) -> list[np.memmap]:
+    """Memory maps of a split: its train.bin / val.bin, at least one window long, or the shards
+    meta.json lists, each checked against the size recorded there."""
+    folder, dtype = Path(meta["dir"]), np.dtype(meta["dtype"])
+    if "shards" not in meta:
+        path = folder / f"{split}.bin"
+        if not path.is_file():
+            raise DataError(f"{path} is missing; re-run the dataset's prepare script")
+        n = path.stat().st_size // dtype.itemsize
+        if n == 0:
+            raise DataError(f"{path} is empty; re-run the dataset's prepare script")
+        if n < block_size + 1:
+            raise DataError(f"{path} has {n} tokens, fewer than one block of block_size+1 = "
+                            f"{block_size + 1}; use a smaller --block_size or more data")
+        return [np.memmap(path, dtype=dtype, mode="r", shape=(n,))]
+    maps = []
     for entry in meta["shards"][split]:  # a split without shards fails in ShardBatches: 0 tokens
         path, tokens = folder / entry["file"], int(entry["tokens"])
         size = path.stat().st_size if path.is_file() else None
@@ -122,8 +121,7 @@ class Tokens:
     """A split's token files numbered as one sequence; rows(starts) reads (B, T+1) windows."""
 
     def __init__(self, meta: dict, split: str, block_size: int):
-        sharded = "shards" in meta
-        self.files = open_shards(meta, split) if sharded else [open_split(meta, split, block_size)]
+        self.files = open_files(meta, split, block_size)
         self.lengths = np.array([len(m) for m in self.files], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])  # global start of file i
         self.block_size = block_size
