@@ -184,22 +184,17 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
         if train_state is not None:
             torch.save(train_state, tmp / "train_state.pt")
         write_files(tmp, files)
-        # the same step saved again (e.g. eval + end) replaces it
-        old = _hide(final, ".old_") if final.exists() else None
+        old = final.with_name(f".old_{final.name}")  # recover() above cleared any leftover
+        if final.exists():  # the same step saved again (e.g. eval + end) replaces it
+            os.rename(final, old)
         os.rename(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     if keep > 0:  # renamed first: a kill mid-delete never leaves half a checkpoint by its name
         for stale in list_checkpoints(out)[:-keep]:
-            shutil.rmtree(_hide(stale, ".del_"), ignore_errors=True)
+            hidden = stale.with_name(f".del_{stale.name}")
+            os.rename(stale, hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
     return final
-
-
-def _hide(ckpt: Path, prefix: str) -> Path:
-    """Rename ckpt to <prefix><name> (recover() at the start of save cleared any leftover)."""
-    hidden = ckpt.with_name(f"{prefix}{ckpt.name}")
-    os.rename(ckpt, hidden)
-    return hidden
 
 
 def recover(out_dir: str | Path) -> None:

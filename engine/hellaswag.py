@@ -185,32 +185,28 @@ class HellaSwagOptions:
     batch_examples: int = opt(4, "examples per forward pass")
 
 
-def score(argv: list[str]) -> str:
-    """Run the command line; returns the report."""
-    cfg, o = load_config(argv, prog="-m engine.hellaswag", script=HellaSwagOptions)
-    if not o.model or o.limit < 0 or o.batch_examples < 1:
-        raise ConfigError("needs --model X; --limit must be >= 0 and --batch-examples >= 1")
-    rt = runtime.setup(cfg.system)
-    examples = load_examples(ensure_file(o.data), o.limit)
-    # a checkpoint keeps its stored switches except those this command line sets
-    overrides = {k: getattr(cfg.model, k)
-                 for k in command_line_keys(argv, "model", HellaSwagOptions)}
-    model, _, meta, _ = sources.load_model(o.model, cfg, rt.device, overrides)
-    check_tokenizer(meta.get("tokenizer", {}).get("kind", "unknown"), o.model)
-    t0 = time.perf_counter()
-    r = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(), o.batch_examples)
-    note = "" if r["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
-    return (f"hellaswag | {o.model} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
-            f"{r['n']:,} examples{note} | {time.perf_counter() - t0:.1f}s on {rt.device}\n"
-            f"reference: {REFERENCES}")
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        print(score(sys.argv[1:] if argv is None else argv))
+        cfg, o = load_config(argv, prog="-m engine.hellaswag", script=HellaSwagOptions)
+        if not o.model or o.limit < 0 or o.batch_examples < 1:
+            raise ConfigError("needs --model X; --limit must be >= 0 and --batch-examples >= 1")
+        rt = runtime.setup(cfg.system)
+        examples = load_examples(ensure_file(o.data), o.limit)
+        # a checkpoint keeps its stored switches except those this command line sets
+        overrides = {k: getattr(cfg.model, k)
+                     for k in command_line_keys(argv, "model", HellaSwagOptions)}
+        model, _, meta, _ = sources.load_model(o.model, cfg, rt.device, overrides)
+        check_tokenizer(meta.get("tokenizer", {}).get("kind", "unknown"), o.model)
     except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
+    r = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(), o.batch_examples)
+    note = "" if r["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
+    print(f"hellaswag | {o.model} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
+          f"{r['n']:,} examples{note} | {time.perf_counter() - t0:.1f}s on {rt.device}\n"
+          f"reference: {REFERENCES}")
     return 0
 
 

@@ -1,7 +1,6 @@
 """Hugging Face GPT-2 <-> our GPT: read HF directories (hub or local), write ours as one, and
 check our logits against transformers'. Names map one to one; HF's Conv1D matrices are (in, out)
-where nn.Linear is (out, in), so they are transposed; a padded vocabulary gets zero rows.
-"""
+where nn.Linear is (out, in), so they are transposed; a padded vocabulary gets zero rows."""
 from __future__ import annotations
 
 import contextlib
@@ -57,10 +56,8 @@ def is_gpt2_source(source: str) -> bool:
     with contextlib.suppress(OSError, ValueError, TypeError):
         if "model_type" in json.loads((Path(source) / "config.json").read_text()):
             return True
-    if hub_repo(source) is not None:
-        return True
-    return not Path(source).exists() and bool(difflib.get_close_matches(
-        source, list(GPT2_MODEL_IDS), n=1, cutoff=0.75))
+    return hub_repo(source) is not None or not Path(source).exists() and bool(
+        difflib.get_close_matches(source, list(GPT2_MODEL_IDS), n=1, cutoff=0.75))
 
 
 def fetch(source: str) -> Path:
@@ -152,27 +149,25 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
     """Our state dict from HF GPT-2 tensors; every mismatch is listed in one error."""
     cfg, own, names = model.config, model.state_dict(), set(hf_names(model.config.n_layer))
     state: dict[str, torch.Tensor] = {}
-    unexpected, shapes, head = [], [], None
+    unexpected, shapes = [], []
     for key, tensor in hf_state.items():
         name = key.removeprefix("transformer.")
-        if name == "lm_head.weight":
-            head = tensor
-        elif name not in names:
-            if not MASK_BUFFER.fullmatch(name):  # mask buffers of older transformers: dropped
+        if name not in names:  # the tied head is compared below; old mask buffers are dropped
+            if name != "lm_head.weight" and not MASK_BUFFER.fullmatch(name):
                 unexpected.append(key)
+            continue
+        expected = tuple(own[f"transformer.{name}"].shape)
+        if name == "wte.weight":
+            expected = (cfg.vocab_size, expected[1])  # HF has no padded rows
+        conv1d = name.endswith(CONV1D)
+        expected = expected[::-1] if conv1d else expected
+        if tuple(tensor.shape) != expected:
+            shapes.append(f"{key}: file {tuple(tensor.shape)} vs config {expected}")
         else:
-            expected = tuple(own[f"transformer.{name}"].shape)
-            if name == "wte.weight":
-                expected = (cfg.vocab_size, expected[1])  # HF has no padded rows
-            conv1d = name.endswith(CONV1D)
-            expected = expected[::-1] if conv1d else expected
-            if tuple(tensor.shape) != expected:
-                shapes.append(f"{key}: file {tuple(tensor.shape)} vs config {expected}")
-            else:
-                state[f"transformer.{name}"] = tensor.t() if conv1d else tensor
+            state[f"transformer.{name}"] = tensor.t() if conv1d else tensor
     found = {k.removeprefix("transformer.") for k in hf_state}
     parts = checkpoint.mismatch_parts(sorted(names - found), sorted(unexpected), sorted(shapes))
-    wte = state.get("transformer.wte.weight")
+    wte, head = state.get("transformer.wte.weight"), hf_state.get("lm_head.weight")
     if head is not None and wte is not None and not torch.equal(head, wte):
         parts.append("lm_head.weight differs from wte.weight, but our LM head is tied to the "
                      "token embedding as in GPT-2")
