@@ -157,6 +157,5 @@ class ShardBatches(Batches):
 
 
 def open_batches(meta: dict, split: str, *args, **kwargs) -> Batches:
-    """The loader for the dataset's layout, with Batches' arguments: ShardBatches when meta.json
-    lists shards."""
+    """The loader for the dataset's layout (Batches' arguments): ShardBatches for shards."""
     return (ShardBatches if "shards" in meta else Batches)(meta, split, *args, **kwargs)
