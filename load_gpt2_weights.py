@@ -4,8 +4,7 @@ transformers, export ours in the Hugging Face format (the library is engine/hf.p
     python load_gpt2_weights.py gpt2 --out out/gpt2 --verify             # hub -> our checkpoint
     python load_gpt2_weights.py path/to/hf_dir --verify                  # check a local HF dir
     python load_gpt2_weights.py --export out/run --out hf/run --verify   # ours -> HF directory
-The model section sets the implementation (--attention sdpa, ...); --device where --verify runs.
-"""
+The model section sets the implementation (--attention sdpa, ...); --device where --verify runs."""
 from __future__ import annotations
 
 import sys

@@ -2,8 +2,7 @@
 tokens after the context; `acc` takes the lowest sum, `acc_norm` the lowest per-token mean.
 
     python -m engine.hellaswag --model out/gpt2_124m       # our checkpoint (or its run directory)
-    python -m engine.hellaswag --model gpt2 --limit 500    # OpenAI's GPT-2 from the hub
-"""
+    python -m engine.hellaswag --model gpt2 --limit 500    # OpenAI's GPT-2 from the hub"""
 from __future__ import annotations
 
 import contextlib
