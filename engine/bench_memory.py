@@ -5,7 +5,6 @@ memory-bandwidth limit. Output: RESULTS/memory_NAME.{json,md}."""
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -57,8 +56,7 @@ def held(device: torch.device) -> int:
 def train_row(spec: dict) -> dict:
     """Build as train.py does, one step (AdamW's state appears), `steps` steps, an evaluation
     (then empty_cache as configured), `steps` more: the peak above what was held before them
-    (the step's own memory), the peak above start-up, and tokens/s after the evaluation. Peak
-    memory: CUDA max allocated, or the peak RSS."""
+    (the step's own memory), the peak above start-up, and tokens/s after the evaluation."""
     cfg, steps = from_dict(spec["config"]), spec["steps"]
     rt = runtime.setup(cfg.system)
     start = held(rt.device)
@@ -155,9 +153,9 @@ def trained_model(opts, config_args: list[str], rt: runtime.Runtime):
     """The checkpoint to score, or a small model train.py trains for --quant-steps steps."""
     if opts.checkpoint:
         return checkpoint.load_model(opts.checkpoint, rt.device)[:2]
-    out, n = tempfile.mkdtemp(prefix="bench_memory_"), opts.quant_steps
+    n = opts.quant_steps
     print(f"  quant: training {n} steps to have a model to quantize ...", flush=True)
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_memory_", ignore_cleanup_errors=True) as out:
         proc = subprocess.run([sys.executable, "train.py", *config_args, f"--out_dir={out}",
                                f"--max_iters={n}", f"--eval_interval={n}", f"--log_interval={n}",
                                f"--warmup_iters={min(20, n)}", "--init_from=scratch",
@@ -165,8 +163,6 @@ def trained_model(opts, config_args: list[str], rt: runtime.Runtime):
         if proc.returncode != 0:
             raise RuntimeError("train.py failed: " + (proc.stderr or proc.stdout)[-500:])
         return checkpoint.load_model(out, rt.device)[:2]
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def bench_quant(opts, config_args: list[str], rt: runtime.Runtime) -> dict:
