@@ -83,12 +83,12 @@ def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed
 
 
 def build_run(cfg: Config, dist: distributed.Dist) -> Run:
-    rt = runtime.setup(cfg.system, device=dist.device)
+    rt, t = runtime.setup(cfg.system, device=dist.device), cfg.train
     with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
-        resume.resolve_init(cfg.train)
-        meta = dataset_meta(cfg)
+        t.init_from = resume.resolve_init(t.init_from, t.out_dir)
+        meta = dataset_meta(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
-    resuming = cfg.train.init_from == "resume"
+    resuming = t.init_from == "resume"
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if resuming else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
     model, notes = techniques.apply(raw_model, cfg, rt, dist)
@@ -110,7 +110,7 @@ def print_banner(run: Run) -> None:
     cfg, notes, m = run.cfg, run.notes, run.raw_model
     print(f"config:\n{cfg.to_json()}")
     print(techniques.banner(techniques.settings(cfg, run.rt, notes), run.rt.notes))
-    print(run.dist.describe(cfg) + (f"  [{notes.accumulation}]" if notes.accumulation else ""))
+    print(run.dist.describe(notes.global_batch))
     print(f"model: {m.num_params() / 1e6:.2f}M parameters without embeddings, "
           f"{m.num_params(False) / 1e6:.2f}M with"
           + (f" | from {run.source}" if run.source else ""))
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
                                    script=TrainOptions)
         if options.estimate_memory:  # without building the model: vocab_size from the data
-            cfg.model.vocab_size = cfg.model.vocab_size or dataset_meta(cfg)["vocab_size"]
+            meta = {} if cfg.model.vocab_size else dataset_meta(cfg.data.dataset)
+            cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
             print(memory.describe(cfg, distributed.launch_env()[2]))
             return 0
         summary = train(cfg)

@@ -50,12 +50,11 @@ def launch_env() -> tuple[int, int, int]:
     return rank, local, world
 
 
-ACCELERATE_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+ACCELERATE_PRECISION = {"bf16": "bfloat16", "fp16": "float16", "no": ""}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# accelerate's true/false flags: (variable, system field, value it sets, banner note)
-ACCELERATE_SWITCHES = (("ACCELERATE_USE_FSDP", "parallel", "fsdp",
-                        "accelerate --use_fsdp: parallel=fsdp (FSDP2)"),
-                       ("ACCELERATE_USE_CPU", "device", "cpu", "accelerate --cpu: device=cpu"))
+# accelerate's true/false flags: (variable, its flag, the system field and value it sets)
+ACCELERATE_SWITCHES = (("ACCELERATE_USE_FSDP", "--use_fsdp", "parallel", "fsdp"),
+                       ("ACCELERATE_USE_CPU", "--cpu", "device", "cpu"))
 
 
 def apply_launcher_flags(cfg: Config) -> list[str]:
@@ -64,33 +63,32 @@ def apply_launcher_flags(cfg: Config) -> list[str]:
     other backends) or what contradicts the config. Returns notes for the banner."""
     env, system, notes = os.environ, cfg.system, []
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if precision in ACCELERATE_PRECISION:
-        wanted = ACCELERATE_PRECISION[precision]
-        if system.dtype not in ("float32", wanted):
-            raise runtime.SetupError(f"accelerate launch --mixed_precision={precision} asks for "
-                                     f"{wanted} but the config says dtype={system.dtype}; pass "
-                                     "the same precision to both, or drop one")
-        if system.dtype != wanted:
-            system.dtype = wanted
-            notes.append(f"accelerate --mixed_precision={precision}: dtype={wanted}")
-    elif precision != "no":
+    wanted = ACCELERATE_PRECISION.get(precision)
+    if wanted is None:
         raise runtime.SetupError(f"accelerate launch --mixed_precision={precision} is not "
                                  "supported here; use bf16, fp16 or no (the config's --dtype)")
+    if wanted and system.dtype not in ("float32", wanted):
+        raise runtime.SetupError(f"accelerate launch --mixed_precision={precision} asks for "
+                                 f"{wanted} but the config says dtype={system.dtype}; pass "
+                                 "the same precision to both, or drop one")
+    if wanted and system.dtype != wanted:
+        system.dtype = wanted
+        notes.append(f"accelerate --mixed_precision={precision}: dtype={wanted}")
     backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    if backend not in ("inductor", "no"):
+        raise runtime.SetupError(f"accelerate launch --dynamo_backend={backend} is not supported "
+                                 "here; use inductor (= --compile=true) or no")
     if backend == "inductor":
         mode = env.get("ACCELERATE_DYNAMO_MODE", "default")
         system.compile, system.compile_mode = True, mode if mode in COMPILE_MODES else "default"
         notes.append(f"accelerate --dynamo_backend=inductor: compile=on ({system.compile_mode})")
-    elif backend != "no":
-        raise runtime.SetupError(f"accelerate launch --dynamo_backend={backend} is not supported "
-                                 "here; use inductor (= --compile=true) or no")
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         raise runtime.SetupError("accelerate launch --use_deepspeed is not supported here; use "
                                  "--parallel=ddp or --parallel=fsdp (FSDP2)")
-    for variable, key, value, note in ACCELERATE_SWITCHES:
+    for variable, flag, key, value in ACCELERATE_SWITCHES:
         if env.get(variable, "false").lower() == "true" and getattr(system, key) != value:
             setattr(system, key, value)
-            notes.append(note)
+            notes.append(f"accelerate {flag}: {key}={value}")
     return notes
 
 
@@ -140,22 +138,14 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def describe(self, cfg: Config) -> str:
-        """The start-up line: layout, and the global batch in sequences and tokens."""
-        t = cfg.train
-        seqs = t.batch_size * t.grad_accum_steps * self.world_size
-        text = (f"global batch: {seqs} sequences = {seqs * cfg.model.block_size:,} tokens per step "
-                f"({t.batch_size} micro-batch x {t.grad_accum_steps} accumulation x "
-                f"{self.world_size} process{'es' if self.enabled else ''})")
-        notes = self.notes + (["parallel=fsdp needs several processes (torchrun): one plain "
-                               "process here"] if cfg.system.parallel == "fsdp"
-                              and not self.enabled else [])
-        tail = f"  [{'; '.join(notes)}]" if notes else ""
+    def describe(self, batch: str) -> str:
+        """The start-up lines: the layout (several processes), then `batch`, with the notes."""
+        tail = f"  [{'; '.join(self.notes)}]" if self.notes else ""
         if not self.enabled:
-            return text + tail
+            return batch + tail
         nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         return (f"distributed: {self.parallel} over {self.world_size} processes on {nodes} "
-                f"node(s) | backend {self.backend} | timeout {self.timeout_s:g}s{tail}\n{text}")
+                f"node(s) | backend {self.backend} | timeout {self.timeout_s:g}s{tail}\n{batch}")
 
     def close(self) -> None:
         """Leave the job after a barrier, so no rank tears its connections down under another."""
@@ -244,7 +234,8 @@ def init(cfg: Config) -> Dist:
     rank, local_rank, world = launch_env()
     launcher_notes, system = apply_launcher_flags(cfg), cfg.system
     if world == 1:
-        return Dist(notes=launcher_notes)
+        return Dist(notes=launcher_notes + ["parallel=fsdp needs several processes (torchrun): "
+                                            "one plain process here"] * (system.parallel == "fsdp"))
     device, note = rank_device(system.device, local_rank)
     cuda = device.startswith("cuda")
     if system.parallel == "fsdp" and system.dtype == "float16":

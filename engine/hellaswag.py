@@ -168,11 +168,6 @@ class TrainingEval:
         return {"acc": r["acc"], "acc_norm": r["acc_norm"], "n": r["n"]}
 
 
-def for_training(cfg: Config, meta: dict, rt: Runtime) -> TrainingEval | None:
-    """None when train.hellaswag_interval is 0."""
-    return TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None
-
-
 @dataclass
 class HellaSwagOptions:
     """Its own options; the rest is the config (--device, --dtype, --attention, ...)."""

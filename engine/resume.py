@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from config import Config, ConfigError, TrainConfig
+from config import Config, ConfigError
 from engine import checkpoint
 from engine.checkpoint import CheckpointError
 from engine.distributed import SIGNALS, Dist, full_tensor
@@ -71,17 +71,18 @@ def restore_rng_state(state: dict, device: torch.device) -> list[str]:
     return []
 
 
-def resolve_init(t: TrainConfig) -> None:
-    """init_from=auto becomes resume or scratch; any other start refuses an out_dir holding
+def resolve_init(init_from: str, out_dir: str) -> str:
+    """init_from with auto made resume or scratch; any other start refuses an out_dir holding
     another run's checkpoints (pruning would delete them, its metrics would be overwritten)."""
-    checkpoint.recover(t.out_dir)  # a save killed part-way: tidy up before looking
-    latest = checkpoint.latest_checkpoint(t.out_dir)
-    if t.init_from == "auto":
-        t.init_from = "resume" if latest is not None else "scratch"
-    if t.init_from != "resume" and latest is not None:
-        raise ConfigError(f"{t.out_dir} already holds a run (latest checkpoint {latest.name}); "
+    checkpoint.recover(out_dir)  # a save killed part-way: tidy up before looking
+    latest = checkpoint.latest_checkpoint(out_dir)
+    if init_from == "auto":
+        init_from = "resume" if latest is not None else "scratch"
+    if init_from != "resume" and latest is not None:
+        raise ConfigError(f"{out_dir} already holds a run (latest checkpoint {latest.name}); "
                           "continue it with --init_from=resume, or start a new run in another "
                           "--out_dir (or delete that one)")
+    return init_from
 
 
 def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

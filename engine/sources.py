@@ -19,17 +19,17 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "vocab_pad_mu
               "layer_norm_eps", "block_size")
 
 
-def dataset_meta(cfg: Config) -> dict:
-    """The dataset's metadata; the default dataset is prepared on first use."""
+def dataset_meta(dataset: str) -> dict:
+    """data.dataset's metadata; the default dataset is prepared on first use."""
     try:
-        return load_meta(cfg.data.dataset)
+        return load_meta(dataset)
     except DataError:
-        if cfg.data.dataset != DEFAULT_DATASET:
+        if dataset != DEFAULT_DATASET:
             raise
     from data.shakespeare_char.prepare import prepare
     print(f"preparing the default dataset ({DEFAULT_DATASET}) ...")
     prepare()
-    return load_meta(cfg.data.dataset)
+    return load_meta(dataset)
 
 
 def load_model(source: str, cfg: Config, device: torch.device | str = "cpu",

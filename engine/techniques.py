@@ -58,15 +58,17 @@ class Notes:
     kernels: list[str] = field(default_factory=list)
     compile: str = "off"
     fused_adamw: str = "off"
-    accumulation: str = ""  # set when tokens_per_step changed grad_accum_steps
+    global_batch: str = ""  # sequences and tokens per step, and how they split
     lines: list[str] = field(default_factory=list)  # printed as `note: ...` (resume)
 
 
 def apply(raw_model: GPT, cfg: Config, rt: runtime.Runtime,
           dist: Dist) -> tuple[torch.nn.Module, Notes]:
     t = cfg.train
-    notes = Notes(accumulation=set_global_batch(t, cfg.model.block_size, dist.world_size))
-    notes.batch = auto_micro_batch(cfg, raw_model, rt, dist)  # may change the micro-batch
+    accumulation = set_global_batch(t, cfg.model.block_size, dist.world_size)
+    notes = Notes(batch=auto_micro_batch(cfg, raw_model, rt, dist))  # may change the micro-batch
+    notes.global_batch = global_batch_line(t.batch_size, t.grad_accum_steps, cfg.model.block_size,
+                                           dist.world_size, accumulation)
     notes.weights = hold_weights(raw_model, cfg.system.weights_dtype, cfg.system.parallel,
                                  dist.world_size)
     notes.kernels = probe_attention(raw_model, rt, t.batch_size)  # before FSDP shards it
@@ -98,6 +100,14 @@ def set_global_batch(t: TrainConfig, block_size: int, world_size: int) -> str:
         f"{t.tokens_per_step:,} on {world_size} process{'es' if world_size > 1 else ''}")
     t.grad_accum_steps = accum
     return note
+
+
+def global_batch_line(micro_batch: int, accum: int, block_size: int, world_size: int,
+                      note: str) -> str:
+    sequences = micro_batch * accum * world_size
+    return (f"global batch: {sequences} sequences = {sequences * block_size:,} tokens per step "
+            f"({micro_batch} micro-batch x {accum} accumulation x {world_size} "
+            f"process{'es' if world_size > 1 else ''})" + (f"  [{note}]" if note else ""))
 
 
 def split_global_batch(global_batch: int, fits: Callable[[int], bool]) -> tuple[int, int] | None:
