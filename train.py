@@ -25,7 +25,7 @@ from data.workers import SharedMemoryBatches
 from engine import checkpoint, distributed, hellaswag, memory, resume, runlog, runtime, techniques
 from engine.optim import lr_at, make_optimizer
 from engine.sources import build_model, dataset_meta
-from engine.step import StepResult, evaluate, train_step
+from engine.step import NonFiniteGuard, StepResult, evaluate, train_step
 from model import GPT
 
 
@@ -155,9 +155,12 @@ def evaluate_and_save(run: Run, step: int, next_batch: tuple, stop: resume.StopR
     memory.release_cached(run.rt.device, run.cfg.system.empty_cache)  # a phase boundary
 
 
-def log_step(run: Run, step: int, result: StepResult, lr: float, t0: float) -> None:
+def log_step(run: Run, step: int, result: StepResult, lr: float,
+             since: tuple[int, float]) -> tuple[int, float]:
+    """The log line, timed per step since `since` (step, time); returns the next `since`."""
     loss = result.loss_sum.item() / run.cfg.train.grad_accum_steps  # .item() syncs the device
-    dt, norm = time.perf_counter() - t0, result.norm.item()
+    norm, now = result.norm.item(), time.perf_counter()
+    dt = (now - since[1]) / max(1, step - since[0])
     flops_per_step = run.raw_model.flops_per_token() * run.tokens_per_step
     mfu = flops_per_step / dt / run.peak_flops if run.peak_flops else None
     tokens_per_s = run.tokens_per_step / dt
@@ -165,14 +168,18 @@ def log_step(run: Run, step: int, result: StepResult, lr: float, t0: float) -> N
           + run.log.progress(step))
     run.log.write(kind="train", step=step, loss=loss, lr=lr, norm=norm, ms=1000 * dt,
                   tok_per_s=tokens_per_s, mfu=mfu)
+    return step, time.perf_counter()
 
 
-def report_skip(run: Run, step: int, result: StepResult, guard: resume.NonFiniteGuard) -> None:
-    run.counters.skipped_steps += 1
-    loss, norm = (result.loss_sum / run.cfg.train.grad_accum_steps).item(), result.norm.item()
-    print(f"step {step:5d} | skipped: loss {loss:.4g}, norm {norm:.4g} "
-          f"({guard.in_a_row} non-finite in a row; the run stops at {guard.limit})")
-    run.log.write(kind="skip", step=step, loss=str(loss), norm=str(norm))
+def report_skips(run: Run, guard: NonFiniteGuard, stop: resume.StopRequest) -> None:
+    """Read the steps skipped since the last read (one transfer); a long enough streak stops."""
+    for step, loss, norm, in_a_row in guard.read(run.cfg.train.grad_accum_steps):
+        run.counters.skipped_steps += 1
+        print(f"step {step:5d} | skipped: loss {loss:.4g}, norm {norm:.4g} "
+              f"({in_a_row} non-finite in a row; the run stops at {guard.limit})")
+        run.log.write(kind="skip", step=step, loss=str(loss), norm=str(norm))
+    if guard.exhausted:
+        stop.request("nonfinite")
 
 
 def train(cfg: Config) -> dict:
@@ -185,8 +192,9 @@ def train(cfg: Config) -> dict:
     run.model.train()
     x, y = run.next_batch
     start_step = step = counters.step
-    guard = resume.NonFiniteGuard(t.max_nonfinite_steps)
+    guard = NonFiniteGuard(t.max_nonfinite_steps)
     grad_sync = techniques.grad_sync(run.model)
+    last_log = (step, time.perf_counter())  # (step, time) of the last log line
     with resume.StopRequest(synced=dist.enabled) as stop, run.log:
         def sync(loss_sum: torch.Tensor) -> torch.Tensor:  # the mean over ranks; shares stops
             return dist.sync_step(loss_sum, stop)
@@ -194,29 +202,31 @@ def train(cfg: Config) -> dict:
         while True:
             if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
                 evaluate_and_save(run, step, (x, y), stop, keep=step > start_step)
+                last_log = (step, time.perf_counter())  # the step times leave evaluations out
             if run.hellaswag and run.hellaswag.due(step) and (step > start_step or step == 0):
                 run.log.write(kind="hellaswag", step=step,
                               **run.hellaswag.run(run.raw_model, step))
                 memory.release_cached(run.rt.device, cfg.system.empty_cache)
+                last_log = (step, time.perf_counter())
             if step >= t.max_iters or stop:
                 break
-            t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             result = train_step(run.model, run.raw_model, run.optimizer, run.scaler, run.batches,
-                                (x, y), run.rt, lr, t.grad_accum_steps, t.grad_clip, guard,
-                                grad_sync, sync)
+                                (x, y), run.rt, lr, t.grad_accum_steps, t.grad_clip, grad_sync,
+                                sync)
             x, y = result.next_batch
             step += 1
             counters.step, counters.tokens_seen = step, counters.tokens_seen + run.tokens_per_step
-            if not result.updated:
-                report_skip(run, step, result, guard)
-                if guard.exhausted:
-                    stop.request("nonfinite")
-                    break
+            guard.record(step, result)  # nothing read yet: the device runs ahead
             if t.stop_after_iters and step - start_step >= t.stop_after_iters:
                 stop.request("stop_after_iters")
-            if step % t.log_interval == 0 or step == t.max_iters:
-                log_step(run, step, result, lr, t0)
+            logs = step % t.log_interval == 0 or step == t.max_iters
+            if logs or step % t.eval_interval == 0 or stop:  # before a log line, eval or save
+                report_skips(run, guard, stop)
+                if stop.reason == "nonfinite":
+                    break
+            if logs:
+                last_log = log_step(run, step, result, lr, since=last_log)
         if stop and stop.reason != "nonfinite" and counters.eval_step != step:
             save(run, step, (x, y), stop)  # stopped between evaluations: keep this step
         summary = run.log.finish(counters, stop.reason or "done", start_step,

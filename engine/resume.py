@@ -1,6 +1,6 @@
 """Surviving interruption: capture/restore put a run back exactly (optimizer, scaler, counters,
 data position, every rank's RNG; FSDP state is saved as one process's, so any world size resumes);
-StopRequest saves and exits on SIGINT/SIGTERM; NonFiniteGuard skips NaN/inf steps."""
+StopRequest saves and exits on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import math
@@ -310,21 +310,3 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
-
-
-@dataclass
-class NonFiniteGuard:
-    """Counts steps in a row whose loss or gradient norm is not finite; `limit` of them stop."""
-
-    limit: int
-    in_a_row: int = 0
-
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether this step's loss and norm are finite (syncs the device)."""
-        good = bool(torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all())
-        self.in_a_row = 0 if good else self.in_a_row + 1
-        return good
-
-    @property
-    def exhausted(self) -> bool:
-        return self.in_a_row >= self.limit

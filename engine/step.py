@@ -1,21 +1,19 @@
 """One training step and one evaluation: what train.py's loop and the benchmarks run.
 
-    train_step   forward + backward over grad_accum_steps micro-batches (fetching the next batch
-                 while the device works), unscale, clip, then the update unless the guard finds
-                 the loss or gradient norm non-finite (the step is then skipped)
-    evaluate     mean loss per split over fixed batches
+    train_step      forward + backward over grad_accum_steps micro-batches (fetching the next
+                    batch while the device works), unscale, clip, then the update unless the loss
+                    or gradient norm is non-finite (the step is then skipped)
+    NonFiniteGuard  counts the skipped steps on the device; the loop reads it at log intervals
+    evaluate        mean loss per split over fixed batches
 """
-from __future__ import annotations
-
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from data.loader import Batches
 from engine import distributed
-from engine.resume import NonFiniteGuard
 from engine.runtime import Runtime
 
 
@@ -23,17 +21,39 @@ from engine.runtime import Runtime
 class StepResult:
     loss_sum: torch.Tensor  # summed over the micro-steps, on the device (not synced)
     norm: torch.Tensor  # the gradient norm before clipping
-    updated: bool  # False when the guard skipped the update
+    finite: torch.Tensor  # on the device: False when the update was skipped
     next_batch: tuple  # (x, y) already fetched for the next step
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused AdamW takes found_inf and skips the whole update in its kernel (the step count too),
+    so the host need not read the flag; other optimizers are stepped only after the host reads it
+    (a device sync per step: free on a CPU, a stall of the queue on a GPU)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+def update_unless_nonfinite(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                            finite: torch.Tensor) -> None:
+    if not skips_on_device(optimizer):
+        if bool(finite):
+            scaler.step(optimizer)
+    elif scaler.is_enabled():  # float16: the scaler hands fused AdamW its own found_inf
+        scaler.step(optimizer)
+    else:
+        optimizer.found_inf = (~finite).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
 
 
 def train_step(model: torch.nn.Module, raw_model: torch.nn.Module,
                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                batches: Batches, batch: tuple, rt: Runtime, lr: float, accum_steps: int,
-               grad_clip: float, guard: NonFiniteGuard | None = None,
-               grad_sync=None, sync=None) -> StepResult:
+               grad_clip: float, grad_sync=None, sync=None) -> StepResult:
     """One optimizer step. grad_sync(last): all-reduce on the last micro-step only; sync(loss_sum):
-    the mean over ranks before the guard reads it; guard: skip a non-finite step (else update)."""
+    the mean over ranks, so that every rank skips the same steps."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     x, y = batch
@@ -52,12 +72,43 @@ def train_step(model: torch.nn.Module, raw_model: torch.nn.Module,
     norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
                                           grad_clip if grad_clip > 0 else math.inf)
     norm = distributed.full_tensor(norm)  # under FSDP: a DTensor over every rank's shard
-    updated = guard.check(loss_sum, norm) if guard is not None else True
-    if updated:
-        scaler.step(optimizer)
+    finite = torch.isfinite(loss_sum) & torch.isfinite(norm)  # no sync
+    update_unless_nonfinite(optimizer, scaler, finite)
     scaler.update()  # with float16, a skipped step also lowers the loss scale
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, norm, updated, (x, y))
+    return StepResult(loss_sum, norm, finite, (x, y))
+
+
+@dataclass
+class NonFiniteGuard:
+    """The steps skipped for a NaN/inf loss or gradient norm, kept on the device until read;
+    `limit` of them in a row stop the run."""
+
+    limit: int
+    in_a_row: int = 0  # as of the last read
+    pending: list = field(default_factory=list)  # (step, StepResult) since the last read
+
+    def record(self, step: int, result: StepResult) -> None:
+        self.pending.append((step, result))
+
+    def read(self, accum_steps: int) -> list[tuple[int, float, float, int]]:
+        """(step, mean loss, norm, non-finite in a row) of each skipped step since the last read:
+        one transfer from the device."""
+        if not self.pending:
+            return []
+        values = torch.stack([torch.stack([r.finite.float(), r.loss_sum.float() / accum_steps,
+                                           r.norm.float()]) for _, r in self.pending]).tolist()
+        skipped = []
+        for (step, _), (finite, loss, norm) in zip(self.pending, values):
+            self.in_a_row = 0 if finite else self.in_a_row + 1
+            if not finite:
+                skipped.append((step, loss, norm, self.in_a_row))
+        self.pending.clear()
+        return skipped
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_a_row >= self.limit
 
 
 @torch.no_grad()

@@ -27,11 +27,12 @@ from safetensors.torch import load_file
 from engine import checkpoint
 import generate
 from engine import runlog
-from engine import resume
+from engine import resume, runtime
+from engine.step import train_step
 import train
 from config import load_config
 from model import GPT
-from conftest import train_args
+from conftest import tiny_model_config, train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # 12 steps, evaluated every 4, with dropout so the torch RNG matters
@@ -373,6 +374,51 @@ def test_nonfinite_streak_stops_the_run_and_keeps_good_checkpoints(char_dataset,
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000002", "ckpt_0000004"]
     assert optimizer_updates(out / "ckpt_0000004") == 3  # steps 4.. were skipped
     assert records(out)[-1]["kind"] == "skip"
+
+
+def test_nonfinite_steps_are_read_at_log_intervals_without_stalling(char_dataset, tmp_path,
+                                                                    monkeypatch, capsys):
+    """The loop reads the skip flags only before a log line, evaluation or save: a streak that
+    reaches the limit at step 4 stops the run at step 5, the next log line, with every skipped
+    step (2..5) reported and counted."""
+    monkeypatch.setattr(GPT, "forward", nan_loss_from(2))
+    out = tmp_path / "deferred"
+    assert train.main(train_args(char_dataset, out, "--max_iters=20", "--eval_interval=100",
+                                 "--log_interval=5", "--max_nonfinite_steps=3",
+                                 "--fused_adamw=true")) == 3
+    captured = capsys.readouterr()
+    assert "error: stopped at step 5:" in captured.err
+    assert [r["step"] for r in records(out, "skip")] == [2, 3, 4, 5]
+    assert "(4 non-finite in a row; the run stops at 3)" in captured.out
+
+
+def test_fused_adamw_skips_a_nonfinite_step_on_the_device(monkeypatch):
+    """train_step with fused AdamW never reads the device (no .item(), bool() or .tolist()) and a
+    NaN step leaves the weights and the optimizer state (its step count too) as they were."""
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    rt = runtime.Runtime(torch.device("cpu"), torch.float32, False, [])
+    x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
+    feed = type("Feed", (), {"next": lambda self: (x, x)})()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    train_step(model, model, optimizer, scaler, feed, (x, x), rt, 1e-2, 1, 1.0)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {i: {k: v.clone() for k, v in s.items()}
+             for i, s in optimizer.state_dict()["state"].items()}
+    monkeypatch.setattr(GPT, "forward", nan_loss_from(1))
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("train_step read a value from the device")
+
+    for name in ("__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    result = train_step(model, model, optimizer, scaler, feed, (x, x), rt, 1e-2, 1, 1.0)
+    monkeypatch.undo()
+    assert not result.finite
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    after = optimizer.state_dict()["state"]
+    assert all(torch.equal(state[i][k], after[i][k]) for i in state for k in state[i])
 
 
 def test_nan_weights_are_never_saved(char_dataset, tmp_path, monkeypatch, capsys):
