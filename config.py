@@ -63,6 +63,19 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW beta2")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
     fused_adamw: bool = opt(False, "AdamW(fused=True) where the device supports it")
+    optimizer: str = opt("adamw", "adamw: AdamW on every parameter | muon: torch.optim.Muon on "
+                         "the blocks' Linear weights, AdamW (learning_rate) on the rest",
+                         ("adamw", "muon"))
+    muon_lr: float = opt(0.02, "Muon's peak learning rate; it follows the same warmup and decay")
+    muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)")
+    muon_adjust_lr: str = opt("match_rms_adamw", "Muon's per-matrix lr scale: match_rms_adamw "
+                              "(0.2 x sqrt(max(rows, cols)): updates the size of AdamW's, so "
+                              "weight_decay carries over) | original (sqrt(max(1, rows/cols)))",
+                              ("match_rms_adamw", "original"))
+    muon_ns_dtype: str = opt("auto", "dtype of Muon's Newton-Schulz iteration: bfloat16 is "
+                             "torch.optim.Muon's own; float32 is ~20x faster on CPUs that "
+                             "emulate bf16 (no AMX); auto = bfloat16 on CUDA, else float32",
+                             ("auto", "bfloat16", "float32"))
     eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps")
     eval_iters: int = opt(20, "batches per split in each evaluation (the same batches each time)")
     log_interval: int = opt(10, "print a log line every this many steps")

@@ -2,16 +2,19 @@
 
     make_optimizer   AdamW over the model's decay / no-decay groups: fused where the device has
                      it (train.fused_adamw), over float32 master weights when the model holds
-                     bf16 weights (system.weights_dtype=bfloat16: MasterWeights)
+                     bf16 weights (system.weights_dtype=bfloat16: MasterWeights); with
+                     train.optimizer=muon, MuonWithAdamW: Muon on the blocks' Linear weights
+                     (muon_params), AdamW on embeddings, the tied head, biases and norms
     lr_at            linear warmup, then cosine (or constant) decay to min_lr_ratio x peak
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from config import Config
+from config import Config, ConfigError
 from model import GPT
 
 
@@ -27,21 +30,138 @@ def lr_at(step: int, cfg: Config) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
 
 
+def muon_params(model: GPT) -> list[torch.nn.Parameter]:
+    """The hidden matrices Muon orthogonalizes: every Linear weight inside the blocks (c_attn,
+    attn.c_proj, c_fc, mlp.c_proj); not the embeddings or the tied LM head."""
+    return [module.weight for module in model.transformer.h.modules()
+            if isinstance(module, torch.nn.Linear) and module.weight.requires_grad]
+
+
 def make_optimizer(model: GPT, cfg: Config, device: torch.device
                    ) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW as configured; returns (optimizer, banner value of fused_adamw)."""
+    """AdamW (or Muon + AdamW) as configured; returns (optimizer, banner value of fused_adamw)."""
     t = cfg.train
-    groups = model.optimizer_groups(t.weight_decay)
+    groups, make = model.optimizer_groups(t.weight_decay), torch.optim.AdamW
+    if t.optimizer == "muon":
+        float32 = t.muon_ns_dtype == "float32" or (t.muon_ns_dtype == "auto"
+                                                   and device.type != "cuda")
+        groups, make = muon_groups(model, groups, cfg), functools.partial(
+            MuonWithAdamW, muon_class=Float32Muon if float32 else torch.optim.Muon,
+            muon=dict(momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr))
     kwargs = dict(lr=t.learning_rate, betas=(t.beta1, t.beta2))
     if next(model.parameters()).dtype == torch.bfloat16:  # system.weights_dtype=bfloat16
-        return MasterWeights(groups, torch.optim.AdamW, foreach=False, **kwargs), "off"
+        return MasterWeights(groups, make, foreach=False, **kwargs), "off"
     if t.fused_adamw:
         try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs), "on"
+            return make(groups, fused=True, **kwargs), "on"
         except (RuntimeError, ValueError) as e:
             note = f"off (fused AdamW unsupported on {device.type}: {e})"
-            return torch.optim.AdamW(groups, **kwargs), note
-    return torch.optim.AdamW(groups, foreach=False, **kwargs), "off"
+            return make(groups, **kwargs), note
+    return make(groups, foreach=False, **kwargs), "off"
+
+
+def muon_groups(model: GPT, groups: list[dict], cfg: Config) -> list[dict]:
+    """The AdamW groups less the hidden matrices, then one Muon group of those. Every group's lr
+    is set to the schedule's value each step; the Muon group's lr_scale maps it onto muon_lr."""
+    if not hasattr(torch.optim, "Muon"):
+        raise ConfigError(f"train.optimizer=muon needs torch.optim.Muon, which torch "
+                          f"{torch.__version__} lacks; upgrade torch or use --optimizer=adamw")
+    hidden = {id(p) for p in muon_params(model)}
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in hidden]} for g in groups]
+    t = cfg.train
+    return [g for g in rest if g["params"]] + [
+        {"params": muon_params(model), "weight_decay": t.weight_decay, "muon": True,
+         "lr_scale": t.muon_lr / t.learning_rate}]
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon over the groups marked "muon", AdamW over the others, as one optimizer:
+    one param_groups list and one state (the inner two share both), so GradScaler, clipping,
+    the lr schedule and state_dict / load_state_dict see an ordinary torch optimizer."""
+
+    def __init__(self, groups: list[dict], muon: dict, muon_class: type | None = None,
+                 **adamw):
+        self.adamw = torch.optim.AdamW([g for g in groups if not g.get("muon")], **adamw)
+        self.muon = (muon_class or torch.optim.Muon)([g for g in groups if g.get("muon")],
+                                                      **muon)
+        super().__init__(self.adamw.param_groups + self.muon.param_groups, {})
+        self._share()
+
+    def _share(self) -> None:
+        count = len(self.adamw.param_groups)
+        self.adamw.param_groups, self.muon.param_groups = (self.param_groups[:count],
+                                                           self.param_groups[count:])
+        self.adamw.state = self.muon.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.adamw.step()
+        scheduled = [group["lr"] for group in self.muon.param_groups]
+        for group, lr in zip(self.muon.param_groups, scheduled):
+            group["lr"] = lr * group["lr_scale"]
+        self.muon.step()
+        for group, lr in zip(self.muon.param_groups, scheduled):
+            group["lr"] = lr  # what the schedule set, so a step never compounds the scale
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # builds new group dicts and a new state
+        self._share()
+
+
+def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration (torch.optim.Muon's coefficients and order of
+    operations) in float32: about U V^T of update = U S V^T."""
+    a, b, c = coefficients
+    tall = update.size(0) > update.size(1)
+    x = update.float().T if tall else update.float()  # (short, long): the Gram matrix is small
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's per-matrix lr factor (shape is the whole matrix's, also under FSDP)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))  # "original" (torch's default)
+
+
+# a torch without Muon still imports this module: muon_groups refuses before the class is used
+class Float32Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
+    """torch.optim.Muon's update, state and settings, with the Newton-Schulz iteration in
+    float32 (torch's runs in bfloat16, which a CPU without AMX emulates slowly)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"],
+                                       group["eps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], p.shape))
+        return loss
 
 
 class MasterWeights:

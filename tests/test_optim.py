@@ -1,0 +1,238 @@
+"""The optimizer: train.optimizer=muon puts torch.optim.Muon on the blocks' Linear weights and
+AdamW on the rest, as one optimizer that follows the schedule, resumes bit for bit, trains under
+DDP and FSDP as one process does, holds bf16 weights through float32 masters, and says so
+where torch has no Muon."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from config import Config, ConfigError, load_config
+from engine import checkpoint, optim
+from model import GPT
+from conftest import tiny_model_config, train_args
+from test_distributed import RUN as DIST_RUN, assert_same_trajectory, output, torchrun, \
+    trajectory
+
+HIDDEN = {f"transformer.h.{layer}.{name}.weight" for layer in range(2)
+          for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+
+
+def muon_config(**train_overrides) -> Config:
+    cfg = Config()
+    cfg.train.optimizer, cfg.train.learning_rate, cfg.train.muon_lr = "muon", 2e-3, 0.03
+    for key, value in train_overrides.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_model_config(bias=True, **overrides))
+
+
+def fill_grads(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest():
+    model = tiny_gpt()
+    optimizer, _ = optim.make_optimizer(model, muon_config(), torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}  # the tied head is wte here
+    muon = [g for g in optimizer.param_groups if g.get("muon")]
+    adamw = [g for g in optimizer.param_groups if not g.get("muon")]
+    assert len(muon) == 1 and {names[id(p)] for p in muon[0]["params"]} == HIDDEN
+    assert {names[id(p)] for g in adamw for p in g["params"]} == set(names.values()) - HIDDEN
+    decayed = {names[id(p)] for g in adamw if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    assert optimizer.state is optimizer.adamw.state is optimizer.muon.state
+    assert type(optimizer.muon) is optim.Float32Muon  # auto, on a CPU
+    cuda, _ = optim.make_optimizer(model, muon_config(), torch.device("cuda"))
+    assert type(cuda.muon) is torch.optim.Muon  # auto on CUDA: torch's bfloat16 iteration
+
+
+def newton_schulz_float64(update: torch.Tensor, coefficients: tuple) -> torch.Tensor:
+    a, b, c = coefficients
+    x = update.double()
+    x = x / x.norm()
+    for _ in range(5):  # X <- aX + (bA + cA^2)X with A = XX^T; the same for X^T transposed
+        gram = x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+        poly = b * gram + c * gram @ gram
+        x = a * x + (poly @ x if x.shape[0] <= x.shape[1] else x @ poly)
+    return x
+
+
+def test_float32_newton_schulz_orthogonalizes_like_bfloat16_and_float64():
+    coefficients = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(48, 16), (16, 48), (24, 24)]:
+        update = torch.randn(shape, generator=gen)
+        got = optim.orthogonalize(update, coefficients, 5, 1e-7)
+        exact = newton_schulz_float64(update, coefficients)
+        bf16 = torch.optim._muon._zeropower_via_newtonschulz(update, coefficients, 5, 1e-7)
+        assert got.shape == shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, exact.float(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, bf16.float(), rtol=0, atol=0.05)
+        singular = torch.linalg.svdvals(got)  # the quintic leaves them in about (0.5, 1.5)
+        assert 0.4 < singular.min() and singular.max() < 1.3
+
+
+@pytest.mark.parametrize("ns_dtype", ["bfloat16", "float32"])
+def test_a_step_is_torch_muon_and_adamw_applied_by_hand_at_each_scheduled_lr(ns_dtype,
+                                                                             monkeypatch):
+    """bfloat16 is torch.optim.Muon itself; float32 (Float32Muon) equals torch.optim.Muon with
+    its Newton-Schulz swapped for the float32 one: the rest of the update is torch's."""
+    if ns_dtype == "float32":
+        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim.orthogonalize)
+    cfg = muon_config(warmup_iters=2, max_iters=5, muon_ns_dtype=ns_dtype)
+    model, reference = tiny_gpt(), tiny_gpt()
+    optimizer, _ = optim.make_optimizer(model, cfg, torch.device("cpu"))
+    hidden = optim.muon_params(reference)
+    ids = {id(p) for p in hidden}
+    t = cfg.train
+    by_hand_muon = torch.optim.Muon(hidden, lr=t.muon_lr, weight_decay=t.weight_decay,
+                                    momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr)
+    by_hand_adamw = torch.optim.AdamW(
+        [{**g, "params": [p for p in g["params"] if id(p) not in ids]}
+         for g in reference.optimizer_groups(t.weight_decay)],
+        lr=t.learning_rate, betas=(t.beta1, t.beta2), foreach=False)
+    for step in range(4):  # warmup, then decay: the Muon group follows at its own peak
+        lr = optim.lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr  # what train_step does
+        for group in by_hand_adamw.param_groups:
+            group["lr"] = lr
+        for group in by_hand_muon.param_groups:
+            group["lr"] = lr * t.muon_lr / t.learning_rate
+        fill_grads(model, step)
+        fill_grads(reference, step)
+        optimizer.step()
+        by_hand_adamw.step()
+        by_hand_muon.step()
+        assert [g["lr"] for g in optimizer.param_groups] == [lr] * 3  # as set: never compounded
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), f"step {step}: {name}"
+
+
+def test_muon_run_resumes_bit_exact(char_dataset, tmp_path):
+    run = ["--optimizer=muon", "--muon_lr=0.03", "--max_iters=8", "--eval_interval=4",
+           "--log_interval=1", "--dropout=0.1"]
+
+    def run_train(out, *extra):
+        return train.train(load_config(train_args(char_dataset, out, *run, *extra))[0])
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run_train(whole)
+    assert run_train(parts, "--stop_after_iters=6")["step"] == 6
+    assert run_train(parts, "--init_from=resume")["steps"] == 2
+
+    def trajectory(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(r["kind"], r["step"], r.get("loss"), r.get("lr"), r.get("norm"), r.get("val"))
+                for r in rows]
+
+    assert trajectory(parts) == trajectory(whole)
+    a, b = (checkpoint.latest_checkpoint(out) for out in (whole, parts))
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (torch.load(c / "train_state.pt", weights_only=True)["optimizer"] for c in (a, b))
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    muon_ids = sa["param_groups"][-1]["params"]
+    assert all(sa["state"][i].keys() == {"momentum_buffer"} for i in muon_ids)
+    for i, moments in sa["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(value, sb["state"][i][name]), f"{i}.{name}"
+
+
+@pytest.fixture(scope="module")
+def single_muon(char_dataset, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single_muon")
+    cfg, _ = load_config([*DIST_RUN, f"--dataset={char_dataset}", f"--out_dir={out}",
+                          "--batch_size=4", "--optimizer=muon"])
+    train.train(cfg)
+    return out
+
+
+def assert_near_run(out: Path, want: Path, since: int = 0) -> None:
+    """The same logged numbers and final weights and momenta to float32 tolerance (the sums
+    run in another order; on a CPU the Newton-Schulz is float32's)."""
+    assert_same_trajectory(trajectory(out), [r for r in trajectory(want) if r["step"] >= since])
+    a, b = out / "ckpt_0000004", want / "ckpt_0000004"
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5, msg=name)
+    sa, sb = (checkpoint.load_train_state(c)["optimizer"] for c in (a, b))
+    as_json = json.loads(json.dumps(sa["param_groups"]))  # a sharded load gives lists, not tuples
+    assert as_json == json.loads(json.dumps(sb["param_groups"]))
+    for i, moments in sa["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(value, sb["state"][i][key], rtol=1e-4, atol=1e-6,
+                                       msg=f"{i}.{key}")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_train_muon_as_one(parallel, char_dataset, single_muon, tmp_path):
+    """2 processes, then resumed in one, equal one process throughout. Under FSDP each rank holds
+    row shards (DTensors): the Newton-Schulz iteration runs through DTensor ops, which compute
+    on the whole matrix (all-reducing Gram matrices or gathering shards as needed)."""
+    out = tmp_path / "run"
+    args = (*DIST_RUN, f"--dataset={char_dataset}", "--optimizer=muon")
+    proc = torchrun("train.py", *args, f"--out_dir={out}", "--batch_size=2",
+                    f"--parallel={parallel}", "--stop_after_iters=2")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    train.train(load_config([*args, f"--out_dir={out}", "--batch_size=4",
+                             "--init_from=resume"])[0])
+    assert_near_run(out, single_muon)
+    if parallel == "fsdp":  # each rank loads its shards of the single process's state
+        resumed = tmp_path / "resumed"
+        resumed.mkdir()
+        shutil.copytree(single_muon / "ckpt_0000002", resumed / "ckpt_0000002")
+        proc = torchrun("train.py", *args, f"--out_dir={resumed}", "--batch_size=2",
+                        "--parallel=fsdp", "--init_from=resume")
+        assert proc.returncode == 0, output(proc)[-4000:]
+        assert_near_run(resumed, single_muon, since=3)
+
+
+def test_bf16_weights_step_muon_on_float32_masters():
+    cfg = muon_config()
+    model, reference = tiny_gpt(), tiny_gpt()
+    model.to(torch.bfloat16)
+    optimizer, _ = optim.make_optimizer(model, cfg, torch.device("cpu"))
+    by_hand, _ = optim.make_optimizer(reference, cfg, torch.device("cpu"))
+    assert isinstance(optimizer, optim.MasterWeights)
+    with torch.no_grad():  # the reference starts from the same (bf16-rounded) weights
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.copy_(p)
+    for step in range(2):
+        fill_grads(model, step)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.grad = p.grad.float()
+        optimizer.step()
+        by_hand.step()
+    twin = {id(p): q for p, q in zip(model.parameters(), reference.parameters())}
+    for p, master in zip(optimizer.model_params, optimizer.masters):
+        assert torch.equal(master, twin[id(p)]) and torch.equal(p, master.bfloat16())
+
+
+def test_a_torch_without_muon_is_refused_in_one_line(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match=r"^train.optimizer=muon needs torch.optim.Muon, which "
+                       r"torch \S+ lacks; upgrade torch or use --optimizer=adamw$"):
+        optim.make_optimizer(tiny_gpt(), muon_config(), torch.device("cpu"))
+
+
+def test_an_unknown_optimizer_is_refused():
+    with pytest.raises(ConfigError, match="train.optimizer='sgd' is not one of adamw, muon"):
+        load_config(["--optimizer=sgd"])
