@@ -469,13 +469,14 @@ def test_eta_from_recent_pace(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_logs_and_resumes_the_same_run(char_dataset, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "wb"
     extra = ["--max_iters=4", "--eval_interval=2", "--wandb.enabled=true", "--project=test"]
     run_train(char_dataset, out, *extra, "--stop_after_iters=2")
     run_train(char_dataset, out, *extra, "--init_from=resume")
+    wandb.teardown()  # finish() returns before the wandb service has flushed the run's file
     # one folder per invocation, named by start second and run id (two invocations within the
     # same second share a folder)
     runs = sorted((out / "wandb").glob("offline-run-*"))
