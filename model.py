@@ -43,6 +43,9 @@ class ModelConfig:
                                   "(64: 50257 -> 50304); padded logits never win")
     activation_checkpointing: str = opt("none", "recompute in backward (less memory, ~1/3 more "
                                         "compute): none|all|attention|mlp|every:K|blocks:0,3,5")
+    loss: str = opt("full", "LM head + cross-entropy: the whole (tokens, vocab) logits, or in "
+                    "chunks of tokens so they never exist (same loss and gradients)",
+                    ("full", "chunked"))
 
 
 def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
@@ -202,6 +205,99 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+LOSS_CHUNK_LOGITS = 2**25  # logits per chunk of model.loss=chunked: 128 MiB in float32
+
+
+def loss_chunk_rows(tokens: int, vocab: int) -> int:
+    """Tokens per chunk of the chunked loss (667 at GPT-2's vocabulary). Far fewer rows (torch's
+    default: 32 for 4,096 tokens) leave CPU matmuls re-reading the whole head for little work."""
+    return max(1, min(tokens, LOSS_CHUNK_LOGITS // vocab))
+
+
+def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                row_weight: torch.Tensor, grad_x: torch.Tensor | None,
+                grad_w: torch.Tensor | None) -> torch.Tensor:
+    """One chunk of ChunkedCrossEntropy -> its share of the mean loss; its gradients go into
+    grad_x (the chunk's rows) and add to grad_w. Its (rows, V) buffers die on return."""
+    logits = (x @ weight.T).float()  # (rows, V): the only logits that exist
+    picked = targets.clamp(min=0)[:, None]  # ignored rows: any class, their row_weight is 0
+    target_logit = logits.gather(1, picked).squeeze(1)
+    peak = logits.amax(dim=-1, keepdim=True)  # logsumexp in place: no second (rows, V) buffer
+    exp = logits.sub_(peak).exp_()
+    total = exp.sum(dim=-1, keepdim=True)
+    loss = ((peak + total.log()).squeeze(1) - target_logit).mul_(row_weight).sum()
+    if grad_x is None and grad_w is None:
+        return loss
+    # d(mean loss)/d(logits) = (softmax - one_hot(target)) * row_weight
+    grad = exp.div_(total).scatter_add_(1, picked, -torch.ones_like(logits[:, :1]))
+    grad = grad.mul_(row_weight[:, None]).to(x.dtype)
+    if grad_x is not None:
+        grad_x.copy_(grad @ weight)
+    if grad_w is not None and grad.dtype == torch.float32:
+        grad_w.addmm_(grad.T, x)
+    elif grad_w is not None:  # bf16 products, summed over chunks in float32
+        grad_w += grad.T @ x
+    return loss
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of x @ weight.T, one chunk of tokens at a time: each chunk's logits
+    give its loss and, at once, its gradients (kept for backward, which only scales them).
+    Where torch's F.linear_cross_entropy is missing or rounds the loss (see chunked_loss_impl)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # x (N, C), weight (V, C), targets (N,) with IGNORE_INDEX where nothing is predicted
+        valid = targets != IGNORE_INDEX
+        row_weight = valid / valid.sum()  # (N,): 1/count, 0 where ignored
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        rows = loss_chunk_rows(x.size(0), weight.size(0))
+        loss = torch.zeros((), device=x.device)
+        for start in range(0, x.size(0), rows):
+            chunk = slice(start, start + rows)
+            loss += _chunk_loss(x[chunk], weight, targets[chunk], row_weight[chunk],
+                                None if grad_x is None else grad_x[chunk], grad_w)
+        ctx.grads, ctx.weight_dtype = (grad_x, grad_w), weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_w = ctx.grads
+        del ctx.grads  # the gradients are scaled in place: backward runs once
+        if grad_x is not None:
+            grad_x.mul_(grad_loss)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_x, grad_w, None
+
+
+def chunked_loss_impl(dtype: torch.dtype) -> str:
+    """Which chunked loss runs for matmuls in this dtype: 'torch' (F.linear_cross_entropy, torch
+    >= 2.13) or 'ours' (ChunkedCrossEntropy; also for bf16, whose loss torch's rounds to bf16)."""
+    return "torch" if hasattr(F, "linear_cross_entropy") and dtype != torch.bfloat16 else "ours"
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
+                          targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits x @ weight.T (x (..., C), weight (V, C)) against targets
+    (...,), IGNORE_INDEX skipped, computed by chunks of tokens: the logits never exist whole.
+    The matmuls run in autocast's dtype, as the full path's LM head would; the loss is float32."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    x, weight, targets = x.reshape(-1, x.size(-1)).to(dtype), weight.to(dtype), targets.reshape(-1)
+    if chunked_loss_impl(dtype) == "torch":
+        rows = loss_chunk_rows(x.size(0), weight.size(0))
+        return F.linear_cross_entropy(x, weight, targets, ignore_index=IGNORE_INDEX,
+                                      options=nn.LinearCrossEntropyOptions(batch_chunk_size=rows))
+    return _chunked_eager(x, weight, targets)
+
+
+@torch.compiler.disable  # compiled models run the chunk loop eagerly: large matmuls, no gain
+def _chunked_eager(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return ChunkedCrossEntropy.apply(x, weight, targets)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -244,10 +340,15 @@ class GPT(nn.Module):
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None,
-                input_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv_cache: KVCache | None = None, input_pos: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> (logits (B, T, vocab), loss). With a kv_cache the tokens sit at
-        input_pos (T,) (default 0..T-1); the caller keeps those below block_size."""
+        input_pos (T,) (default 0..T-1); the caller keeps those below block_size. logits_at (K,):
+        the LM head only at these indices into T -> logits (B, K, vocab) (a prefill's last).
+        With targets and model.loss=chunked the logits never exist: (None, loss)."""
+        if logits_at is not None and targets is not None:
+            raise ValueError("logits_at is for inference: pass targets or logits_at, not both")
         B, T = idx.size()
         if input_pos is None:
             if T > self.config.block_size:
@@ -259,6 +360,10 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, kv_cache, input_pos)  # (B, T, C)
         x = self.transformer.ln_f(x)
+        if targets is not None and self.config.loss == "chunked":  # padded rows left out
+            return None, chunked_cross_entropy(x, self.lm_head.weight[:self.vocab_size], targets)
+        if logits_at is not None:
+            x = x[:, logits_at]  # (B, K, C)
         logits = self.lm_head(x)[..., :self.vocab_size]  # (B, T, vocab): padded rows never win
         loss = None
         if targets is not None:

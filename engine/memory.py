@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from config import Config, ModelConfig, checkpoint_plan
-from model import padded_vocab_size
+from model import loss_chunk_rows, padded_vocab_size
 
 GIB = 2**30
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, one of each per parameter
@@ -32,7 +32,7 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int  # kept for backward, over the whole micro-batch
-    logits: int  # the loss's float32 log-softmax and its gradient, at the start of backward
+    logits: int  # the LM head + loss at its peak (loss_bytes)
     recompute: int  # one checkpointed part's activations, rebuilt during backward
 
     @property
@@ -88,6 +88,18 @@ def activation_bytes(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
     return (kept + final) * tokens, recompute * tokens
 
 
+def loss_bytes(m: ModelConfig, tokens: int, act: int) -> int:
+    """The LM head + loss at its peak. full: the (padded) logits, their float32 log-softmax kept
+    for backward and its float32 gradient. chunked: one chunk's float32 logits (turned into their
+    gradient in place; + a 16-bit copy under autocast), and the input and float32 head gradients
+    it makes in forward (measured: docs/memory.md)."""
+    C, V = m.n_embd, m.vocab_size
+    if m.loss == "chunked":
+        chunk = loss_chunk_rows(tokens, V) * V * (4 if act == 4 else 4 + act)
+        return chunk + act * tokens * C + 4 * V * C
+    return tokens * (act * padded_vocab_size(m.vocab_size, m.vocab_pad_multiple) + 8 * m.vocab_size)
+
+
 def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     """Memory of one training process (model.vocab_size set); FSDP splits the states."""
     m, t = cfg.model, cfg.train
@@ -96,14 +108,12 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     act = 4 if cfg.system.dtype == "float32" else 2
     tokens = t.batch_size * m.block_size
     activations, recompute = activation_bytes(m, tokens, act)
-    # logits (padded), their float32 log-softmax kept for backward, and its float32 gradient
-    padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple)
-    logits = tokens * (act * padded + 8 * m.vocab_size)
     weight = 2 if cfg.system.weights_dtype == "bfloat16" else 4
     states = ADAMW_STATES + (1 if weight == 2 else 0)  # + the float32 master copy
     return MemoryEstimate(weights=weight * params // shards, gradients=weight * params // shards,
                           optimizer=states * 4 * params // shards,
-                          activations=activations, logits=logits, recompute=recompute)
+                          activations=activations, logits=loss_bytes(m, tokens, act),
+                          recompute=recompute)
 
 
 def size_text(n: int) -> str:
