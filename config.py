@@ -66,7 +66,8 @@ class TrainConfig:
     optimizer: str = opt("adamw", "adamw: AdamW on every parameter | muon: torch.optim.Muon on "
                          "the blocks' Linear weights, AdamW (learning_rate) on the rest",
                          ("adamw", "muon"))
-    muon_lr: float = opt(0.02, "Muon's peak learning rate; it follows the same warmup and decay")
+    muon_lr: float = opt(0.01, "Muon's peak learning rate (best of a sweep in docs/speedups.md); "
+                         "it follows the same warmup and decay")
     muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)")
     muon_adjust_lr: str = opt("match_rms_adamw", "Muon's per-matrix lr scale: match_rms_adamw "
                               "(0.2 x sqrt(max(rows, cols)): updates the size of AdamW's, so "
