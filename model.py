@@ -98,22 +98,32 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values (B, nh, block_size, hs) per layer, written at the caller's positions, read
-    whole under a mask of each query's past: one shape per step; padding beyond is never seen."""
+    """Keys and values per layer, (2, B, nh, block_size, hs), written at the caller's explicit
+    positions. With `filled` unset, attention reads the whole cache under a mask of each query's
+    past: one shape for every step, as compiled code always does. A sampler sets filled = n to
+    say the T tokens it writes are the last of positions 0..n-1; eager attention then reads only
+    those n (a single token needs no mask). Stale keys beyond a query are never seen."""
 
     def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        shape = (2, batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.k, self.v = [kv[0] for kv in self.kv], [kv[1] for kv in self.kv]  # views
         self.slots = torch.arange(cfg.block_size, device=device)
+        self.filled: int | None = None
 
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) at input_pos (T,) -> the layer's whole keys and values
-        (B, nh, block_size, hs) and the (T, block_size) mask: each query sees keys up to it."""
-        self.k[layer].index_copy_(2, input_pos, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(2, input_pos, v.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer], self.slots[None, :] <= input_pos[:, None]
+    def update(self, layer: int, input_pos: torch.Tensor, kv: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store kv (2, B, nh, T, hs), keys and values, at input_pos (T,) -> the layer's keys and
+        values (B, nh, n, hs) and the (T, n) mask: each query sees keys up to it (None: all)."""
+        cache = self.kv[layer]
+        cache.index_copy_(3, input_pos, kv.to(cache.dtype))
+        if self.filled is None or torch.compiler.is_compiling():
+            return cache[0], cache[1], self.slots[None, :] <= input_pos[:, None]
+        # eager decoding reads only the written prefix: a whole 1024-slot read costs GPT-2 124M
+        # ~72 MB per token (15% of its weights), and the mask ops cost more than the attention
+        n = self.filled
+        mask = None if kv.size(3) == 1 else self.slots[None, :n] <= input_pos[:, None]
+        return cache[0, :, :, :n], cache[1, :, :, :n], mask
 
 
 class CausalSelfAttention(nn.Module):
@@ -132,11 +142,11 @@ class CausalSelfAttention(nn.Module):
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.size()
         hs = C // self.n_head
-        q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-                   for t in self.c_attn(x).split(C, dim=2))
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, hs).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, nh, T, hs) each
         mask = None  # sdpa without a cache or buffer: is_causal
-        if kv_cache is not None:  # k, v: (B, nh, block_size, hs), mask (T, block_size)
-            k, v, mask = kv_cache.update(self.layer, input_pos, k, v)
+        if kv_cache is not None:  # k, v: (B, nh, T_k, hs), mask (T, T_k) or None: sees all
+            k, v, mask = kv_cache.update(self.layer, input_pos, qkv[1:])
         elif hasattr(self, "mask"):
             mask = self.mask[:T, :T]
         elif self.impl == "scratch":  # built on the fly
@@ -144,10 +154,11 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.attn_dropout.p if self.training else 0.0
         if self.impl == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                               is_causal=mask is None)
+                                               is_causal=mask is None and kv_cache is None)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T_k)
-            att = att.masked_fill(~mask, float("-inf"))
+            if mask is not None:
+                att = att.masked_fill(~mask, float("-inf"))
             att = F.softmax(att.float(), dim=-1).to(q.dtype)
             y = self.attn_dropout(att) @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)

@@ -38,6 +38,7 @@ TRAIN_ROWS = [
     ("empty_cache=off", ["--empty_cache=false"], True),
     ("prefetch=on", ["--prefetch=true"], True),
 ]
+DECODE_ROUNDS = 3  # decode: ours and transformers take turns this many times; medians reported
 TRAIN_HEADER = ["setting", "tokens/s", "step peak MiB (estimate)", "ratio",
                 "whole peak MiB (estimate)", "ratio", "reserved MiB"]
 # --decode-model: the shape of the random weights decoded (the same vocabulary, 50257)
@@ -133,15 +134,30 @@ def bench_train(config_args: list[str], opts, device: torch.device, left) -> lis
     return rows
 
 
-def decode_rate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int,
-                rt: runtime.Runtime, run=None) -> tuple[float, torch.Tensor]:
-    """(tokens/s after the prompt, the tokens) of batch-1 greedy decoding: run(n) generates n
-    tokens, by default with our KV cache; run(4) first, to warm up."""
-    run = run or (lambda n: generate_tokens(model, prompt, n, temperature=0,
-                                            autocast=rt.autocast))
-    run(4)
-    seconds, out = timed(lambda: run(new_tokens), rt)
-    return new_tokens / seconds, out
+def our_generate(model: GPT, prompt: torch.Tensor, rt: runtime.Runtime):
+    """run(n): n greedy tokens after the prompt, with our KV cache."""
+    return lambda n: generate_tokens(model, prompt, n, temperature=0, autocast=rt.autocast)
+
+
+def decode_rates(runs: dict, new_tokens: int, rt: runtime.Runtime,
+                 rounds: int = DECODE_ROUNDS) -> dict[str, tuple[float, torch.Tensor]]:
+    """name -> (median tokens/s after the prompt, the tokens) of each run(n) generating n
+    tokens, the runs taking turns round by round (A B A B: load on the machine hits each alike);
+    run(4) first, to warm up."""
+    for run in runs.values():
+        run(4)
+    seconds, tokens = {name: [] for name in runs}, {}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            took, tokens[name] = timed(lambda: run(new_tokens), rt)
+            seconds[name].append(took)
+    return {name: (new_tokens / statistics.median(s), tokens[name]) for name, s in seconds.items()}
+
+
+def decode_rate(model: GPT, prompt: torch.Tensor, new_tokens: int,
+                rt: runtime.Runtime) -> tuple[float, torch.Tensor]:
+    """(tokens/s after the prompt, the tokens) of our batch-1 greedy decoding."""
+    return decode_rates({"ours": our_generate(model, prompt, rt)}, new_tokens, rt)["ours"]
 
 
 def bytes_per_token(model: GPT) -> int:
@@ -232,23 +248,24 @@ def loader_markdown(lo: dict) -> list[str]:
             "alone):", "", markdown_table(["producer", "batches/s"], rows), ""]
 
 
-def hf_decode(ours: GPT, prompt: torch.Tensor, new: int, rt: runtime.Runtime) -> dict:
-    """transformers' GPT2LMHeadModel.generate on our weights, batch 1, greedy, with its cache."""
+def hf_generate(ours: GPT, prompt: torch.Tensor, rt: runtime.Runtime) -> tuple[object, dict]:
+    """(run(n), notes): transformers' GPT2LMHeadModel.generate on our weights, batch 1, greedy,
+    with its cache; run is None where transformers is not installed."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError as e:
         print(f"  decode transformers: skipped: transformers is not installed ({e})", flush=True)
-        return {"hf_skipped": "transformers is not installed"}
+        return None, {"hf_skipped": "transformers is not installed"}
     hf = GPT2LMHeadModel(GPT2Config(**hf_weights.hf_config(ours.config)))
     missing, _ = hf.load_state_dict(hf_weights.ours_to_hf(ours), strict=False)
     hf = hf.to(rt.device).eval()
-    with torch.no_grad():
-        rate, tokens = decode_rate(hf, prompt, new, rt, lambda n: hf.generate(
-            prompt, do_sample=False, max_new_tokens=n, min_new_tokens=n, use_cache=True,
-            pad_token_id=0, attention_mask=torch.ones_like(prompt)))
-    return {"hf_tokens_per_s": rate, "hf_tokens": tokens,
-            "hf_missing_keys": [k for k in missing  # buffers, and the head HF ties itself
-                                if not k.endswith("attn.bias") and k != "lm_head.weight"]}
+
+    @torch.no_grad()
+    def run(n: int) -> torch.Tensor:
+        return hf.generate(prompt, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                           use_cache=True, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    return run, {"hf_missing_keys": [k for k in missing  # buffers, and the head HF ties itself
+                                     if not k.endswith("attn.bias") and k != "lm_head.weight"]}
 
 
 def int8_decode(ours: GPT, prompt: torch.Tensor, new: int, rt: runtime.Runtime, layers: str,
@@ -273,18 +290,21 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     ours = GPT(m).to(rt.device).eval()
     prompt = torch.randint(0, m.vocab_size, (1, opts.prompt_tokens), device=rt.device)
     new = min(opts.decode_tokens, m.block_size - opts.prompt_tokens)
-    our_rate, our_tokens = decode_rate(ours, prompt, new, rt)
     src = torch.empty(256 * MIB // 4, device=rt.device)  # copy bandwidth: read + write, best of 5
     dst, weight = torch.empty_like(src), bytes_per_token(ours)
     bandwidth = max(2 * src.numel() * 4 / timed(lambda: dst.copy_(src), rt)[0] for _ in range(5))
-    hf = hf_decode(ours, prompt, new, rt)
-    hf_tokens = hf.pop("hf_tokens", None)
-    same = None if hf_tokens is None else bool(torch.equal(our_tokens, hf_tokens))
+    hf_run, hf = hf_generate(ours, prompt, rt)
+    runs = {"ours": our_generate(ours, prompt, rt), "hf": hf_run}
+    rates = decode_rates({name: run for name, run in runs.items() if run}, new, rt)
+    our_rate, our_tokens = rates["ours"]
+    if "hf" in rates:
+        hf["hf_tokens_per_s"] = rates["hf"][0]
+    same = bool(torch.equal(our_tokens, rates["hf"][1])) if "hf" in rates else None
     result = {"model": opts.decode_model, "device": rt.device.type,
               "params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
               "ours_tokens_per_s": our_rate, **hf, "same_tokens": same,
-              "prompt_tokens": opts.prompt_tokens, "new_tokens": new,
+              "prompt_tokens": opts.prompt_tokens, "new_tokens": new, "rounds": DECODE_ROUNDS,
               **int8_decode(ours, prompt, new, rt, opts.quantize_layers, our_tokens)}
     print(f"  decode: {result}", flush=True)
     return result
@@ -310,8 +330,11 @@ def decode_markdown(d: dict) -> list[str]:
                  f"{limit:,.1f}", "100%"])
     shape = "GPT-2 124M shape" if d["model"] == "gpt2" else \
         f"{d['params'] / 1e6:.1f}M-parameter '{d['model']}' shape"
+    versus = (f"; ours {d['ours_tokens_per_s'] / d['hf_tokens_per_s']:.2f}x transformers"
+              if "hf_tokens_per_s" in d else "")
     return [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
-            f"{d['new_tokens']} new tokens (same tokens from both: {d['same_tokens']}):", "",
+            f"{d['new_tokens']} new tokens, medians of {d.get('rounds', 1)} runs each taking "
+            f"turns (same tokens from both: {d['same_tokens']}{versus}):", "",
             markdown_table(["implementation", "tokens/s", "share of the bandwidth limit"], rows),
             ""]
 

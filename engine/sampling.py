@@ -32,17 +32,27 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 def prefill(model: GPT, ids: torch.Tensor, cache: KVCache,
-            bucket: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write ids (B, L) into the cache at 0..L-1 -> (logits (B, L, vocab), next position (1,)).
-    bucket > 0 right-pads to a multiple of it (at most block_size, masked): few compiled shapes."""
+            bucket: int = 0) -> tuple[torch.Tensor, int]:
+    """Write ids (B, L) into the cache at 0..L-1 -> (the last position's logits (B, 1, vocab),
+    L). bucket > 0 right-pads to a multiple of it (at most block_size, masked): few compiled
+    shapes. The LM head runs at the last real position only."""
     length = ids.size(1)
     padded = min(model.config.block_size, -(-length // bucket) * bucket) if bucket > 0 else length
     # a copy with standard strides: a slice of the growing idx carries its row stride, which
     # compiled code would guard on (and recompile for)
     ids = F.pad(ids, (0, padded - length)).clone(memory_format=torch.contiguous_format)
     input_pos = torch.arange(padded, device=ids.device)
-    logits, _ = model(ids, kv_cache=cache, input_pos=input_pos)  # (B, padded, vocab)
-    return logits[:, :length], input_pos[length - 1:length] + 1
+    cache.filled = padded
+    last = input_pos[length - 1:length]
+    return model(ids, kv_cache=cache, input_pos=input_pos, logits_at=last)[0], length
+
+
+def decode_step(model: GPT, token: torch.Tensor, cache: KVCache, pos: int,
+                input_pos: torch.Tensor) -> torch.Tensor:
+    """One token (B, 1) at position pos (input_pos holds the same, as a (1,) tensor; compiled
+    code sees only the tensor, so one graph serves every step) -> its logits (B, 1, vocab)."""
+    cache.filled = pos + 1  # eager attention reads the prefix written so far
+    return model(token, kv_cache=cache, input_pos=input_pos)[0]
 
 
 @torch.no_grad()
@@ -56,18 +66,19 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
     block = model.config.block_size
     start = max(0, idx.size(1) - block)
     cache = model.new_kv_cache(idx.size(0)) if kv_cache else None
-    input_pos = None  # the next token's position in the cache; None: read the context first
+    pos = None  # the next token's position in the cache; None: read the context first
     for _ in range(max_new_tokens):
         if idx.size(1) - start > block:  # keep the newest half; positions shift: re-read once
-            start, input_pos = idx.size(1) - (block - block // 2), None
+            start, pos = idx.size(1) - (block - block // 2), None
         with (autocast or contextlib.nullcontext)():
             if cache is None:
                 logits, _ = model(idx[:, start:])
-            elif input_pos is None:
-                logits, input_pos = prefill(model, idx[:, start:], cache, prompt_bucket)
+            elif pos is None:
+                logits, pos = prefill(model, idx[:, start:], cache, prompt_bucket)
+                input_pos = torch.tensor([pos], device=idx.device)
             else:  # the last token (a fresh (B, 1) tensor) at the next position
-                logits, _ = model(next_id, kv_cache=cache, input_pos=input_pos)
-                input_pos = input_pos + 1
+                logits = decode_step(model, next_id, cache, pos, input_pos)
+                pos, input_pos = pos + 1, input_pos + 1
         next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
         idx = torch.cat([idx, next_id], dim=1)
         if on_token is not None:

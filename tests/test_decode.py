@@ -1,0 +1,78 @@
+"""The decoding path against the reference: a KV cache read only up to what was written, a
+prefill whose LM head runs at the last position only, and compiled decoding (one static shape)."""
+import pytest
+import torch
+
+from conftest import on_each_device, tiny_model_config
+from engine import sampling
+from model import GPT
+
+LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
+
+
+def poisoned_cache(model: GPT, batch: int):
+    """A cache whose every slot holds NaN: any read of a slot not yet written shows in the
+    logits, masked or not (a zero attention weight times NaN is NaN)."""
+    cache = model.new_kv_cache(batch)
+    for t in cache.k + cache.v:
+        t.fill_(float("nan"))
+    return cache
+
+
+@pytest.mark.parametrize("attention", ["scratch", "sdpa"])
+@on_each_device
+def test_decode_reads_only_the_written_prefix(attention, device):
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(attention=attention)).to(device).eval()  # block_size 16
+    x = torch.randint(0, 37, (2, 16), device=device)
+    with torch.no_grad():
+        full, _ = model(x)  # (2, 16, vocab) without a cache
+        cache = poisoned_cache(model, 2)
+        first, pos = sampling.prefill(model, x[:, :5], cache)
+        steps = [sampling.decode_step(model, x[:, t:t + 1], cache, t,
+                                      torch.tensor([t], device=device)) for t in range(pos, 16)]
+        # the reference read of the whole cache under a mask sees the poisoned slots
+        cache = poisoned_cache(model, 2)
+        whole, _ = model(x[:, :5], kv_cache=cache)
+    assert first.shape == (2, 1, 37) and pos == 5
+    torch.testing.assert_close(torch.cat([first] + steps, dim=1), full[:, 4:],
+                               **LOGITS_TOL[device])
+    assert torch.isnan(whole).all()
+
+
+@on_each_device
+def test_prefill_computes_the_last_logits_only(device):
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(vocab_pad_multiple=8)).to(device).eval()  # 37 -> 40 rows
+    x = torch.randint(0, 37, (2, 6), device=device)
+    with torch.no_grad():
+        full, _ = model(x)
+        for bucket in (0, 4, 32):  # exact, padded to 8, padded to block_size
+            logits, pos = sampling.prefill(model, x, model.new_kv_cache(2), bucket)
+            assert logits.shape == (2, 1, 37) and pos == 6
+            torch.testing.assert_close(logits, full[:, -1:], **LOGITS_TOL[device])
+
+
+def test_compiled_decoding_gives_the_eager_tokens():
+    """Compiled code reads the whole static cache under the mask; the tokens are the same."""
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(attention="sdpa")).eval()  # block_size 16: overflows once
+    prompt = torch.randint(0, 37, (1, 5))
+    eager = sampling.generate_tokens(model, prompt, 20, temperature=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # traced: is_compiling()
+    static = sampling.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
+    torch._dynamo.reset()
+    assert torch.equal(static, eager)
+
+
+def test_int8_decoding_with_the_cache_gives_the_uncached_tokens():
+    pytest.importorskip("torchao", reason="sample.quantize=int8 needs torchao (not installed)")
+    from engine import quantize
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(n_embd=32, attention="sdpa")).eval()
+    quantize.quantize_linears(model, "attn,mlp")
+    prompt = torch.randint(0, 37, (1, 5))
+    cached = sampling.generate_tokens(model, prompt, 20, temperature=0)
+    plain = sampling.generate_tokens(model, prompt, 20, temperature=0, kv_cache=False)
+    assert torch.equal(cached, plain)
