@@ -266,14 +266,14 @@ RULES = {  # dotted key -> (what it must be, the test)
                     "model.vocab_pad_multiple model.layer_norm_eps train.batch_size "
                     "train.grad_accum_steps train.learning_rate train.eval_iters "
                     "train.eval_interval train.log_interval train.keep_checkpoints "
-                    "train.max_nonfinite_steps system.dist_timeout sample.prompt_bucket"
-                    .split(), POSITIVE),
+                    "train.max_nonfinite_steps train.muon_lr system.dist_timeout "
+                    "sample.prompt_bucket".split(), POSITIVE),
     **dict.fromkeys("model.vocab_size train.max_iters train.warmup_iters train.weight_decay "
                     "train.grad_clip train.stop_after_iters train.tokens_per_step "
                     "train.hellaswag_interval train.hellaswag_examples sample.max_new_tokens "
                     "sample.temperature sample.top_k system.threads system.peak_flops "
                     "data.loader_workers".split(), NON_NEGATIVE),
-    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2"),
+    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2", "train.muon_momentum"),
                     ("in [0, 1)", lambda v: 0 <= v < 1)),
     "train.min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
     "sample.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),

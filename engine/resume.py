@@ -152,9 +152,9 @@ def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> li
     saved = (state or {}).get("rank_rng")
     if saved is not None and saved["torch"].shape[0] == dist.world_size:
         if not dist.is_main:
-            torch.set_rng_state(saved["torch"][dist.rank])
+            torch.set_rng_state(saved["torch"][dist.rank].clone())  # a row of a stack: copy it
             if "cuda" in saved and torch.device(dist.device).type == "cuda":
-                torch.cuda.set_rng_state(saved["cuda"][dist.rank], dist.device)
+                torch.cuda.set_rng_state(saved["cuda"][dist.rank].clone(), dist.device)
         return []
     if not dist.is_main:
         torch.manual_seed(int(np.random.SeedSequence([seed, dist.rank, step])

@@ -342,7 +342,7 @@ def settings(cfg: Config, rt: runtime.Runtime, notes: Notes) -> dict[str, str]:
             "tf32": "on" if rt.tf32 else "off", "fused_adamw": notes.fused_adamw,
             "pin_memory": pin, "dtype": cfg.system.dtype, "norm": m.norm, "gelu": m.gelu,
             "attention": attention, "compile": notes.compile, "vocab": vocab,
-            "batch": notes.batch}
+            "loss": m.loss, "optimizer": cfg.train.optimizer, "batch": notes.batch}
 
 
 def banner(values: dict[str, str], notes: list[str]) -> str:
