@@ -1,10 +1,12 @@
 """The speedup ablation: what each flag buys here, alone or chained, as one table and one plot;
---memory: what each memory strategy costs and saves (engine/bench_memory.py).
+--memory: what each memory strategy costs and saves (engine/bench_memory.py); --to-loss TARGET:
+the wall-clock time each recipe takes to reach a val loss (engine/bench_to_loss.py).
 
     python bench.py                          # the baseline, then each flag added in turn
     python bench.py --only all               # each flag alone against the baseline
     python bench.py --order attention,compile=max-autotune --config gpt2_124m --time-budget 150
     python bench.py --memory --part train,decode
+    python bench.py --to-loss 1.886 [--nanogpt ../nanoGPT]
 
 Each row runs in a fresh process from the same seed; a flag that changes nothing here is skipped
 with the reason. Config: bench_gpu on CUDA, else bench_cpu. Output: RESULTS/NAME.{json,md,png}.
@@ -32,7 +34,7 @@ import torch
 from config import (BOOL_WORDS, Config, ConfigError, apply_override, load_config, opt,
                     parse_command_line, validate)
 from data.loader import DataError
-from engine import bench_memory, runtime
+from engine import bench_memory, bench_to_loss, runtime
 from engine.benchmark import ensure_dataset, markdown_table, run_worker, time_left
 
 
@@ -86,6 +88,14 @@ class BenchOptions:
     decode_model: str = opt("gpt2", "memory decode: the shape of the random weights (gpt2: "
                             "GPT-2 124M)", choices=tuple(bench_memory.DECODE_SHAPES))
     prompt_tokens: int = opt(16, "memory decode: prompt length")
+    to_loss: float = opt(0.0, "time to this val loss instead of the ablation: the recipes of "
+                         "engine/bench_to_loss.py, each in its own train.py; 0: off")
+    recipes: str = opt("", "to-loss: only these recipes, a comma list (default: all)")
+    eval_every: int = opt(100, "to-loss: steps between evaluations (the target is checked there)")
+    recipe_seconds: float = opt(300.0, "to-loss: a recipe still short of the target after this "
+                                "many seconds is stopped (not reached)")
+    nanogpt: str = opt("", "to-loss: a nanoGPT checkout with data/shakespeare_char prepared, "
+                       "run side by side as a row")
 
 
 def parse_steps(text: str) -> list[tuple[str, str]]:
@@ -381,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         check_options(opts, cfg)
         if opts.memory:
             bench_memory.check(opts)
+        elif opts.to_loss:
+            bench_to_loss.check(opts)
         else:
             cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
             only = bool(opts.only)
@@ -392,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if opts.memory:
         return bench_memory.run(cfg, opts, config_args, command)
+    if opts.to_loss:
+        return bench_to_loss.run(opts, command)
     print(f"bench: {len(rows)} rows on {cfg.system.device}, each {opts.warmup_steps} warm-up + "
           f"{opts.measure_steps} timed steps in its own process" + (
               f", {opts.repeat} passes" if opts.repeat > 1 else ""), flush=True)

@@ -91,6 +91,33 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, ca
     assert "+ attention=sdpa" in out and "wrote" in out
 
 
+def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys):
+    """Two recipes of the same math (the reference path, then every speedup) reach the target at
+    the same evaluation with close losses; each run is stopped there; table, JSON and plot."""
+    code = bench.main(["--to-loss", "3.3", "--recipes", "reference,every speedup",
+                       "--eval-every", "25", "--results", str(tmp_path), "--name", "t",
+                       "--device=cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((tmp_path / "to_loss_t.json").read_text())
+    reference, fast = report["rows"]
+    assert reference["status"] == fast["status"] == "ok"
+    assert reference["reached"][0] == fast["reached"][0] <= 100  # the same step
+    assert reference["reached"][1] <= 3.3 and fast["curve"][-1] == fast["reached"]  # stopped
+    for (step_a, val_a, _), (step_b, val_b, _) in zip(reference["curve"], fast["curve"]):
+        assert step_a == step_b and val_a == pytest.approx(val_b, abs=0.02)
+    md = (tmp_path / "to_loss_t.md").read_text()
+    assert "| reference |" in md and "| every speedup |" in md and "1.00x" in md
+    assert (tmp_path / "to_loss_t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_to_loss_bad_options(tmp_path, capsys):
+    assert bench.main(["--to-loss", "2", "--recipes", "referense", "--device=cpu"]) == 2
+    assert "--recipes: unknown referense; the recipes are reference" in capsys.readouterr().err
+    assert bench.main(["--to-loss", "2", "--nanogpt", str(tmp_path), "--device=cpu"]) == 2
+    assert "no train.py there; give a nanoGPT checkout" in capsys.readouterr().err
+
+
 def test_later_passes_add_their_steps_to_the_median():
     first = {"status": "ok", "tokens_per_step": 100, "step_s": [1.0, 1.0, 4.0],
              "tokens_per_s": 100.0, "memory": {"rss": 10}}
