@@ -54,6 +54,8 @@ FLAGS = {
     "compile": Flag(("system.compile",), "false", "true"),  # a value is the mode
     "vocab_pad": Flag(("model.vocab_pad_multiple",), "1", "64"),
     "batch_size_auto": Flag(("train.batch_size_auto",), "false", "true"),
+    "chunked_loss": Flag(("model.loss",), "full", "chunked"),
+    "muon": Flag(("train.optimizer",), "adamw", "muon"),  # tokens/s: what its steps cost
 }
 DEFAULT_ORDER = ",".join(FLAGS)
 

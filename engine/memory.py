@@ -109,9 +109,12 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     tokens = t.batch_size * m.block_size
     activations, recompute = activation_bytes(m, tokens, act)
     weight = 2 if cfg.system.weights_dtype == "bfloat16" else 4
-    states = ADAMW_STATES + (1 if weight == 2 else 0)  # + the float32 master copy
+    master = 1 if weight == 2 else 0  # the float32 master copy
+    # Muon keeps one momentum buffer for the blocks' matrices (12 C^2 per layer), AdamW two
+    matrices = 12 * m.n_embd ** 2 * m.n_layer if t.optimizer == "muon" else 0
+    state_floats = (ADAMW_STATES + master) * params - matrices
     return MemoryEstimate(weights=weight * params // shards, gradients=weight * params // shards,
-                          optimizer=states * 4 * params // shards,
+                          optimizer=state_floats * 4 // shards,
                           activations=activations, logits=loss_bytes(m, tokens, act),
                           recompute=recompute)
 
@@ -121,7 +124,7 @@ def size_text(n: int) -> str:
 
 
 def format_estimate(e: MemoryEstimate, cfg: Config) -> str:
-    parts = [("weights", e.weights), ("grads", e.gradients), ("adamw", e.optimizer),
+    parts = [("weights", e.weights), ("grads", e.gradients), (cfg.train.optimizer, e.optimizer),
              ("activations", e.activations), ("logits+loss", e.logits),
              ("recompute", e.recompute)]
     body = " + ".join(f"{name} {size_text(b)}" for name, b in parts if b)

@@ -216,8 +216,9 @@ part_bench() {
                --batch_size=2 --grad_accum_steps=1 "${CPU_DATA[@]}")
     else
         # configs/bench_gpu.toml (GPT-2 124M, context 1024) at 8 x 2 sequences per step; compile
-        # last, so only one row pays for compiling; batch_size_auto finds 16 x 1 on an H200
-        args+=(--order causal_mask,tf32,fused_adamw,pin_memory,dtype,norm_gelu,attention,vocab_pad,batch_size_auto,compile
+        # last, so only one row pays for compiling; batch_size_auto finds 16 x 1 on an H200;
+        # chunked_loss and muon: what the chunked head and Muon's Newton-Schulz cost per step
+        args+=(--order causal_mask,tf32,fused_adamw,pin_memory,dtype,norm_gelu,attention,vocab_pad,batch_size_auto,chunked_loss,muon,compile
                --warmup-steps 1 --measure-steps 3 --batch_size=8 --grad_accum_steps=2)
     fi
     limited "$PYTHON" bench.py "${args[@]}"

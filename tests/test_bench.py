@@ -24,8 +24,10 @@ def test_chain_adds_flags_one_by_one_from_the_reference_path():
             base.system.compile, base.train.fused_adamw, base.data.pin_memory,
             base.train.batch_size_auto) == ("scratch", "buffer", "scratch", "scratch", 1,
                                             "float32", False, False, False, False, False)
+    assert (base.model.loss, base.train.optimizer) == ("full", "adamw")
     assert [r["flag"] for r in rows] == [None, *bench.FLAGS]
     last = rows[-1]["config"]
+    assert (last.model.loss, last.train.optimizer) == ("chunked", "muon")
     assert (last.model.attention, last.model.causal_mask, last.model.norm, last.model.gelu,
             last.model.vocab_pad_multiple, last.system.dtype, last.system.tf32,
             last.system.compile, last.train.fused_adamw, last.data.pin_memory,
