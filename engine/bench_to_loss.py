@@ -35,7 +35,7 @@ RECIPES = {  # name -> train.py arguments
     "every speedup": RECIPE + REFERENCE + SPEEDUPS,
     "+ chunked loss": RECIPE + REFERENCE + SPEEDUPS + ["--loss=chunked"],
     "+ muon": RECIPE + REFERENCE + SPEEDUPS + ["--loss=chunked", "--optimizer=muon"],
-    "fast config": ["--config", "shakespeare_char_fast", "--max_iters=2000"],
+    "fast config": ["--config", "shakespeare_char_fast"],
 }
 NANOGPT = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
            "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
