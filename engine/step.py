@@ -86,20 +86,22 @@ class NonFiniteGuard:
 
     limit: int
     in_a_row: int = 0  # as of the last read
-    pending: list = field(default_factory=list)  # (step, StepResult) since the last read
+    pending: list = field(default_factory=list)  # (step, finite, loss_sum, norm) since the read
 
     def record(self, step: int, result: StepResult) -> None:
-        self.pending.append((step, result))
+        """Keep this step's flag and values (device tensors, not its batch) for the next read."""
+        self.pending.append((step, result.finite, result.loss_sum, result.norm))
 
     def read(self, accum_steps: int) -> list[tuple[int, float, float, int]]:
         """(step, mean loss, norm, non-finite in a row) of each skipped step since the last read:
         one transfer from the device."""
         if not self.pending:
             return []
-        values = torch.stack([torch.stack([r.finite.float(), r.loss_sum.float() / accum_steps,
-                                           r.norm.float()]) for _, r in self.pending]).tolist()
+        values = torch.stack([torch.stack([finite.float(), loss_sum.float() / accum_steps,
+                                           norm.float()])
+                              for _, finite, loss_sum, norm in self.pending]).tolist()
         skipped = []
-        for (step, _), (finite, loss, norm) in zip(self.pending, values):
+        for (step, *_), (finite, loss, norm) in zip(self.pending, values):
             self.in_a_row = 0 if finite else self.in_a_row + 1
             if not finite:
                 skipped.append((step, loss, norm, self.in_a_row))
