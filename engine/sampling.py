@@ -1,5 +1,7 @@
-"""Token generation: top-k/top-p sampling, a KV cache at explicit positions, context overflow.
+"""Token generation: top-k/top-p sampling, a KV cache at explicit positions, context overflow,
+and the weight layout decoding reads fastest.
 
+    set_weight_layout(model, "auto")                                     # column-major on CPU
     out = generate_tokens(model, idx, 100, temperature=0.8, top_k=200)   # (B, T + 100)
 """
 import contextlib
@@ -9,6 +11,40 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, KVCache
+
+
+WEIGHT_LAYOUTS = ("auto", "row", "column")
+
+
+def weight_layout_for(layout: str, device: torch.device) -> str:
+    """sample.weight_layout -> 'row' or 'column': auto is column-major on CPU, where it measured
+    faster, and row-major (as trained) elsewhere, where it was not measured."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout {layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+    if layout == "auto":
+        return "column" if device.type == "cpu" else "row"
+    return layout
+
+
+@torch.no_grad()
+def set_weight_layout(model: GPT, layout: str) -> str:
+    """Store every float Linear weight (the blocks' and the tied LM head, which is also the
+    token embedding) row-major (as trained) or column-major -> the layout used. The values,
+    shapes and parameters stay; only the strides change, so training, state_dict and saved
+    checkpoints are unaffected (checkpoints are written contiguous). Column-major lets a
+    one-token F.linear read the weight as a plain (in, out) matrix: MKL's matrix-vector
+    product runs at ~23 GB/s that way on the 2-core AMD EPYC, ~15 GB/s over (out, in) rows.
+    Quantized (int8) weights are left as they are."""
+    layout = weight_layout_for(layout, model.transformer.wte.weight.device)
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or type(module.weight.data) is not torch.Tensor:
+            continue  # quantized weights are tensor subclasses
+        weight = module.weight.data
+        # column-major (out, in): the transpose of a contiguous (in, out) matrix
+        stored = weight.t().contiguous().t() if layout == "column" else weight.contiguous()
+        if stored.data_ptr() != weight.data_ptr():  # a copy: swap it in, the old one is freed
+            module.weight.data = stored
+    return layout
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -1,10 +1,15 @@
 """The decoding path against the reference: a KV cache read only up to what was written, a
-prefill whose LM head runs at the last position only, and compiled decoding (one static shape)."""
+prefill whose LM head runs at the last position only, compiled decoding (one static shape), and
+column-major weights (the same logits and tokens; checkpoints unchanged)."""
+import copy
+
 import pytest
 import torch
+from torch import nn
 
+from config import Config
 from conftest import on_each_device, tiny_model_config
-from engine import sampling
+from engine import checkpoint, sampling
 from model import GPT
 
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
@@ -73,6 +78,53 @@ def test_int8_decoding_with_the_cache_gives_the_uncached_tokens():
     model = GPT(tiny_model_config(n_embd=32, attention="sdpa")).eval()
     quantize.quantize_linears(model, "attn,mlp")
     prompt = torch.randint(0, 37, (1, 5))
-    cached = sampling.generate_tokens(model, prompt, 20, temperature=0)
     plain = sampling.generate_tokens(model, prompt, 20, temperature=0, kv_cache=False)
+    sampling.set_weight_layout(model, "column")  # the int8 Linears stay, the head changes
+    assert not model.lm_head.weight.is_contiguous()
+    cached = sampling.generate_tokens(model, prompt, 20, temperature=0)
     assert torch.equal(cached, plain)
+
+
+def linear_weights(model: GPT) -> list[torch.Tensor]:
+    return [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def test_column_major_weights_give_the_row_major_logits_and_tokens():
+    torch.manual_seed(0)
+    row = GPT(tiny_model_config(attention="sdpa", vocab_pad_multiple=8)).eval()
+    column = copy.deepcopy(row)
+    assert sampling.set_weight_layout(column, "column") == "column"
+    # every Linear, the tied head too, is now the transpose of a contiguous (in, out) matrix
+    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in linear_weights(column))
+    assert column.lm_head.weight is column.transformer.wte.weight  # still one tied parameter
+    x = torch.randint(0, 37, (2, 16))
+    with torch.no_grad():
+        for model in (row, column):
+            cache = model.new_kv_cache(2)
+            first, pos = sampling.prefill(model, x[:, :5], cache)
+            steps = [sampling.decode_step(model, x[:, t:t + 1], cache, t, torch.tensor([t]))
+                     for t in range(pos, 16)]
+            model.logits = torch.cat([first] + steps, dim=1)
+    torch.testing.assert_close(column.logits, row.logits, atol=1e-5, rtol=1e-5)
+    prompt = x[:1, :3]
+    uncached = sampling.generate_tokens(row, prompt, 20, temperature=0, kv_cache=False)
+    assert torch.equal(sampling.generate_tokens(column, prompt, 20, temperature=0), uncached)
+    assert sampling.set_weight_layout(column, "row") == "row"
+    assert all(w.is_contiguous() for w in linear_weights(column))
+    assert all(torch.equal(a, b) for a, b in zip(linear_weights(column), linear_weights(row)))
+
+
+def test_column_major_weights_leave_saved_checkpoints_unchanged(tmp_path):
+    torch.manual_seed(0)
+    model, cfg = GPT(tiny_model_config()), Config()
+    before = checkpoint.save(tmp_path / "row", 1, model, cfg, {}) / "model.safetensors"
+    sampling.set_weight_layout(model, "column")
+    after = checkpoint.save(tmp_path / "column", 1, model, cfg, {}) / "model.safetensors"
+    assert before.read_bytes() == after.read_bytes()
+
+
+def test_weight_layout_auto_and_bad_names():
+    assert sampling.weight_layout_for("auto", torch.device("cpu")) == "column"
+    assert sampling.weight_layout_for("auto", torch.device("cuda")) == "row"
+    with pytest.raises(ValueError, match="weight layout 'colum' is not one of auto, row, column"):
+        sampling.weight_layout_for("colum", torch.device("cpu"))
