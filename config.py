@@ -124,7 +124,9 @@ class SampleConfig:
 @dataclass
 class SystemConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
-    dtype: str = opt("float32", "autocast precision", ("float32", "bfloat16", "float16"))
+    dtype: str = opt("float32", "autocast precision; auto: bfloat16 where the hardware runs it "
+                     "natively (CUDA Ampere+, CPUs with AMX / AVX512-BF16), else float32",
+                     ("float32", "bfloat16", "float16", "auto"))
     weights_dtype: str = opt("float32", "bfloat16 halves weight and gradient memory (AdamW keeps "
                              "float32 master weights; needs dtype=bfloat16; not with fsdp)",
                              ("float32", "bfloat16"))

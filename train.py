@@ -88,6 +88,8 @@ def build_run(cfg: Config, dist: distributed.Dist) -> Run:
         t.init_from = resume.resolve_init(t.init_from, t.out_dir)
         meta = dataset_meta(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
+    if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
+        print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
     resuming = t.init_from == "resume"
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if resuming else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
@@ -104,6 +106,28 @@ def build_run(cfg: Config, dist: distributed.Dist) -> Run:
     return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
                eval_sets, scored, counters, next_batch or batches.next(), source, notes,
                log, runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size)
+
+
+def estimate_line(cfg: Config, raw_model: GPT, rt: runtime.Runtime, world_size: int) -> str:
+    """The time a step and the whole run take at least: their FLOPs at this device's matmul
+    rate in the chosen dtype (measured now, in about 0.2 s)."""
+    t, block = cfg.train, cfg.model.block_size
+    tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
+    per_token = raw_model.flops_per_token()  # training: forward + backward
+    evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)
+    eval_tokens = evaluations * 2 * t.eval_iters * t.batch_size * block  # both splits
+    rate = runtime.matmul_rate(rt.device, rt.dtype)
+    est = runtime.time_estimate(per_token * tokens / world_size, t.max_iters,
+                                per_token / 3 * eval_tokens, rate)
+    line = (f"estimate: >= {runtime.format_seconds(est['step_s'])} per step, >= "
+            f"{runtime.format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
+            f"evaluations ({per_token * tokens / world_size / 1e9:,.1f} GFLOP per step at "
+            f"{rate / 1e9:,.1f} GFLOP/s, the {str(rt.dtype).removeprefix('torch.')} matmul rate "
+            "measured here; other work adds to it)")
+    if est["step_s"] > 60:
+        line += "\nnote: this recipe is far too big for this device; on a CPU try --config " \
+                "shakespeare_char, or a smaller model, batch or --max_iters"
+    return line
 
 
 def print_banner(run: Run) -> None:

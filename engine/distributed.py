@@ -67,7 +67,7 @@ def apply_launcher_flags(cfg: Config) -> list[str]:
     if wanted is None:
         raise runtime.SetupError(f"accelerate launch --mixed_precision={precision} is not "
                                  "supported here; use bf16, fp16 or no (the config's --dtype)")
-    if wanted and system.dtype not in ("float32", wanted):
+    if wanted and system.dtype not in ("float32", "auto", wanted):
         raise runtime.SetupError(f"accelerate launch --mixed_precision={precision} asks for "
                                  f"{wanted} but the config says dtype={system.dtype}; pass "
                                  "the same precision to both, or drop one")

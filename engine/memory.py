@@ -12,12 +12,14 @@ weights, a float32 master copy: optim.MasterWeights).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from config import Config, ModelConfig, checkpoint_plan
+from engine import runtime
 from model import loss_chunk_rows, padded_vocab_size
 
 GIB = 2**30
@@ -135,6 +137,8 @@ def format_estimate(e: MemoryEstimate, cfg: Config) -> str:
 
 def describe(cfg: Config, world_size: int) -> str:
     """`python train.py --estimate-memory`: the estimate, without building the model."""
+    dtype, _ = runtime.resolve_dtype(cfg.system.dtype, runtime.resolve_device(cfg.system.device))
+    cfg = dataclasses.replace(cfg, system=dataclasses.replace(cfg.system, dtype=dtype))
     return (f"model: {parameter_count(cfg.model) / 1e6:.2f}M parameters, {world_size} "
             f"process(es)\n" + format_estimate(estimate(cfg, world_size), cfg))
 

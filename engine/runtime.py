@@ -1,9 +1,14 @@
-"""Runtime setup shared by every script: device, seeds, threads, precision (autocast, TF32),
-and the device's peak FLOP/s for MFU."""
+"""Runtime setup shared by every script: device, seeds, threads, precision (autocast, TF32,
+dtype=auto), what the machine is (CPU model, vector ISA, native bf16), the device's peak FLOP/s
+for MFU, and its measured matmul rate for the start-up time estimate."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import platform
 import random
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -77,8 +82,76 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+@functools.cache
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    info: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
+    return info
+
+
+def cpu_bf16_units() -> list[str]:
+    """The CPU's native bf16 matmul units: AMX and/or AVX-512-BF16 ([]: bf16 is emulated)."""
+    flags = set(cpu_info().get("flags", "").split())
+    units = [name for name, has in (
+        ("AMX", "amx_bf16" in flags or torch.cpu._is_amx_tile_supported()),
+        ("AVX512-BF16", "avx512_bf16" in flags or torch.cpu._is_avx512_bf16_supported())) if has]
+    return units
+
+
 def cpu_has_native_bf16() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return bool(cpu_bf16_units())
+
+
+def cpu_model() -> str:
+    """'AMD EPYC (family 25)', 'Intel(R) Xeon(R) Platinum 8480+ (family 6)'."""
+    info = cpu_info()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    return name + (f" (family {info['cpu family']})" if "cpu family" in info else "")
+
+
+def machine_line(device: torch.device) -> str:
+    """What this process runs on, for banners and benchmark headers: the CPU, the vector ISA
+    torch's kernels dispatch to, whether bf16 is native, the threads (and the GPU, if used)."""
+    threads = torch.get_num_threads()
+    units = cpu_bf16_units()
+    bf16 = f"bf16 native ({', '.join(units)})" if units else \
+        "bf16 emulated (no AMX / AVX512-BF16)"
+    line = (f"CPU {cpu_model()}, ISA {torch.backends.cpu.get_cpu_capability()}, {bf16}, "
+            f"{threads} thread{'s' if threads > 1 else ''} of {os.cpu_count()} CPUs")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        native = props.major >= 8
+        line = (f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, compute "
+                f"{props.major}.{props.minor}, bf16 {'native' if native else 'not native'}) | "
+                + line)
+    return line
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[str, str]:
+    """system.dtype -> (the dtype to use, why; '' unless it was auto). auto: bfloat16 where the
+    hardware runs it natively (CUDA compute >= 8.0, a CPU with AMX or AVX512-BF16), else
+    float32 (never float16: its loss scaling is a choice to make, not a default)."""
+    if name != "auto":
+        return name, ""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if torch.cuda.is_bf16_supported() and major >= 8:
+            return "bfloat16", f"dtype=auto: bfloat16 (compute {major}.{minor} runs it natively)"
+        return "float32", (f"dtype=auto: float32 (compute {major}.{minor}: bf16 needs 8.0, "
+                           "Ampere, or newer)")
+    if device.type == "cpu":
+        if units := cpu_bf16_units():
+            return "bfloat16", f"dtype=auto: bfloat16 (native on this CPU: {', '.join(units)})"
+        return "float32", (f"dtype=auto: float32 (this CPU's ISA is "
+                           f"{torch.backends.cpu.get_cpu_capability()}: no AMX / AVX512-BF16, "
+                           "bf16 would be emulated)")
+    return "float32", f"dtype=auto: float32 (bf16 is not known to be fast on {device.type})"
 
 
 def setup(system: SystemConfig, device: str = "") -> Runtime:
@@ -90,6 +163,9 @@ def setup(system: SystemConfig, device: str = "") -> Runtime:
     random.seed(system.seed)
     np.random.seed(system.seed)
     torch.manual_seed(system.seed)  # also seeds every CUDA device
+    system.dtype, why = resolve_dtype(system.dtype, device)  # what a checkpoint then stores
+    if why:
+        notes.append(why)
     dtype = DTYPES[system.dtype]
     if dtype == torch.bfloat16:
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -125,3 +201,51 @@ def peak_flops(rt: Runtime, override: float = 0.0) -> float:
         if key in name:
             return half if rt.dtype != torch.float32 else tf32 if rt.tf32 else fp32
     return 0.0
+
+
+@functools.cache
+def matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) -> float:
+    """FLOP/s of square matmuls in dtype on device, measured in about `seconds` (once per
+    process): the size doubles from 256 (2048 on CUDA) until a product takes 1/8 of that, then the
+    fastest of the repeats counts (the hardware's rate, not a moment of load from others)."""
+    cuda = device.type == "cuda"
+    n, limit = (2048, 8192) if cuda else (256, 2048)
+    rt = Runtime(device=device, dtype=dtype, tf32=False, notes=[])
+
+    def product_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+        rt.synchronize()
+        start = time.perf_counter()
+        a @ b
+        rt.synchronize()
+        return time.perf_counter() - start
+
+    begin = time.perf_counter()
+    while True:
+        a, b = (torch.ones(n, n, device=device, dtype=dtype) for _ in range(2))  # no RNG draws
+        product_seconds(a, b)  # the first call sets up the kernel
+        best = product_seconds(a, b)
+        if best > seconds / 8 or n >= limit or time.perf_counter() - begin > seconds / 2:
+            break
+        n *= 2
+    while time.perf_counter() - begin < seconds:
+        best = min(best, product_seconds(a, b))
+    return 2 * n**3 / best
+
+
+def time_estimate(flops_per_step: float, steps: int, eval_flops: float, rate: float) -> dict:
+    """Seconds per step and for the run (steps + eval_flops of evaluation) at `rate` FLOP/s.
+    Only the matmuls' FLOPs counted at the matmul rate: a floor, real steps take longer."""
+    step_s = flops_per_step / rate
+    return {"step_s": step_s, "run_s": step_s * steps + eval_flops / rate, "rate": rate}
+
+
+def format_seconds(seconds: float) -> str:
+    """'850 ms', '12.3 s', '4m05s', '3h12m'."""
+    if seconds < 1:
+        return f"{1000 * seconds:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = seconds / 60
+    if minutes < 60:
+        return f"{int(minutes)}m{int(seconds % 60):02d}s"
+    return f"{int(minutes // 60)}h{int(minutes % 60):02d}m"

@@ -75,6 +75,10 @@ def apply(raw_model: GPT, cfg: Config, rt: runtime.Runtime,
     model = wrap(raw_model, cfg, rt, dist)
     model, notes.compile = compile_model(model, cfg.system, rt)
     if cfg.system.compile:  # every shape compiled now: no recompiles (or stalls) later
+        if dist.is_main:
+            print(f"compiling: torch.compile warms up the {t.batch_size}x{cfg.model.block_size} "
+                  f"training and eval steps before step 1 ({compile_kernels(rt.device)}); "
+                  "this can take minutes ...", flush=True)
         warm_up(model, raw_model, rt, t.batch_size)
     return model, notes
 
@@ -159,6 +163,9 @@ def auto_micro_batch(cfg: Config, model: GPT, rt: runtime.Runtime, dist: Dist | 
     if rt.device.type != "cuda":
         return f"{plain} (batch_size_auto needs CUDA: kept)"
     global_batch = t.batch_size * t.grad_accum_steps
+    if dist is None or dist.is_main:
+        print(f"batch_size_auto: trial steps for the largest micro-batch dividing {global_batch} "
+              "that fits ...", flush=True)
     free, _ = torch.cuda.mem_get_info(rt.device)
     budget = int(MEMORY_HEADROOM * (free + torch.cuda.memory_reserved(rt.device)))
     was_training = model.training
@@ -239,6 +246,19 @@ def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[s
         kernels = attention_kernels(run)
     model.zero_grad(set_to_none=True)
     return kernels
+
+
+def compile_kernels(device: torch.device) -> str:
+    """What TorchInductor generates here: Triton on CUDA; on CPU, C++ vectorized for the ISA
+    its own check picks (AVX2, AVX512, ...; none: scalar C++)."""
+    if device.type != "cpu":
+        return "Triton kernels" if device.type == "cuda" else f"inductor on {device.type}"
+    try:
+        from torch._inductor import cpu_vec_isa
+        isa = str(cpu_vec_isa.pick_vec_isa()).upper() or "none (scalar)"
+    except Exception:  # noqa: BLE001 - a private module: only the note is lost
+        isa = "unknown"
+    return f"inductor C++ kernels, vectorized for {isa}"
 
 
 def wrap(model: GPT, cfg: Config, rt: runtime.Runtime, dist: Dist) -> torch.nn.Module:
@@ -346,8 +366,11 @@ def settings(cfg: Config, rt: runtime.Runtime, notes: Notes) -> dict[str, str]:
 
 
 def banner(values: dict[str, str], notes: list[str]) -> str:
+    """'machine: CPU ..., ISA AVX2, bf16 emulated ..., 2 threads' then 'speedups: k=v ...'."""
     tail = f"  [{'; '.join(notes)}]" if notes else ""
-    return "speedups: " + " ".join(f"{k}={v}" for k, v in values.items()) + tail
+    machine = runtime.machine_line(torch.device(values.get("device", "cpu")))
+    return (f"machine: {machine}\nspeedups: " + " ".join(f"{k}={v}" for k, v in values.items())
+            + tail)
 
 
 def effective(values: dict[str, str]) -> dict[str, str]:
