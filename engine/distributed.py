@@ -129,6 +129,7 @@ class Dist:
     notes: list[str] = field(default_factory=list)
     comm_device: torch.device = torch.device("cpu")  # where collective tensors must live
     _stdout: object = None
+    _flags_in_flight: torch.Tensor | None = None  # the last step's summed stop flags
 
     @property
     def enabled(self) -> bool:
@@ -206,7 +207,10 @@ class Dist:
 
     def sync_step(self, loss_sum: torch.Tensor, stop) -> torch.Tensor:
         """The global batch's loss (the mean over ranks), and a stop signal any rank received made
-        every rank's: one small all-reduce per step, so all skip and stop together."""
+        every rank's: one small all-reduce per step, so all skip and stop together. The flags are
+        read a step late: reading this step's would make the host wait for the device (NCCL
+        queues the all-reduce behind the step's kernels); the last step's are long done, and
+        every rank reads the same sums at the same step, so all still stop at one boundary."""
         if not self.enabled:
             return loss_sum
         pending = getattr(stop, "pending", None)
@@ -214,9 +218,11 @@ class Dist:
         values = torch.stack([loss_sum.detach().double().to(self.comm_device),
                               *torch.tensor(flags, dtype=torch.float64, device=self.comm_device)])
         total = self._all_reduce(values)
-        for name, count in zip(SIGNALS, total[1:].tolist()):
-            if count > 0:
-                stop.commit(name)
+        previous, self._flags_in_flight = self._flags_in_flight, total[1:]
+        if previous is not None:
+            for name, count in zip(SIGNALS, previous.tolist()):
+                if count > 0:
+                    stop.commit(name)
         return (total[0] / self.world_size).to(loss_sum.device, loss_sum.dtype)
 
 

@@ -327,6 +327,23 @@ def test_a_stop_signal_waits_for_the_shared_step_boundary():
     assert alone and alone.reason == "SIGTERM"
 
 
+class TwoEqualRanks(distributed.Dist):
+    """Dist as seen on rank 0 of two ranks that send the same values: the all-reduce doubles."""
+
+    def _all_reduce(self, values, op=None):
+        return values.detach().double() * 2
+
+
+def test_sync_step_shares_a_signal_one_step_late_and_means_the_loss():
+    dist, stop = TwoEqualRanks(world_size=2, parallel="ddp"), resume.StopRequest(synced=True)
+    assert dist.sync_step(torch.tensor(3.0), stop).item() == 3.0  # the mean over two ranks
+    stop.request("SIGTERM")  # arrives during step 2
+    assert dist.sync_step(torch.tensor(1.0), stop).item() == 1.0
+    assert not stop  # step 2's flags are not read yet: the host did not wait for them
+    dist.sync_step(torch.tensor(1.0), stop)  # step 3 reads step 2's sums
+    assert stop and stop.reason == "SIGTERM"
+
+
 def test_launcher_environment_errors(monkeypatch):
     for key in LAUNCHER_ENV:
         monkeypatch.delenv(key, raising=False)
