@@ -1,0 +1,342 @@
+"""Continuous batching for serve.py: a fixed number of decode slots over one static KV cache
+with a position per slot. New sequences join at the next step, finished ones leave at once.
+
+    engine = BatchEngine(model, tokenizer, device, slots=8, max_queue=32)
+    engine.start()                               # a thread: warm-up, then the decode loop
+    engine.submit([Sequence(prompt_ids, params, on_event)])   # events: text, done, error
+
+Each step, every running sequence does one forward: the ones with a cache row decode together
+(one batched step, each row at its own position), then new or re-windowed ones are prefilled
+alone (the same `sampling.prefill` as generate.py) and copied into their row. Sampling is
+`sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
+on what else is in the batch, and the same seed gives the same text.
+"""
+from __future__ import annotations
+
+import codecs
+import collections
+import contextlib
+import secrets
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine import memory
+from engine.sampling import prefill, sample_next
+from model import GPT, KVCache
+
+
+class QueueFull(RuntimeError):
+    """More sequences than the free slots and the queue can hold; retry later (HTTP 503)."""
+
+
+class SlotCache:
+    """Keys and values of `slots` sequences, (2, slots, nh, block_size, hs) per layer, each row
+    written at its own position. The model calls update() with input_pos (rows, 1): one new
+    token per row. `rows` and `filled` (set per step) bound what eager attention reads: the
+    first `rows` slots and positions 0..filled-1; static (compiled) code reads them all, under a
+    per-row mask, so one graph serves every step."""
+
+    def __init__(self, model: GPT, slots: int, static: bool):
+        cfg, p = model.config, model.transformer.wte.weight
+        shape = (2, slots, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        self.kv = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(cfg.n_layer)]
+        self.positions = torch.arange(cfg.block_size, device=p.device)
+        self.static, self.slots, self.block_size = static, slots, cfg.block_size
+        self.rows, self.filled = slots, cfg.block_size
+
+    def update(self, layer: int, input_pos: torch.Tensor, kv: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store kv (2, rows, nh, 1, hs) at each row's position input_pos (rows, 1) -> keys and
+        values (rows, nh, n, hs) and the (rows, 1, 1, n) mask of each row's past (None: one row
+        that sees all n)."""
+        rows, n = (self.slots, self.block_size) if self.static else (self.rows, self.filled)
+        cache = self.kv[layer][:, :rows]
+        index = input_pos.view(1, rows, 1, 1, 1).expand(2, rows, kv.size(2), 1, kv.size(4))
+        cache.scatter_(3, index, kv.to(cache.dtype))
+        mask = None
+        if rows > 1 or self.static:
+            mask = (self.positions[:n] <= input_pos.view(rows, 1))[:, None, None, :]
+        return cache[0, :, :, :n], cache[1, :, :, :n], mask
+
+    def store_row(self, row: int, prefilled: KVCache, length: int) -> None:
+        """Copy positions 0..length-1 of a batch-1 cache (a prefill's) into `row`."""
+        for mine, theirs in zip(self.kv, prefilled.kv):
+            mine[:, row, :, :length].copy_(theirs[:, 0, :, :length])
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed
+    stop: tuple[str, ...] = ()
+    stop_token: int | None = None  # GPT-2's <|endoftext|>: finish there (not in the text)
+
+
+class TextStream:
+    """Token ids in, text out: UTF-8 assembled across byte-level tokens, and `stop` strings found
+    across token boundaries. Text that might be the start of a stop string is held back."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        as_bytes = getattr(tokenizer, "decode_bytes", None)
+        self.to_bytes = as_bytes or (lambda ids: tokenizer.decode(ids).encode())
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stop, self.text, self.sent = stop, "", 0
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """(the text that may be sent now, whether a stop string ended the completion)."""
+        self.text += self.utf8.decode(self.to_bytes([token]))
+        hits = [i for s in self.stop if (i := self.text.find(s, self.sent)) >= 0]
+        if hits:
+            return self._send(min(hits)), True
+        hold = max((k for s in self.stop for k in range(1, len(s))
+                    if self.text.endswith(s[:k])), default=0)
+        return self._send(max(self.sent, len(self.text) - hold)), False
+
+    def finish(self) -> str:
+        """What is left when the completion ends without a stop string."""
+        self.text += self.utf8.decode(b"", final=True)
+        return self._send(len(self.text))
+
+    def _send(self, end: int) -> str:
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+Event = tuple  # ("text", str) | ("done", finish_reason, completion_tokens) | ("error", message)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion being generated. on_event is called from the engine's thread."""
+
+    prompt: list[int]
+    params: SamplingParams
+    on_event: Callable[[Event], None]
+    tokens: list[int] = field(default_factory=list)
+    generated: int = 0
+    slot: int | None = None
+    pos: int | None = None  # the next token's position in the slot; None: (re)read the context
+    start: int = 0  # where the context window begins in tokens
+    cancelled: bool = False
+    done: bool = False
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+        seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        self.text: TextStream | None = None
+
+
+class BatchEngine:
+    """The decode loop, in its own thread. Thread-safe: submit, cancel, stats, stop."""
+
+    def __init__(self, model: torch.nn.Module, raw_model: GPT, tokenizer, device: torch.device,
+                 slots: int, max_queue: int, prompt_bucket: int = 0, autocast=None,
+                 static: bool = False, warmup: bool = True, idle_release_s: float = 30.0,
+                 empty_cache: bool = True, log: Callable[[str], None] | None = None):
+        self.model, self.raw_model, self.tokenizer = model, raw_model, tokenizer
+        self.device = device
+        self.block_size = raw_model.config.block_size
+        self.slots, self.max_queue, self.bucket = slots, max_queue, prompt_bucket
+        self.autocast = autocast or contextlib.nullcontext
+        self.static, self.warmup, self.idle_release_s = static, warmup, idle_release_s
+        self.empty_cache, self.log = empty_cache, log or (lambda text: print(text, file=sys.stderr))
+        self.cache = SlotCache(raw_model, slots, static)
+        self.scratch = raw_model.new_kv_cache(1)  # prefills run batch 1 here, as generate.py's
+        self.running: list[Sequence | None] = [None] * slots
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.lock = threading.Condition()
+        self.ready = threading.Event()
+        self.stopping = False
+        self.warmup_seconds = 0.0
+        self.released_idle = 0  # times cached CUDA memory was handed back in an idle window
+        self.thread = threading.Thread(target=self._run, name="batch-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Finish what is running and queued, then end the thread."""
+        with self.lock:
+            self.stopping = True
+            self.lock.notify_all()
+        self.thread.join()
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue seqs for the next free slots; QueueFull when slots + queue cannot take them."""
+        with self.lock:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            busy = sum(s is not None for s in self.running) + len(self.waiting)
+            if busy + len(seqs) > self.slots + self.max_queue:
+                raise QueueFull(f"{busy} sequences are running or queued and {len(seqs)} more "
+                                f"would exceed the {self.slots} slots + {self.max_queue} queue")
+            self.waiting.extend(seqs)
+            self.lock.notify_all()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop seq (a client went away); its slot is free at the next step. No event follows."""
+        with self.lock:
+            seq.cancelled = True
+            self.lock.notify_all()
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"slots": self.slots, "active": sum(s is not None for s in self.running),
+                    "queued": len(self.waiting), "max_queue": self.max_queue}
+
+    def _run(self) -> None:
+        with torch.no_grad():
+            if self.warmup:
+                t0 = time.perf_counter()
+                self.warm_up()
+                self.warmup_seconds = time.perf_counter() - t0
+            self.ready.set()
+            while self._wait_for_work():
+                try:
+                    self.step()
+                except Exception as e:  # fail what is running, keep serving
+                    self.log(f"error in the decode loop: {traceback.format_exc()}")
+                    self._fail_all(f"the server failed while generating: {type(e).__name__}: {e}")
+
+    def _wait_for_work(self) -> bool:
+        """Block until something is queued or running (False: stopping with nothing left). An
+        idle window of idle_release_s hands cached CUDA memory back, once."""
+        with self.lock:
+            idle_since = None
+            while not self.waiting and all(s is None for s in self.running):
+                if self.stopping:
+                    return False
+                if idle_since is None:
+                    idle_since = time.monotonic()
+                left = idle_since + self.idle_release_s - time.monotonic()
+                if left <= 0 and idle_since is not None:
+                    if memory.release_cached(self.device, self.empty_cache):
+                        self.released_idle += 1
+                    idle_since = float("inf")  # once per idle window
+                    left = None
+                self.lock.wait(timeout=left)
+            return True
+
+    def step(self) -> None:
+        """One forward for every running sequence: a batched decode, then the prefills."""
+        self._admit()
+        decoding = [s for s in self.running if s is not None and s.pos is not None]
+        if decoding:
+            self._decode(decoding)
+        for seq in [s for s in self.running if s is not None and s.pos is None]:
+            self._prefill(seq)
+
+    def _admit(self) -> None:
+        """Drop cancelled sequences; move queued ones into free slots (lowest first)."""
+        with self.lock:
+            for i, seq in enumerate(self.running):
+                if seq is not None and seq.cancelled:
+                    self.running[i] = None
+            self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
+            for i in range(self.slots):
+                if self.running[i] is None and self.waiting:
+                    seq = self.waiting.popleft()
+                    seq.slot, self.running[i] = i, seq
+                    seq.start = max(0, len(seq.tokens) - self.block_size)
+                    seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
+                    seq.text = TextStream(self.tokenizer, seq.params.stop)
+
+    def _prefill(self, seq: Sequence) -> None:
+        """Read seq's context window alone (as generate.py does), into its slot's row."""
+        ids = torch.tensor([seq.tokens[seq.start:]], dtype=torch.long, device=self.device)
+        with self.autocast():
+            logits, length = prefill(self.model, ids, self.scratch, self.bucket)
+        self.cache.store_row(seq.slot, self.scratch, length)
+        seq.pos = length
+        self._advance(seq, logits[:, -1, :])
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """Each seq's last token at its own position, all in one (rows, 1) batch."""
+        rows = self.slots if self.static else max(s.slot for s in seqs) + 1
+        tokens = torch.zeros((rows, 1), dtype=torch.long)
+        positions = torch.zeros((rows, 1), dtype=torch.long)  # rows without a decode: 0, unread
+        for s in seqs:
+            tokens[s.slot, 0], positions[s.slot, 0] = s.tokens[-1], s.pos
+        self.cache.rows, self.cache.filled = rows, max(s.pos for s in seqs) + 1
+        with self.autocast():
+            logits = self.model(tokens.to(self.device), kv_cache=self.cache,
+                                input_pos=positions.to(self.device))[0][:, -1, :]  # (rows, V)
+        for s in seqs:
+            s.pos += 1
+        greedy = [s for s in seqs if s.params.temperature == 0]
+        if greedy:  # argmax per row, as sample_next does at temperature 0: one call for all
+            picks = logits[[s.slot for s in greedy]].float().argmax(dim=-1).tolist()
+            for s, token in zip(greedy, picks):
+                self._append(s, token)
+        for s in seqs:
+            if s.params.temperature > 0:
+                self._advance(s, logits[s.slot:s.slot + 1])
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        token = sample_next(logits, p.temperature, p.top_k, p.top_p, seq.generator)
+        self._append(seq, int(token))
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        """Record a sampled token, send its text, and finish seq if it is done."""
+        seq.tokens.append(token)
+        seq.generated += 1
+        if token == seq.params.stop_token:
+            return self._finish(seq, "stop")
+        text, stopped = seq.text.push(token)
+        if text:
+            seq.on_event(("text", text))
+        if stopped:
+            return self._finish(seq, "stop")
+        if seq.generated >= seq.params.max_tokens:
+            if rest := seq.text.finish():
+                seq.on_event(("text", rest))
+            return self._finish(seq, "length")
+        if len(seq.tokens) - seq.start > self.block_size:  # keep the newest half, re-read it
+            seq.start, seq.pos = len(seq.tokens) - (self.block_size - self.block_size // 2), None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        with self.lock:
+            if self.running[seq.slot] is seq:
+                self.running[seq.slot] = None
+        seq.done = True
+        seq.on_event(("done", reason, seq.generated))
+
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            failed = [s for s in self.running if s is not None] + list(self.waiting)
+            self.running, self.waiting = [None] * self.slots, collections.deque()
+        for seq in failed:
+            seq.done = True
+            seq.on_event(("error", message))
+
+    def warm_up(self) -> None:
+        """Run every shape serving will use before the first request: a prefill at each prompt
+        length bucket (with a bucket: the multiples of it up to block_size), a decode step at
+        each row count (static: the one full batch), and each sampling path."""
+        block = self.block_size
+        lengths = ([min(block, k) for k in range(self.bucket, block + self.bucket, self.bucket)]
+                   if self.bucket > 0 else sorted({1, block - block // 2, block}))
+        params = [SamplingParams(max_tokens=2, temperature=0),
+                  SamplingParams(max_tokens=2, temperature=1.0, top_k=5, top_p=0.9, seed=0)]
+        for length in lengths:
+            self._warm([Sequence([0] * length, params[length % 2], lambda event: None)])
+        row_counts = [self.slots] if self.static else range(1, self.slots + 1)
+        for rows in row_counts:
+            self._warm([Sequence([0], params[i % 2], lambda event: None) for i in range(rows)])
+
+    def _warm(self, seqs: list[Sequence]) -> None:
+        self.waiting.extend(seqs)
+        while any(not s.done for s in seqs):
+            self.step()

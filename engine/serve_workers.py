@@ -1,0 +1,276 @@
+"""serve.py's processes: a supervisor that loads the weights once, binds the port and forks
+`workers` processes that share the weights' pages (copy-on-write, never written: one copy in
+memory), restarts a worker that dies, and on SIGTERM lets the workers finish what they run.
+
+    Supervisor(WorkerSpec(...), load_for_serving(cfg, source)).run()   # -> exit code
+
+Each worker runs uvicorn on the inherited socket with its own BatchEngine (its slots, its queue,
+its share of the cores). The supervisor never runs a multi-threaded torch op before forking:
+a forked child of a process whose OpenMP pool has started hangs at its first parallel op.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from config import Config, ConfigError
+from engine import hf, quantize, runtime, sources, techniques
+from engine.tokenizer import TokenizerError, from_meta
+
+RESTARTS_PER_MINUTE = 5  # more crashes than this in a minute: stop, something is wrong
+STOP_GRACE_S = 600.0  # after SIGTERM, running requests get this long before workers are killed
+
+
+def log(text: str) -> None:
+    print(f"serve: {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Loaded:
+    """A model ready to serve (on the CPU until a worker moves it), and what describes it."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    label: str
+
+
+def load_for_serving(cfg: Config, init_from: str, model_name: str = "") -> Loaded:
+    """The model generate.py would sample from (--init-from, sample.checkpoint or
+    train.out_dir; int8 layers if sample.quantize), on the CPU, with its tokenizer."""
+    if init_from and cfg.sample.checkpoint:
+        raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
+                          "name a model to serve; pass one of them")
+    if cfg.sample.quantize != "none":
+        quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
+    source = init_from if init_from not in ("", "resume", "auto") else (
+        cfg.sample.checkpoint or cfg.train.out_dir)
+    model, _, meta, label = sources.load_model(source, cfg, "cpu")
+    if meta["tokenizer"]["kind"] == "unknown":
+        raise TokenizerError(f"{source} has a {model.config.vocab_size}-token vocabulary, not "
+                             f"GPT-2's {hf.GPT2_VOCAB}: there is no tokenizer for it here")
+    if cfg.sample.quantize == "int8":
+        chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
+        log(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
+            f"weights now {quantize.weight_bytes(model) / 2**20:.1f} MiB")
+    step = f" (step {meta['step']})" if "step" in meta else ""
+    return Loaded(model.eval(), from_meta(meta["tokenizer"]), model_name or served_name(source),
+                  label + step)
+
+
+def served_name(source: str) -> str:
+    """The id /v1/models shows: a run's folder name (not its ckpt_N), or the GPT-2 name."""
+    path = Path(source.removeprefix("hf:"))
+    if path.name.startswith("ckpt_") and path.parent.name:
+        return path.parent.name
+    return path.name or source
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker is started with (the command line, resolved)."""
+
+    cfg: Config
+    host: str
+    port: int
+    workers: int
+    slots: int
+    max_queue: int
+    max_tokens: int
+    max_prompt_tokens: int  # 0: block_size
+    warmup: bool
+    idle_release_s: float
+    share_weights: bool
+    retry_after_s: int
+    access_log: bool
+    threads: int = 0  # per worker; 0: the cores split between the workers
+    init_from: str = ""
+    model_name: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def threads_per_worker(self) -> int:
+        cores = self.cfg.system.threads or os.cpu_count() or 1
+        return self.threads or max(1, cores // self.workers)
+
+
+def die_with_parent() -> None:
+    """A worker ends if the supervisor is killed outright (Linux), never serving alone."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, ready_fd: int) -> int:
+    """A worker process, after the fork: its engine and uvicorn on the shared socket."""
+    import uvicorn
+
+    from engine.serve import ServedModel, create_app
+    from engine.serve_batch import BatchEngine
+
+    die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn takes them; after it, nothing to do
+        signal.signal(sig, lambda *_: None)
+    torch.set_num_threads(spec.threads_per_worker())
+    cfg = spec.cfg
+    rt = runtime.setup(cfg.system)
+    loaded = loaded or load_for_serving(cfg, spec.init_from, spec.model_name)
+    raw_model = loaded.model.to(rt.device)
+    model, _ = techniques.compile_model(raw_model, cfg.system, rt)
+    block = raw_model.config.block_size
+    engine = BatchEngine(model, raw_model, loaded.tokenizer, rt.device, spec.slots, spec.max_queue,
+                         prompt_bucket=cfg.sample.prompt_bucket if cfg.system.compile else 0,
+                         autocast=rt.autocast, static=cfg.system.compile, warmup=spec.warmup,
+                         idle_release_s=spec.idle_release_s, empty_cache=cfg.system.empty_cache,
+                         log=log)
+    served = ServedModel(loaded.name, block, raw_model.config.vocab_size,
+                         spec.max_prompt_tokens or block, spec.max_tokens, spec.retry_after_s)
+    app = create_app(engine, served, loaded.tokenizer, on_ready=lambda: os.write(
+        ready_fd, f"{engine.warmup_seconds:.2f}\n".encode()))
+    config = uvicorn.Config(app, log_level="warning", access_log=spec.access_log,
+                            lifespan="on", timeout_graceful_shutdown=None)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+@dataclass
+class Worker:
+    index: int
+    pid: int
+    ready_fd: int
+    started: float
+    ready: bool = False
+
+
+class Supervisor:
+    """Binds the port, forks the workers, restarts the ones that die, stops on SIGTERM/SIGINT."""
+
+    def __init__(self, spec: WorkerSpec, loaded: Loaded | None):
+        """loaded: the weights the workers share (None: each worker loads its own). Loaded
+        with torch at one thread (see the module docstring)."""
+        self.spec, self.loaded = spec, loaded
+        self.workers: dict[int, Worker] = {}
+        self.crashes: list[float] = []
+        self.stop_at: float | None = None
+        self.signalled = False
+        self.sock: socket.socket | None = None
+
+    def run(self) -> int:
+        spec = self.spec
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        self.sock = socket.create_server((spec.host, spec.port), backlog=2048)
+        host, port = self.sock.getsockname()[:2]
+        log(f"listening on http://{host}:{port} (workers {spec.workers} x "
+            f"{spec.threads_per_worker()} threads, {spec.slots} slots and a {spec.max_queue} "
+            f"queue each, weights {'shared' if spec.share_weights else 'one copy per worker'})")
+        for index in range(spec.workers):
+            self._spawn(index)
+        return self._watch()
+
+    def _on_signal(self, sig: int, frame) -> None:
+        self.signalled = True
+
+    def _spawn(self, index: int) -> None:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                os.close(read_fd)
+                code = run_worker(self.spec, self.loaded, self.sock, write_fd)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(write_fd)
+        self.workers[pid] = Worker(index, pid, read_fd, time.monotonic())
+
+    def _watch(self) -> int:
+        """The supervisor's loop: readiness, deaths, restarts, the stop. -> exit code."""
+        code = 0
+        while self.workers:
+            if self.signalled and self.stop_at is None:
+                self._begin_stop()
+            if self.stop_at is not None and time.monotonic() > self.stop_at:
+                for pid in self.workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            self._read_ready()
+            code = self._reap() or code
+        log("stopped")
+        return code
+
+    def _read_ready(self) -> None:
+        fds = {w.ready_fd: w for w in self.workers.values()}
+        with contextlib.suppress(InterruptedError):
+            readable, _, _ = select.select(list(fds), [], [], 0.2)
+            for fd in readable:
+                data = os.read(fd, 64).decode().strip()
+                w = fds[fd]
+                if data and not w.ready:
+                    w.ready = True
+                    log(f"worker {w.index} (pid {w.pid}) ready, warm-up {data}s")
+
+    def _reap(self) -> int:
+        """Collect dead workers; restart the ones that died while serving. -> exit code."""
+        code = 0
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return code
+            if pid == 0 or pid not in self.workers:
+                return code
+            w = self.workers.pop(pid)
+            os.close(w.ready_fd)
+            if self.stop_at is not None:
+                continue
+            how = (f"signal {signal.Signals(-os.waitstatus_to_exitcode(status)).name}"
+                   if os.WIFSIGNALED(status) else f"exit code {os.waitstatus_to_exitcode(status)}")
+            now = time.monotonic()
+            self.crashes = [t for t in self.crashes if now - t < 60] + [now]
+            if not w.ready:
+                log(f"worker {w.index} (pid {pid}) failed during start-up ({how}); stopping")
+                code = 1
+                self._begin_stop()
+            elif len(self.crashes) > RESTARTS_PER_MINUTE:
+                log(f"worker {w.index} died ({how}), {len(self.crashes)} deaths in a minute; "
+                    "stopping")
+                code = 1
+                self._begin_stop()
+            else:
+                log(f"worker {w.index} (pid {pid}) died ({how}); its requests failed; restarting")
+                self._spawn(w.index)
+        return code
+
+    def _begin_stop(self) -> None:
+        """Stop taking requests; the workers finish the running ones, then exit."""
+        log("stopping: finishing running requests")
+        self.stop_at = time.monotonic() + STOP_GRACE_S
+        if self.sock is not None:
+            self.sock.close()
+        for pid in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+
+def pss_bytes(pid: int) -> int:
+    """The process's proportional set size: each shared page split between its sharers."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/{pid}/smaps_rollup has no Pss line")

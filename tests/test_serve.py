@@ -1,0 +1,328 @@
+"""serve.py: the continuous-batching engine against generate.py's sampler (in-process), then one
+server subprocess per module (a tiny checkpoint on a free port) driven by the openai client and
+httpx: completions, streams, 8 concurrent greedy requests, bad requests, a disconnect, a full
+queue, a killed worker, SIGTERM."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from config import Config
+from engine import checkpoint, serve_batch, sources
+from engine.sampling import generate_tokens
+from engine.serve_batch import BatchEngine, SamplingParams, Sequence, TextStream
+from engine.tokenizer import CharTokenizer
+from model import GPT, ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CHARS = sorted(set("abcdefghijklmnopqrstuvwxyz ,.!?\n:;'-ABCD"))
+MAX_TOKENS_LIMIT = 20000
+WAIT_S = 60  # bound on every wait for the server: a broken server fails, never hangs the suite
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from more threads, and lose a lot on a busy machine (conftest
+    restores the count)."""
+    torch.set_num_threads(1)
+
+
+def tiny_checkpoint(out_dir: Path, attention: str = "sdpa") -> Path:
+    """A random 2-layer model whose weights are scaled up, so greedy picks have clear margins
+    (float noise between batch sizes cannot flip them)."""
+    torch.manual_seed(0)
+    cfg = Config()
+    cfg.model = ModelConfig(block_size=32, vocab_size=len(CHARS), n_layer=2, n_head=2, n_embd=32,
+                            attention=attention)
+    model = GPT(cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(20)
+    meta = {"tokenizer": {"kind": "char", "chars": CHARS}}
+    return checkpoint.save(out_dir, 1, model, cfg, meta)
+
+
+def reference(model: GPT, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+              top_p: float = 1.0, seed: int = 0) -> str:
+    """What generate.py's sampler gives for this request alone."""
+    tok = CharTokenizer(CHARS)
+    idx = torch.tensor([tok.encode(prompt)])
+    generator = torch.Generator().manual_seed(seed)
+    out = generate_tokens(model, idx, max_tokens, temperature, top_k, top_p, True, generator)
+    return tok.decode(out[0, idx.size(1):].tolist())
+
+
+def run_engine(model: GPT, requests: list[tuple[str, SamplingParams]], slots: int,
+               static: bool = False) -> list[str]:
+    """The requests through one BatchEngine, all submitted at once (more than the slots wait)."""
+    tok = CharTokenizer(CHARS)
+    texts = [""] * len(requests)
+
+    def collect(i: int, event: tuple) -> None:
+        if event[0] == "text":
+            texts[i] += event[1]
+
+    engine = BatchEngine(model, model, tok, torch.device("cpu"), slots=slots, max_queue=16,
+                         static=static, warmup=False)
+    seqs = [Sequence(tok.encode(p), params, lambda e, i=i: collect(i, e))
+            for i, (p, params) in enumerate(requests)]
+    engine.start()
+    engine.submit(seqs)
+    engine.stop()  # returns when all are done
+    assert all(s.done for s in seqs)
+    return texts
+
+
+@pytest.mark.parametrize("attention,static", [("sdpa", False), ("scratch", False),
+                                              ("sdpa", True)])
+def test_engine_gives_each_request_what_generate_gives_alone(tmp_path, attention, static):
+    """Greedy and seeded sampling, prompts of different lengths, past the context (re-read):
+    token for token generate.py's sampler alone. static: every slot, full cache, per-row mask
+    (the compiled path's shapes)."""
+    model = sources.load_model(str(tiny_checkpoint(tmp_path, attention)), Config())[0].eval()
+    requests = [("ab", SamplingParams(max_tokens=50, temperature=0)),
+                ("hello world, this is long", SamplingParams(max_tokens=20, temperature=0)),
+                ("c", SamplingParams(max_tokens=40, temperature=1.0, seed=7)),
+                ("dd", SamplingParams(max_tokens=30, temperature=0.8, top_k=5, top_p=0.9, seed=3)),
+                ("what?", SamplingParams(max_tokens=25, temperature=0))]
+    got = run_engine(model, requests, slots=3, static=static)
+    for (prompt, p), text in zip(requests, got):
+        assert text == reference(model, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p,
+                                 p.seed or 0), prompt
+
+
+def test_text_stream_holds_back_a_possible_stop_and_cuts_before_it():
+    tok = CharTokenizer(CHARS)
+    stream = TextStream(tok, ("b\n",))
+    sent = [stream.push(t) for t in tok.encode("aab")]
+    assert sent == [("a", False), ("a", False), ("", False)]  # 'b' may start the stop
+    assert stream.push(tok.encode("c")[0]) == ("bc", False)
+    assert stream.push(tok.encode("b")[0]) == ("", False)
+    assert stream.push(tok.encode("\n")[0]) == ("", True)
+    assert stream.text[:stream.sent] == "aabc"
+
+
+def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(serve_batch.memory, "release_cached",
+                        lambda device, enabled: calls.append(enabled) or True)
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=2,
+                         max_queue=2, warmup=False, idle_release_s=0.05)
+    engine.start()
+    deadline = time.monotonic() + WAIT_S
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # idle on: no second release in the same window
+    assert calls == [True]
+    done = []
+    engine.submit([Sequence([1, 2], SamplingParams(max_tokens=3, temperature=0),
+                            lambda e: done.append(e[0]))])
+    while "done" not in done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a new idle window after the request: released again
+    engine.stop()
+    assert calls == [True, True] and engine.released_idle == 2
+
+
+class Server:
+    """serve.py in a subprocess on a free port; output in a log file."""
+
+    def __init__(self, ckpt: Path, log: Path, *extra: str):
+        self.log = log
+        args = [sys.executable, str(ROOT / "serve.py"), f"--checkpoint={ckpt}", "--port=0",
+                "--device=cpu", "--threads=1", "--slots=4", "--max_queue=4",
+                f"--max-tokens-limit={MAX_TOKENS_LIMIT}", "--model-name=tiny", *extra]
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self._port()}"
+        self.health()  # waits until warmed up
+
+    def _port(self) -> int:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if m := re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log.read_text()):
+                return int(m.group(1))
+            assert self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.05)
+        raise AssertionError(f"serve.py printed no address:\n{self.log.read_text()}")
+
+    def health(self, until=lambda body: True) -> dict:
+        """GET /health until it is 200 and `until(body)` holds."""
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                r = httpx.get(f"{self.url}/health", timeout=5)
+                if r.status_code == 200 and until(r.json()):
+                    return r.json()
+            assert self.proc.poll() is None, self.log.read_text()
+            time.sleep(0.05)
+        raise AssertionError(f"/health never satisfied the condition:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    ckpt = tiny_checkpoint(tmp / "run")
+    server = Server(ckpt, tmp / "serve.log")
+    server.model = sources.load_model(str(ckpt), Config())[0].eval()
+    yield server
+    server.stop()
+
+
+def post(server: Server, body, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=WAIT_S, **kwargs)
+
+
+def test_openai_client_completion_and_stream(served):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0,
+                           timeout=WAIT_S)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    expected = reference(served.model, "hello", 12)
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 12)
+    chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    stop = expected[3:5]
+    stopped = client.completions.create(model="tiny", prompt="hello", max_tokens=12,
+                                        temperature=0, stop=[stop, "never"])
+    assert stopped.choices[0].text == expected[:expected.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_eight_concurrent_greedy_requests_equal_each_alone(served):
+    """4 slots + 4 queued, prompts and lengths mixed, some past the 32-token context."""
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0,
+                           timeout=WAIT_S)
+    jobs = [(p, n) for p, n in zip(["a", "hello there", "b c", "zzz", "the end.", "q", "xy, z",
+                                    "long prompt text"], [40, 8, 60, 15, 33, 5, 70, 20])]
+
+    def run(job):
+        return client.completions.create(model="tiny", prompt=job[0], max_tokens=job[1],
+                                         temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(run, jobs))
+    assert texts == [reference(served.model, p, n) for p, n in jobs]
+    # the same seed, the same text, alongside other traffic
+    seeded = {"prompt": "ab", "max_tokens": 20, "temperature": 1.0, "seed": 11}
+    first, second = (post(served, seeded).json()["choices"][0]["text"] for _ in range(2))
+    assert first == second == reference(served.model, "ab", 20, 1.0, seed=11)
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ('{"prompt": "ab", "max_tokens": 3', 400, "not valid JSON"),
+    ('["ab"]', 400, "must be a JSON object"),
+    ({"prompt": "ab", "max_tokens": "ten"}, 400, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "ab", "temperature": -1}, 400, "temperature: Input should be greater than"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": []}, 400, "prompt is empty"),
+    ({"max_tokens": 3}, 400, "prompt is required"),
+    ({"prompt": "ab", "colour": "red"}, 400, "unknown field 'colour'"),
+    ({"prompt": "ab", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+    ({"prompt": "ab", "max_tokens": MAX_TOKENS_LIMIT + 1}, 400, "over this server's limit"),
+    ({"prompt": "a" * 33}, 400, "has 33 tokens but this server takes at most 32"),
+    ({"prompt": "ab\u00e9"}, 400, "outside this"),
+    ({"prompt": [[1, 999]]}, 400, "token ids outside"),
+    ({"prompt": "ab", "stop": ""}, 400, "stop must be"),
+    ({"prompt": "ab", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"prompt": "ab", "n": 9}, 400, "server holds at most 8"),
+    ({"prompt": "ab", "model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
+])
+def test_bad_requests_get_a_clear_json_error(served, body, status, message):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{served.url}/v1/completions", content=content, timeout=WAIT_S,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def open_stream(client: httpx.Client, stack: contextlib.ExitStack, max_tokens: int):
+    r = stack.enter_context(client.stream("POST", "/v1/completions", json={
+        "prompt": "ab", "max_tokens": max_tokens, "stream": True}))
+    assert r.status_code == 200
+    return r
+
+
+def test_disconnect_mid_stream_frees_the_slot(served):
+    with httpx.Client(base_url=served.url, timeout=WAIT_S) as client:
+        with contextlib.ExitStack() as stack:
+            lines = open_stream(client, stack, MAX_TOKENS_LIMIT).iter_lines()
+            assert [next(lines) for _ in range(4)][0].startswith("data: {")
+            assert served.health()["active"] == 1
+    assert served.health(lambda h: h["active"] == 0 and h["queued"] == 0)
+    assert post(served, {"prompt": "ab", "max_tokens": 3}).status_code == 200
+
+
+def test_full_queue_answers_503_with_retry_after(served):
+    with httpx.Client(base_url=served.url, timeout=WAIT_S) as client:
+        with contextlib.ExitStack() as stack:
+            for _ in range(8):  # 4 slots + 4 queued
+                open_stream(client, stack, MAX_TOKENS_LIMIT)
+            assert served.health(lambda h: h["active"] == 4 and h["queued"] == 4)
+            r = post(served, {"prompt": "ab", "max_tokens": 3})
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert "at capacity" in r.json()["error"]["message"]
+    assert served.health(lambda h: h["active"] == 0 and h["queued"] == 0)
+    assert post(served, {"prompt": "ab", "max_tokens": 3}).status_code == 200
+
+
+def test_killed_worker_fails_its_request_and_is_restarted(served):
+    pid = served.health()["worker_pid"]
+    with httpx.Client(base_url=served.url, timeout=WAIT_S) as client:
+        with contextlib.ExitStack() as stack:
+            lines = open_stream(client, stack, MAX_TOKENS_LIMIT).iter_lines()
+            next(lines)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(httpx.RemoteProtocolError):
+                for _ in lines:
+                    pass
+    assert served.health(lambda h: h["worker_pid"] != pid)
+    assert post(served, {"prompt": "ab", "max_tokens": 3}).status_code == 200
+    assert "worker 0" in served.log.read_text() and "restarting" in served.log.read_text()
+
+
+def test_sigterm_finishes_running_requests_then_exits(served):
+    """Last: it stops the module's server."""
+    with httpx.Client(base_url=served.url, timeout=WAIT_S) as client:
+        with contextlib.ExitStack() as stack:
+            lines = open_stream(client, stack, 600).iter_lines()
+            next(lines)
+            served.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    choices = [json.loads(line[6:])["choices"][0] for line in rest[:-1]]
+    assert choices[-1]["finish_reason"] == "length"
+    assert len("".join(c["text"] for c in choices)) == 600 - 1  # the first line read above
+    assert served.proc.wait(timeout=WAIT_S) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{served.url}/health", timeout=5)
