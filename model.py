@@ -143,14 +143,15 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         hs = C // self.n_head
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, hs).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # (B, nh, T, hs) each
-        mask = None  # sdpa without a cache or buffer: is_causal
         if kv_cache is not None:  # k, v: (B, nh, T_k, hs), mask (T, T_k) or None: sees all
-            k, v, mask = kv_cache.update(self.layer, input_pos, qkv[1:])
-        elif hasattr(self, "mask"):
-            mask = self.mask[:T, :T]
-        elif self.impl == "scratch":  # built on the fly
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            q, (k, v, mask) = qkv[0], kv_cache.update(self.layer, input_pos, qkv[1:])
+        else:
+            q, k, v = qkv.unbind(0)  # (B, nh, T, hs) each
+            mask = None  # sdpa without a buffer: is_causal
+            if hasattr(self, "mask"):
+                mask = self.mask[:T, :T]
+            elif self.impl == "scratch":  # built on the fly
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         dropout_p = self.attn_dropout.p if self.training else 0.0
         if self.impl == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
@@ -161,8 +162,8 @@ class CausalSelfAttention(nn.Module):
                 att = att.masked_fill(~mask, float("-inf"))
             att = F.softmax(att.float(), dim=-1).to(q.dtype)
             y = self.attn_dropout(att) @ v  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.resid_dropout(y) if self.training else y  # eval: dropout is the identity
 
 
 class MLP(nn.Module):
@@ -176,7 +177,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, 4C)
         h = F.gelu(h, approximate="tanh") if self.native_gelu else gelu_tanh(h)
-        return self.dropout(self.c_proj(h))
+        h = self.c_proj(h)
+        return self.dropout(h) if self.training else h
 
 
 class Block(nn.Module):
