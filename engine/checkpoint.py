@@ -1,5 +1,6 @@
 """Checkpoints: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (resolved), meta.json
-and train_state.pt (optimizer, RNG, data position; loaded weights_only). Staged in a hidden
+and train_state.pt (optimizer, RNG, data position; loaded weights_only); a pruned model's masks
+in mask.safetensors (engine/prune.py). Staged in a hidden
 directory and renamed into place: a crash or a full disk never leaves half a one."""
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import config as config_mod
+from engine import prune
 from engine.memory import size_text
 from model import GPT
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)$")
 TIED = "lm_head.weight"
+MASK_FILE = "mask.safetensors"  # a pruned model's masks, True = kept
 FULL, QUOTA = "no space left on device", "disk quota exceeded"
 DISK_FULL_ERRNOS = {errno.ENOSPC: FULL, errno.EDQUOT: QUOTA}
 # a full disk as writers that do not raise OSError report it: safetensors' Rust I/O error text,
@@ -178,9 +181,12 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
     files = {"config.json": cfg.to_json().encode(),
              "meta.json": json.dumps({"step": step, **meta}, indent=1).encode()}
     note = f"; the last complete checkpoint, {latest}, is intact" if latest else ""
-    needed = bytes_to_write(weights, train_state, *files.values())
+    masks = {name: mask.cpu() for name, mask in prune.masks_of(model).items()}
+    needed = bytes_to_write(weights, train_state, masks, *files.values())
     with staging_dir(out, ".tmp_ckpt_", f"checkpoint {final}", needed, out_flag, note) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
+        if masks:
+            save_file(masks, str(tmp / MASK_FILE))
         if train_state is not None:
             torch.save(train_state, tmp / "train_state.pt")
         write_files(tmp, files)
@@ -245,6 +251,13 @@ def load_weights(model: GPT, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt}/model.safetensors is unreadable ({e}); the file is "
                               "truncated or corrupt") from None
     load_state(model, state, str(ckpt))
+    if not (ckpt / MASK_FILE).is_file():
+        return
+    try:
+        prune.attach(model, load_file(str(ckpt / MASK_FILE)))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}/{MASK_FILE} is unusable ({e}); the checkpoint is "
+                              "corrupt: prune its source again with prune.py") from None
 
 
 def mismatch_parts(missing: list, unexpected: list, shapes: list) -> list[str]:

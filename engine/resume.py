@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError
-from engine import checkpoint
+from engine import checkpoint, prune
 from engine.checkpoint import CheckpointError
 from engine.distributed import SIGNALS, Dist, full_tensor
 
@@ -112,9 +112,11 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batches,
             device: torch.device) -> tuple[Counters, tuple | None, list[str]]:
     """With init_from=resume, `source`'s state put into this freshly built run: (counters, next
-    batch or None, notes). Call it after techniques.apply (which draws random numbers)."""
+    batch or None, notes). Call it after techniques.apply (which draws random numbers). A pruned
+    source's masks are held from here on (prune.hold_zeros)."""
+    held = prune.hold_zeros(model, optimizer)
     if cfg.train.init_from != "resume":
-        return Counters(), None, restore_rank_rng(dist, None, cfg.system.seed, 0)
+        return Counters(), None, held + restore_rank_rng(dist, None, cfg.system.seed, 0)
     state = checkpoint.load_train_state(source)
     if state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"{source} has train state format {state.get('format')!r}, this "
@@ -140,8 +142,8 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
         next_batch = (x[rank::world].to(device), y[rank::world].to(device))
     notes += config_changes(checkpoint.read_config(source), cfg,
                             (state.get("world_size", 1), dist.world_size))
-    return counters, next_batch, notes + restore_rank_rng(dist, state, cfg.system.seed,
-                                                          counters.step)
+    return counters, next_batch, held + notes + restore_rank_rng(dist, state, cfg.system.seed,
+                                                                 counters.step)
 
 
 def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> list[str]:

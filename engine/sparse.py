@@ -1,0 +1,261 @@
+"""Running a pruned model's Linear layers with sparse kernels, where they measured faster here.
+
+    note = prepare_for_inference(model, "auto", device)   # generate.py --sparse=auto
+    python -m engine.sparse                                # CSR/BSR vs dense at GPT-2 124M shapes
+
+Kernels: on CPU, the weight as a CSR tensor (torch.mm(csr, x^T)); on CUDA, 2:4 semi-structured
+(torch.sparse.to_sparse_semi_structured, float16/bfloat16, Ampere or newer). `auto` times dense
+against sparse for each pruned weight shape at `rows` input rows (1 = a decode step) when the
+model is prepared, alternating the two, and swaps in a sparse layer only where its median was
+faster by SPEEDUP_NEEDED; the others keep their dense weights with zeros.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine import prune
+
+MODES = ("dense", "sparse", "auto")
+SPEEDUP_NEEDED = 1.1  # auto: sparse must beat dense by this factor (timing noise)
+GPT2_SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768),
+               "mlp.c_proj": (768, 3072)}  # (out, in) of GPT-2 124M's block Linears
+
+
+class CSRLinear(torch.nn.Module):
+    """A Linear whose weight is a CSR tensor: y = x W^T + b computed as (W x^T)^T (CPU)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(linear.weight.detach().to_sparse_csr(),
+                                         requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        y = torch.mm(self.weight, rows.t().contiguous()).t()  # (N, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class SemiStructuredLinear(torch.nn.Module):
+    """A Linear with a 2:4 semi-structured weight (CUDA sparse tensor cores) in `dtype`; the
+    input is cast to it and the output back to the input's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype = torch.float16):
+        super().__init__()
+        from torch.sparse import to_sparse_semi_structured
+
+        self.in_features, self.out_features, self.dtype = (linear.in_features,
+                                                           linear.out_features, dtype)
+        self.weight = torch.nn.Parameter(to_sparse_semi_structured(
+            linear.weight.detach().to(dtype)), requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(
+            linear.bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.dtype)  # (N, in)
+        y = F.linear(rows, self.weight, self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def is_two_four(weight: torch.Tensor) -> bool:
+    """At most 2 non-zeros in every 4 consecutive weights along the input dimension."""
+    if weight.shape[-1] % 4:
+        return False
+    return bool(((weight.reshape(weight.shape[0], -1, 4) != 0).sum(-1) <= 2).all())
+
+
+def sparse_kind(device: torch.device) -> str:
+    return "2:4 semi-structured" if device.type == "cuda" else "CSR"
+
+
+def make_sparse(linear: torch.nn.Linear, device: torch.device) -> torch.nn.Module | None:
+    """The sparse replacement this device has for `linear`, or None (with CUDA, a weight that
+    is not 2:4 or a GPU older than Ampere)."""
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 0) or not is_two_four(linear.weight):
+            return None
+        return SemiStructuredLinear(linear)
+    return CSRLinear(linear) if device.type == "cpu" else None
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def race(dense: torch.nn.Module, sparse: torch.nn.Module, rows: int, repeats: int = 7,
+         calls: int = 3) -> tuple[float, float]:
+    """(dense, sparse) median seconds of one call at `rows` input rows, taking turns."""
+    weight = dense.weight
+    x = torch.randn(rows, dense.in_features, device=weight.device, dtype=weight.dtype)
+    for layer in (dense, sparse):
+        layer(x)  # warm up
+    turns = {"dense": [], "sparse": []}
+    for _ in range(repeats):
+        for name, layer in (("dense", dense), ("sparse", sparse)):
+            turns[name].append(median_seconds(lambda: layer(x), calls))
+    return statistics.median(turns["dense"]), statistics.median(turns["sparse"])
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+@torch.no_grad()
+def prepare_for_inference(model: torch.nn.Module, mode: str, device: torch.device | str,
+                          rows: int = 1) -> str:
+    """Swap a pruned model's Linear layers for sparse ones: all that can (sparse), none
+    (dense), or those whose weight shape ran faster sparse at `rows` input rows (auto). Returns
+    one line saying what was chosen; a dense model is left as it is."""
+    if mode not in MODES:
+        raise ValueError(f"sparse mode {mode!r} is not one of {', '.join(MODES)}")
+    device, masks = torch.device(device), prune.masks_of(model)
+    if not masks:
+        return "sparse kernels: none (the model is not pruned)"
+    if mode == "dense":
+        return f"sparse kernels: off, dense weights with zeros ({prune.describe(model)})"
+    layers = {name.removesuffix(".weight"): model.get_submodule(name.removesuffix(".weight"))
+              for name in masks}
+    verdicts: dict[tuple, str] = {}  # weight shape -> why it is sparse or dense
+    swapped = 0
+    for name, linear in layers.items():
+        sparse = make_sparse(linear, device)
+        shape = tuple(linear.weight.shape)
+        if sparse is None:
+            verdicts.setdefault(shape, "dense (no sparse kernel for it here)")
+            continue
+        if mode == "auto" and shape not in verdicts:
+            dense_s, sparse_s = race(linear, sparse, rows)
+            faster = dense_s / sparse_s >= SPEEDUP_NEEDED
+            verdicts[shape] = (f"{'sparse' if faster else 'dense'} "
+                               f"({dense_s / sparse_s:.2f}x dense speed)")
+        if mode == "sparse" or verdicts[shape].startswith("sparse"):
+            _set_module(model, name, sparse)
+            swapped += 1
+    shapes = ", ".join(f"{o}x{i}: {verdict}" for (o, i), verdict in verdicts.items())
+    probe = f" at {rows} row{'s' * (rows != 1)}" if mode == "auto" else ""
+    return (f"sparse kernels ({mode}, {sparse_kind(device)}{probe}): {swapped} of {len(layers)} "
+            f"pruned Linears sparse" + (f"; {shapes}" if shapes else ""))
+
+
+def pruned_weight(shape: tuple[int, int], sparsity: float, pattern: str,
+                  generator: torch.Generator) -> torch.Tensor:
+    weight = torch.randn(shape, generator=generator) * 0.02
+    return weight * prune.magnitude_mask(weight, sparsity, pattern)
+
+
+def bench_shape(shape: tuple[int, int], sparsity: float, pattern: str, rows: int,
+                device: torch.device, repeats: int) -> dict:
+    """Dense vs CSR (vs BSR 16x16 on CPU; vs 2:4 semi-structured on CUDA) for one Linear."""
+    weight = pruned_weight(shape, sparsity, pattern, torch.Generator().manual_seed(0))
+    dense = torch.nn.Linear(shape[1], shape[0], bias=False)
+    dense.weight.data = weight.to(device)
+    row = {"shape": list(shape), "sparsity": sparsity, "pattern": pattern, "rows": rows}
+    kernels = {"csr": lambda: CSRLinear(dense)}
+    if device.type == "cpu":
+        kernels["bsr16"] = lambda: BSRLinear(dense)
+    elif pattern == "2:4":
+        kernels = {"2:4": lambda: SemiStructuredLinear(dense, torch.float16)}
+    for kernel, make in kernels.items():
+        try:
+            reference = dense if kernel != "2:4" else dense.half()
+            dense_s, sparse_s = race(reference, make(), rows, repeats)
+            row[kernel] = round(dense_s / sparse_s, 3)
+            row.setdefault("dense_us", round(1e6 * dense_s, 1))
+        except (RuntimeError, NotImplementedError) as e:
+            row[kernel] = f"unsupported: {str(e).splitlines()[0][:80]}"
+        dense.float()
+    return row
+
+
+class BSRLinear(CSRLinear):
+    """The same with a block-sparse (16 x 16 blocks) weight; only all-zero blocks are skipped."""
+
+    def __init__(self, linear: torch.nn.Linear, block: int = 16):
+        super().__init__(linear)
+        self.weight = torch.nn.Parameter(linear.weight.detach().to_sparse_bsr((block, block)),
+                                         requires_grad=False)
+
+
+def bench(device: torch.device, rows_list: list[int], repeats: int) -> list[dict]:
+    """Every GPT-2 124M block shape at 50/75/90% unstructured and 2:4, at each row count."""
+    cases = [(0.5, "unstructured"), (0.75, "unstructured"), (0.9, "unstructured"), (0.5, "2:4")]
+    results = []
+    for rows in rows_list:
+        for sparsity, pattern in cases:
+            for name, shape in GPT2_SHAPES.items():
+                row = {"layer": name, **bench_shape(shape, sparsity, pattern, rows, device,
+                                                    repeats)}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    return results
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor()) \
+        if Path("/proc/cpuinfo").is_file() else platform.processor()
+    return (f"{cpu}, {torch.get_num_threads()} threads, "
+            f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
+
+
+def write_table(results: list[dict], device: torch.device, path: Path, command: str) -> None:
+    kernels = [k for k in ("csr", "bsr16", "2:4") if any(k in r for r in results)]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
+    lines = [f"# Sparse vs dense Linear at GPT-2 124M block shapes ({device.type})", "",
+             f"Machine: {where}. Command: `{command}`.",
+             "Each cell: dense time / sparse time for one Linear call (above 1 = sparse faster);",
+             "medians of alternating turns. Weights: random, pruned by magnitude.", "",
+             "| rows | pattern | sparsity | layer (out x in) | dense us | "
+             + " | ".join(kernels) + " |", "|" + " --- |" * (5 + len(kernels))]
+    for r in results:
+        cells = [str(r.get(k, "")) if not isinstance(r.get(k), float) else f"{r[k]:.2f}x"
+                 for k in kernels]
+        lines.append(f"| {r['rows']} | {r['pattern']} | {r['sparsity']} | {r['layer']} "
+                     f"{r['shape'][0]}x{r['shape'][1]} | {r.get('dense_us', '')} | "
+                     + " | ".join(cells) + " |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".json").write_text(json.dumps(
+        {"machine": where, "command": command, "results": results}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.sparse", description=__doc__.split(
+        "\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rows", default="1,64,512", help="input rows per call, comma list")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--out", default="", help="bench_results/NAME without suffix; '' = print")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    results = bench(device, [int(r) for r in args.rows.split(",")], args.repeats)
+    if args.out:
+        write_table(results, device, Path(args.out), "python -m engine.sparse " +
+                    " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
