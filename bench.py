@@ -9,7 +9,11 @@ the wall-clock time each recipe takes to reach a val loss (engine/bench_to_loss.
     python bench.py --to-loss 1.886 [--nanogpt ../nanoGPT]
 
 Each row runs in a fresh process from the same seed; a flag that changes nothing here is skipped
-with the reason. Config: bench_gpu on CUDA, else bench_cpu. Output: RESULTS/NAME.{json,md,png}.
+with the reason. The chain puts each flag on the fastest combination so far and carries it on
+only when it measured faster beyond the noise (verdict); a row that hurt is shown, dropped, and
+the last kept row is the best this machine has. On a CPU the kernel rows follow (threads,
+inductor C++, oneDNN bf16: engine/bench_kernels.py). Config: bench_gpu on CUDA, else bench_cpu.
+Output: RESULTS/NAME.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import torch
 from config import (BOOL_WORDS, Config, ConfigError, apply_override, load_config, opt,
                     parse_command_line, validate)
 from data.loader import DataError
-from engine import bench_memory, bench_to_loss, runtime
+from engine import bench_kernels, bench_memory, bench_to_loss, runtime
 from engine.benchmark import ensure_dataset, markdown_table, run_worker, time_left
 
 
@@ -68,7 +72,14 @@ class BenchOptions:
     only: str = opt("", "all | FLAG,...: each flag alone against the baseline, not the chain")
     warmup_steps: int = opt(2, "untimed steps per row")
     measure_steps: int = opt(5, "timed steps per row")
-    repeat: int = opt(1, "passes over all rows; tokens/s: the median of all their timed steps")
+    repeat: int = opt(1, "runs of each row (fresh processes); tokens/s: the median of all "
+                      "their timed steps")
+    keep_margin: float = opt(0.03, "chain: a flag is carried into later rows only when its row "
+                             "beats the chain so far by more than this share and than the "
+                             "spread of either row's steps (dropped otherwise)")
+    kernels: str = opt("auto", "CPU kernel rows after the chain (threads, inductor C++, oneDNN "
+                       "bf16; training and batch-1 decoding): auto = on CPU", ("auto", "on", "off"))
+    decode_rounds: int = opt(3, "kernels: timed batch-1 decode runs per row (medians)")
     clock: str = opt("wall", "time steps by the wall clock or this process's CPU time (CPU, "
                      "--threads=1)", choices=("wall", "process"))
     time_budget: float = opt(0.0, "seconds in all: a row still running then is stopped "
@@ -137,25 +148,58 @@ def apply_flag(cfg: Config, name: str, value: str) -> None:
 
 
 def plan(cfg: Config, steps: list[tuple[str, str]], only: bool) -> list[dict]:
-    """The baseline (every listed flag at its reference value), then a row per flag added to the
-    previous row (the chain) or to the baseline (only)."""
+    """The baseline (every listed flag at its reference value), then a row per flag: on the
+    baseline (only), or on the chain's best combination when it runs (chain: config None here;
+    each flag is checked on the baseline now, so a bad value stops the bench before it runs)."""
     base = copy.deepcopy(cfg)
     for name, _ in steps:
         apply_flag(base, name, FLAGS[name].reference)
     rows = [{"flag": None, "value": None, "config": base, "previous": None}]
     for name, value in steps:
-        row_cfg = copy.deepcopy(base if only else rows[-1]["config"])
-        apply_flag(row_cfg, name, value)
-        rows.append({"flag": name, "value": value, "config": row_cfg,
-                     "previous": 0 if only else len(rows) - 1})
+        row_cfg = with_flag(base, name, value)
+        rows.append({"flag": name, "value": value, "config": row_cfg if only else None,
+                     "previous": 0 if only else None})
     return rows
+
+
+def with_flag(cfg: Config, name: str, value: str) -> Config:
+    """A copy of cfg with one flag set."""
+    row_cfg = copy.deepcopy(cfg)
+    apply_flag(row_cfg, name, value)
+    return row_cfg
+
+
+def spread(step_s: list[float]) -> float:
+    """The relative spread of a row's timed steps: interquartile range / median (0 for one)."""
+    if len(step_s) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(step_s, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(step_s)
+
+
+def verdict(candidate: dict, head: dict, margin: float) -> tuple[bool, str]:
+    """Whether the chain keeps a row's flag: (keep, why not). Kept when its tokens/s beats the
+    chain's head (the fastest combination so far) by more than the noise: the larger of margin
+    and either row's step spread. A pure function of the two rows' timings."""
+    if candidate["status"] != "ok":
+        return False, "" if candidate["status"] == "skipped" else "dropped: failed"
+    if head["status"] != "ok":
+        return True, ""  # nothing measured before it: it starts the chain
+    gain = candidate["tokens_per_s"] / head["tokens_per_s"] - 1
+    noise = max(margin, spread(candidate["step_s"]), spread(head["step_s"]))
+    if gain > noise:
+        return True, ""
+    how = "slower here" if gain < -noise else "not faster beyond the noise"
+    return False, f"dropped: {how} ({100 * gain:+.1f}%, noise {100 * noise:.1f}%)"
 
 
 def label(row: dict, only: bool) -> str:
     """'baseline', '+ tf32', '+ attention=sdpa', '+ dtype=bfloat16' ('only ...' alone)."""
     if row["flag"] is None:
         return "baseline"
-    value = row.get("dtype", row["value"]) if row["flag"] == "dtype" else row["value"]
+    value = row["value"]
+    if row["flag"] == "dtype" and value == "auto" and "dtype" in row:
+        value = f"auto ({row['dtype']})"
     shown = "" if value.lower() in ("true", "on", "yes", "1") else f"={value}"
     return ("only " if only else "+ ") + row["flag"] + shown
 
@@ -188,38 +232,61 @@ def merge_pass(first: dict, again: dict) -> None:
     first["memory"] = {k: max(v, again["memory"].get(k, 0)) for k, v in first["memory"].items()}
 
 
+def measure(row: dict, i: int, n_rows: int, prev: dict | None, opts: BenchOptions,
+            tmp: Path, left, only: bool) -> dict:
+    """One row, run --repeat times in fresh processes back to back, its timed steps pooled."""
+    first: dict = {}
+    for run in range(opts.repeat):
+        runs = f" (run {run + 1}/{opts.repeat})" if opts.repeat > 1 else ""
+        print(f"[{i + 1}/{n_rows}] {label(row, only)}{runs}", flush=True)
+        if left() <= 0:
+            why = f"the --time-budget of {opts.time_budget:g} s ran out"
+            print(f"    skipped: {why}", flush=True)
+            first = first or {"status": "skipped", "reason": why + " before this row"}
+            break
+        spec = {"kind": "row", "config": row["config"].to_dict(), "clock": opts.clock,
+                "warmup": opts.warmup_steps, "measure": opts.measure_steps,
+                "previous": prev if prev and "settings" in prev else None}
+        result = run_worker("engine.benchmark", spec, tmp, f"row{i}", left())
+        if not first:
+            first = result
+        else:
+            merge_pass(first, result)
+        if first["status"] != "ok":
+            break  # skipped and failed rows are not retried
+    return first
+
+
 def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, command: str) -> dict:
-    """The ceiling, then every row, --repeat times: a later pass adds timed steps to the first's,
-    so a burst of load on a shared machine lands on different rows in different passes."""
+    """The ceiling, then every row; in the chain each flag goes onto the fastest combination so
+    far (the head), which it replaces only when it measured faster beyond the noise (verdict)."""
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results: list[dict] = []
-    left = time_left(opts.time_budget)
+    left, head = time_left(opts.time_budget), 0
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
         ceiling = run_worker("engine.benchmark", {
             "kind": "ceiling", "config": cfg.to_dict(), "clock": opts.clock,
             "matmul_n": opts.ceiling_size}, Path(tmp), "ceiling", left())
-        for repeat, (i, row) in itertools.product(range(opts.repeat), enumerate(rows)):
-            if repeat and (results[i]["status"] != "ok" or left() <= 0):
-                continue  # skipped and failed rows are not retried
+        for i, row in enumerate(rows):
+            if i and not only:
+                row["previous"] = head
+                row["config"] = with_flag(rows[head]["config"], row["flag"], row["value"])
             prev = results[row["previous"]] if row["previous"] is not None else None
-            passes = f" (pass {repeat + 1}/{opts.repeat})" if opts.repeat > 1 else ""
-            print(f"[{i + 1}/{len(rows)}] {label(row, only)}{passes}", flush=True)
-            if left() <= 0:
-                why = f"the --time-budget of {opts.time_budget:g} s ran out"
-                print(f"    skipped: {why}", flush=True)
-                result = {"status": "skipped", "reason": why + " before this row"}
-            else:
-                spec = {"kind": "row", "config": row["config"].to_dict(), "clock": opts.clock,
-                        "warmup": opts.warmup_steps, "measure": opts.measure_steps,
-                        "previous": prev if prev and "settings" in prev else None}
-                result = run_worker("engine.benchmark", spec, Path(tmp), f"row{i}", left())
-            if repeat:
-                merge_pass(results[i], result)
-            else:
-                result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
-                              previous_notes=prev.get("notes", []) if prev else [])
-                results.append({**result, "label": label(result, only)})
+            result = measure(row, i, len(rows), prev, opts, Path(tmp), left, only)
+            result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
+                          previous_notes=prev.get("notes", []) if prev else [])
+            result["label"] = label(result, only)
+            if i and not only:
+                keep, why = verdict(result, results[head], opts.keep_margin)
+                result["chain"] = "kept" if keep else why
+                if keep:
+                    head = i
+                if why or keep:
+                    print(f"    chain: {result['chain']}", flush=True)
+            results.append(result)
+        kernels = bench_kernels.run(rows[head]["config"], opts, Path(tmp), left) \
+            if kernel_rows_wanted(opts, cfg) else []
     if ceiling["status"] != "ok":
         print(f"matmul ceiling not measured: {ceiling.get('error')}")
     derive(results, ceiling)
@@ -229,15 +296,27 @@ def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, comma
             "load_average": [load_start, os.getloadavg()[0]] if load_start is not None else None,
             "command": command, "warmup": opts.warmup_steps, "measure": opts.measure_steps,
             "repeat": opts.repeat, "clock": opts.clock, "time_budget": opts.time_budget,
-            "ceiling": ceiling, "config": cfg.to_dict(), "rows": results}
+            "keep_margin": opts.keep_margin, "ceiling": ceiling, "config": cfg.to_dict(),
+            "rows": results, "best": None if only else head, "kernels": kernels}
 
 
-def row_note(r: dict) -> str:
-    """The table's note: the micro-batch picked, compile time, spread of steps, new notes."""
-    note = [f"micro-batch {r['micro_batch']}x{r['grad_accum_steps']}"] \
-        if r["flag"] == "batch_size_auto" else []
+def kernel_rows_wanted(opts: BenchOptions, cfg: Config) -> bool:
+    return opts.kernels == "on" or (opts.kernels == "auto" and cfg.system.device == "cpu")
+
+
+def row_note(r: dict, kernels: str = "", bf16_units: tuple = ()) -> str:
+    """The table's note: the chain's verdict, the micro-batch picked, compile time and kernels,
+    bf16 kernels, spread of steps, new notes."""
+    note = [r["chain"]] if r.get("chain", "").startswith("dropped") else []
+    if r["flag"] == "batch_size_auto":
+        note.append(f"micro-batch {r['micro_batch']}x{r['grad_accum_steps']}")
     if r["settings"].get("compile", "off") != "off":
         note.append(f"built and compiled in {r['build_s']:.0f} s")
+        if r["flag"] == "compile" and kernels:
+            note.append(kernels)
+    if r["flag"] == "dtype" and r["dtype"] == "bfloat16" and r["settings"]["device"] == "cpu":
+        note.append("oneDNN bf16 " + (f"on {', '.join(bf16_units)}" if bf16_units else
+                                      "not native here: emulated"))
     fastest, slowest = (r["tokens_per_step"] / s for s in (min(r["step_s"]), max(r["step_s"])))
     if fastest > 1.2 * slowest:  # say so when the timed steps disagree
         note.append(f"steps ranged {slowest:,.0f}-{fastest:,.0f} tok/s")
@@ -247,7 +326,7 @@ def row_note(r: dict) -> str:
     return "; ".join(note)
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], ceiling: dict | None = None) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     times = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     gib = lambda n: f"{n / 2**30:.2f}" if n < 10 * 2**30 else f"{n / 2**30:.1f}"  # noqa: E731
@@ -257,14 +336,33 @@ def table(rows: list[dict]) -> str:
     for i, r in enumerate(rows):
         if r["status"] != "ok":
             why = r.get("reason") or r.get("error", "")
-            out.append([str(i), r["label"], *["-"] * 8, f"{r['status']}: {why}"])
+            out.append([str(i), r["label"], *["-"] * 9, f"{r['status']}: {why}"])
             continue
+        step_ms = 1000 * statistics.median(r["step_s"])
+        ms = lambda x: f"{x:,.0f}" if x >= 10 else f"{x:.2g}"  # noqa: E731
+        estimate = f"{ms(step_ms)} ({ms(1000 * r['estimate_step_s'])})" \
+            if "estimate_step_s" in r else ms(step_ms)
         out.append([str(i), r["label"], f"{r['tokens_per_s']:,.0f}", times(r["vs_previous"]),
-                    times(r["vs_baseline"]), pct(r["mfu"]), pct(r["mfu_measured"]),
-                    memory(r["memory"]), f"{r['loss']:.4f}",
-                    ", ".join(r["kernels"]) or "-", row_note(r)])
-    return markdown_table(["#", "step", "tok/s", "vs prev", "vs base", "MFU", "MFU (meas.)",
-                           "peak memory", "loss", "attention kernel", "note"], out)
+                    times(r["vs_baseline"]), estimate, pct(r["mfu"]), pct(r["mfu_measured"]),
+                    memory(r["memory"]), f"{r['loss']:.4f}", ", ".join(r["kernels"]) or "-",
+                    row_note(r, (ceiling or {}).get("compile_kernels", ""),
+                             tuple((ceiling or {}).get("bf16_units", ())))])
+    return markdown_table(["#", "step", "tok/s", "vs prev", "vs base", "ms/step (est.)", "MFU",
+                           "MFU (meas.)", "peak memory", "loss", "attention kernel", "note"], out)
+
+
+def best_line(report: dict) -> str:
+    """The chain's outcome: the best combination this machine has, and what it left out."""
+    rows, best = report["rows"], report.get("best")
+    if best is None or rows[best]["status"] != "ok":
+        return ""
+    kept = [r["label"].removeprefix("+ ") for r in rows[1:best + 1] if r.get("chain") == "kept"]
+    dropped = [f"{r['label'].removeprefix('+ ')}: {r['chain'].removeprefix('dropped: ')}"
+               for r in rows if r.get("chain", "").startswith("dropped")]
+    vs = f", {rows[best]['vs_baseline']:.2f}x the baseline" if best else ""
+    return (f"best here: row {best} = baseline + {', '.join(kept) or 'nothing'}: "
+            f"{rows[best]['tokens_per_s']:,.0f} tok/s{vs}"
+            + (f" | dropped: {'; '.join(dropped)}" if dropped else ""))
 
 
 def describe(report: dict) -> str:
@@ -282,6 +380,15 @@ def describe(report: dict) -> str:
     passes = f" in each of {r['repeat']} passes" if r.get("repeat", 1) > 1 else ""
     clock = ", timed by the process's CPU time (--clock=process)" * (r.get("clock") == "process")
     vocab = first.get("settings", {}).get("vocab", m["vocab_size"])
+    ratios = [statistics.median(row["step_s"]) / row["estimate_step_s"] for row in r["rows"]
+              if row["status"] == "ok" and row.get("estimate_step_s")]
+    estimate = ("ms/step (est.): the median step, and in brackets train.py's start-up estimate "
+                "(FLOPs per step at the matmul rate measured in the row's dtype); measured / "
+                f"estimate {min(ratios):.1f}-{max(ratios):.1f}x" if ratios else "")
+    chain = ("chain: each flag is tried on the best combination so far and kept only when "
+             f"faster by more than {100 * r.get('keep_margin', 0):.0f}% and than the "
+             "interquartile spread of either row's steps; a dropped row is shown, the chain goes "
+             "on without it" if r["mode"] == "chain" else "")
     return "\n".join([
         f"hardware: {ceiling.get('hardware', r['device'])} | torch {r['torch']} | {r['date']}"
         + shared,
@@ -292,7 +399,17 @@ def describe(report: dict) -> str:
         f"warm-up + {r['measure']} timed steps per row{passes}, each row in a fresh process{clock}",
         f"MFU: {first.get('flops_per_token', 0) / 1e6:,.1f}M FLOPs per token (6N + 12*L*H*Q*T) "
         f"x tokens/s, against {datasheet}; MFU (meas.) against {measured}",
-        f"command: {r['command']}"])
+        *filter(None, [estimate, chain]), f"command: {r['command']}"])
+
+
+def results_text(report: dict) -> str:
+    """The table, the chain's best line, and the CPU kernel rows when they ran."""
+    text = table(report["rows"], report["ceiling"])
+    if line := best_line(report):
+        text += "\n\n" + line
+    if report.get("kernels"):
+        text += "\n\n" + bench_kernels.markdown(report["kernels"], report["ceiling"])
+    return text
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -308,7 +425,8 @@ def plot(report: dict, path: Path) -> bool:
     memory = [r.get("memory", {}).get("allocated", r.get("memory", {}).get("rss", 0)) / 2**30
               for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.42 * len(rows)), sharey=True)
-    ax1.barh(range(len(rows)), speed, color="#3b75af")
+    ax1.barh(range(len(rows)), speed, color=["#9a9a9a" if r.get("chain", "").startswith(
+        "dropped") else "#3b75af" for r in rows])
     ax2.barh(range(len(rows)), memory, color="#c6843a")
     for i, r in enumerate(rows):
         ok = r["status"] == "ok"
@@ -336,15 +454,15 @@ def write_outputs(report: dict, folder: Path, stem: str) -> list[Path]:
     """NAME.json, .md and .png; NAME by default the device (cpu, nvidia-h200), _only for --only."""
     if not stem:
         hardware = report["ceiling"].get("hardware", report["device"])
-        stem = report["device"] if report["device"] == "cpu" else \
-            re.sub(r"[^a-z0-9]+", "-", hardware.split(" (")[0].lower()).strip("-")
+        stem = report["device"] if report["device"] == "cpu" else re.sub(
+            r"[^a-z0-9]+", "-", hardware.removeprefix("GPU ").split(" (")[0].lower()).strip("-")
         stem += "_only" if report["mode"] == "only" else ""
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
     paths[0].write_text(json.dumps(report, indent=1) + "\n")
     paths[1].write_text(f"# bench.py ({report['mode']})\n\n"
                         + "\n".join(f"- {line}" for line in describe(report).splitlines())
-                        + "\n\n" + table(report["rows"]) + "\n")
+                        + "\n\n" + results_text(report) + "\n")
     if plot(report, folder / f"{stem}.png"):
         paths.append(folder / f"{stem}.png")
     else:
@@ -371,6 +489,9 @@ def check_options(opts: BenchOptions, cfg: Config) -> None:
     """Raises BenchError on an option that cannot be used (the loader checks only the config)."""
     if opts.warmup_steps < 0 or opts.measure_steps < 1 or opts.repeat < 1:
         raise BenchError("--warmup-steps must be >= 0, --measure-steps and --repeat >= 1")
+    if opts.keep_margin < 0 or opts.decode_rounds < 1:
+        raise BenchError(f"--keep-margin must be >= 0 (got {opts.keep_margin}) and "
+                         f"--decode-rounds >= 1 (got {opts.decode_rounds})")
     if opts.time_budget < 0 or opts.ceiling_size < 0:
         raise BenchError("--time-budget and --ceiling-size must be >= 0 (0: no limit, "
                          "the default size)")
@@ -412,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{opts.measure_steps} timed steps in its own process" + (
               f", {opts.repeat} passes" if opts.repeat > 1 else ""), flush=True)
     report = run_all(rows, cfg, opts, only, command)
-    print("\n" + describe(report) + "\n\n" + table(report["rows"]))
+    print("\n" + describe(report) + "\n\n" + results_text(report))
     paths = write_outputs(report, Path(opts.results), opts.name)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if any(r["status"] == "ok" for r in report["rows"]) else 1

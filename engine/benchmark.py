@@ -1,15 +1,14 @@
-"""The measuring half of bench.py (an ablation row, the matmul ceiling) and what both benchmarks
-share: each row runs in a fresh process (`python -m engine.benchmark SPEC.json`), so its peak
-memory and compile state are its own; the timing, the hardware name, the markdown table."""
+"""The measuring half of bench.py (an ablation row, a batch-1 decode run, the matmul ceiling)
+and what the benchmarks share: each row runs in a fresh process (`python -m engine.benchmark
+SPEC.json`), so its peak memory and compile state are its own; the timing, the hardware name
+(the machine line), the markdown table."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import importlib
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 
 from config import Config, from_dict
 from data.loader import Batches, DataError, load_meta
-from engine import memory, runtime, techniques
+from engine import memory, runtime, sampling, techniques
 from engine.distributed import Dist
 from engine.optim import lr_at, make_optimizer
 from engine.runlog import log_line
@@ -46,15 +45,9 @@ def ensure_dataset(cfg: Config) -> dict:
 
 
 def hardware_name(device: torch.device) -> str:
-    """'NVIDIA H200 (140 GiB)' or 'CPU: <model name>, 2 threads'."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
-        model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    threads = torch.get_num_threads()
-    return f"CPU: {model}, {threads} thread{'s' if threads > 1 else ''}"
+    """The machine line: 'CPU AMD EPYC (family 25), ISA AVX2, bf16 emulated (...), 2 threads
+    of 2 CPUs', after 'GPU NVIDIA H200 (140 GiB, compute 9.0, bf16 native) | ' on CUDA."""
+    return runtime.machine_line(device)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -185,11 +178,7 @@ def time_steps(parts: dict, cfg: Config, rt: runtime.Runtime, warmup: int, measu
 def run_row(spec: dict) -> dict:
     """Build, then time the steps; skipped when its settings here are the previous row's."""
     cfg = from_dict(spec["config"])
-    if cfg.system.dtype == "auto":  # bf16 where supported, else fp16
-        device = runtime.resolve_device(cfg.system.device)
-        bf16 = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
-        cfg.system.dtype = "bfloat16" if bf16 else "float16"
-    rt = runtime.setup(cfg.system)
+    rt = runtime.setup(cfg.system)  # resolves dtype=auto as train.py does
     start = time.perf_counter()
     parts, values = build(cfg, rt)  # compiles here, when asked: techniques.warm_up
     raw_model, t = parts["raw_model"], cfg.train
@@ -206,8 +195,38 @@ def run_row(spec: dict) -> dict:
         return {**result, "status": "skipped",
                 "reason": "changes nothing here: " + "; ".join(changed or ["same settings"])}
     raw_model.train()
-    return {**result, **time_steps(parts, cfg, rt, spec["warmup"], spec["measure"],
-                                   spec["clock"])}
+    timing = time_steps(parts, cfg, rt, spec["warmup"], spec["measure"], spec["clock"])
+    rate = runtime.matmul_rate(rt.device, rt.dtype)  # train.py's start-up estimate, the same way
+    work = raw_model.flops_per_token() * timing["tokens_per_step"]  # padded rows included
+    return {**result, **timing, "matmul_rate": rate, "estimate_step_s": work / rate}
+
+
+def run_decode(spec: dict) -> dict:
+    """Batch-1 greedy decoding with the KV cache, as generate.py does it, on the config's model
+    (random weights from the seed): tokens/s, the median of spec["rounds"] timed runs of
+    spec["new_tokens"] tokens after a warm-up (compiled first, when asked)."""
+    cfg = from_dict(spec["config"])
+    rt = runtime.setup(cfg.system)
+    model, _ = build_model(cfg, load_meta(cfg.data.dataset), rt.device)
+    model.eval()
+    new, bucket, start = min(spec["new_tokens"], cfg.model.block_size - 1), 0, time.perf_counter()
+    runner, note = techniques.compile_model(model, cfg.system, rt)
+    if cfg.system.compile:
+        bucket = cfg.sample.prompt_bucket
+        sampling.warm_up(runner, 1, new, bucket, rt.autocast)
+    prompt = torch.zeros((1, 1), dtype=torch.long, device=rt.device)
+
+    def generate() -> torch.Tensor:
+        return sampling.generate_tokens(runner, prompt, new, temperature=0, autocast=rt.autocast,
+                                        prompt_bucket=bucket)
+
+    generate()
+    build_s = time.perf_counter() - start
+    seconds = [timed(generate, rt)[0] for _ in range(spec["rounds"])]
+    print(f"decode: {new} tokens, runs of {', '.join(f'{s:.2f}' for s in seconds)} s", flush=True)
+    return {"dtype": cfg.system.dtype, "notes": rt.notes, "compile": note, "build_s": build_s,
+            "threads": torch.get_num_threads(), "new_tokens": new, "run_s": seconds,
+            "tokens_per_s": new / statistics.median(seconds)}
 
 
 def measure_ceiling(spec: dict) -> dict:
@@ -229,10 +248,13 @@ def measure_ceiling(spec: dict) -> dict:
     best = max(measured, key=measured.get)
     half = runtime.Runtime(device=rt.device, dtype=torch.bfloat16, tf32=False, notes=[])
     return {"hardware": hardware_name(rt.device), "device": rt.device.type,
+            "isa": torch.backends.cpu.get_cpu_capability(), "bf16_units": runtime.cpu_bf16_units(),
+            "compile_kernels": techniques.compile_kernels(rt.device),
             "measured": measured[best], "measured_dtype": best, "measured_all": measured,
             "matmul_n": n, "datasheet": runtime.peak_flops(half, system.peak_flops),
             "torch": torch.__version__}
 
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1], {"row": run_row, "ceiling": measure_ceiling}))
+    sys.exit(serve(sys.argv[1], {"row": run_row, "decode": run_decode,
+                                 "ceiling": measure_ceiling}))

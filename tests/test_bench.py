@@ -26,16 +26,79 @@ def test_chain_adds_flags_one_by_one_from_the_reference_path():
                                             "float32", False, False, False, False, False)
     assert (base.model.loss, base.train.optimizer) == ("full", "adamw")
     assert [r["flag"] for r in rows] == [None, *bench.FLAGS]
-    last = rows[-1]["config"]
+    assert all(r["config"] is None for r in rows[1:])  # each made on the chain's head as it runs
+    kept = [base]  # were every flag kept, the chain would end at the recipe again
+    for r in rows[1:]:
+        kept.append(bench.with_flag(kept[-1], r["flag"], r["value"]))
+    last = kept[-1]
     assert (last.model.loss, last.train.optimizer) == ("chunked", "muon")
     assert (last.model.attention, last.model.causal_mask, last.model.norm, last.model.gelu,
             last.model.vocab_pad_multiple, last.system.dtype, last.system.tf32,
             last.system.compile, last.train.fused_adamw, last.data.pin_memory,
             last.train.batch_size_auto) == ("sdpa", "on_the_fly", "native", "native", 64,
                                             "auto", True, True, True, True, True)
-    sdpa = rows[[r["flag"] for r in rows].index("attention")]["config"]
+    sdpa = kept[[r["flag"] for r in rows].index("attention")]
     assert sdpa.model.norm == "native" and not sdpa.system.compile  # earlier flags only
     assert cfg.model.attention == "sdpa"  # planning leaves the given config alone
+
+
+def timed_row(tokens_per_s: float, spread: float = 0.0, steps: int = 5) -> dict:
+    """A measured row whose steps run at tokens_per_s, spread evenly +-spread/2 around it."""
+    step = 100 / tokens_per_s
+    times = [step * (1 + spread * (i / (steps - 1) - 0.5)) for i in range(steps)]
+    return {"status": "ok", "tokens_per_step": 100, "step_s": times,
+            "tokens_per_s": 100 / sorted(times)[steps // 2]}
+
+
+def test_chain_keeps_a_flag_only_when_faster_beyond_the_noise():
+    head = timed_row(1000)
+    assert bench.verdict(timed_row(1100), head, 0.03) == (True, "")
+    keep, why = bench.verdict(timed_row(500), head, 0.03)
+    assert not keep and why.startswith("dropped: slower here (-50.0%, noise 3.0%")
+    keep, why = bench.verdict(timed_row(1020), head, 0.03)  # +2% < the 3% margin
+    assert not keep and why.startswith("dropped: not faster beyond the noise (+2.0%")
+    # +10% is no gain when the steps themselves spread by 40%: the noise is the spread
+    assert bench.spread(timed_row(1100, spread=0.4)["step_s"]) == pytest.approx(0.2)
+    keep, why = bench.verdict(timed_row(1100), timed_row(1000, spread=0.4), 0.03)
+    assert not keep and "noise 20.0%" in why
+    assert bench.verdict({"status": "skipped"}, head, 0.03) == (False, "")
+    assert bench.verdict({"status": "failed"}, head, 0.03) == (False, "dropped: failed")
+    assert bench.verdict(timed_row(10), {"status": "failed"}, 0.03) == (True, "")
+
+
+def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
+    """Synthetic timings: sdpa doubles the speed, native norm/GELU halves it, padding adds 20%.
+    The norm row is shown but dropped, padding is tried on sdpa alone, the best is sdpa+pad."""
+    specs = []
+
+    def fake_worker(module, spec, workdir, name, timeout=None, env=None):
+        if spec["kind"] == "ceiling":
+            return {"status": "ok", "measured": 1e9, "datasheet": 0, "hardware": "test CPU"}
+        specs.append(spec)
+        m = spec["config"]["model"]
+        speed = 1000 * (2 if m["attention"] == "sdpa" else 1) * \
+            (0.5 if m["norm"] == "native" else 1) * (1.2 if m["vocab_pad_multiple"] > 1 else 1)
+        return {**timed_row(speed), "settings": dict(m), "notes": [], "memory": {"rss": 1},
+                "flops_per_token": 1, "loss": 1.0, "kernels": [], "micro_batch": 8,
+                "grad_accum_steps": 1, "build_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_worker", fake_worker)
+    cfg, opts, _ = bench.load_bench_config(["--config", "tiny", "--device=cpu",
+                                            "--kernels", "off"])
+    rows = bench.plan(cfg, bench.parse_steps("attention,norm_gelu,vocab_pad"), only=False)
+    report = bench.run_all(rows, cfg, opts, False, "test")
+    base, sdpa, norm, pad = report["rows"]
+    assert [r.get("chain") for r in report["rows"]] == [
+        None, "kept", "dropped: slower here (-50.0%, noise 3.0%)", "kept"]
+    assert [r["previous"] for r in report["rows"]] == [None, 0, 1, 1]  # pad built on sdpa
+    assert specs[3]["config"]["model"]["norm"] == "scratch"  # the dropped flag left out
+    assert specs[3]["config"]["model"]["attention"] == "sdpa"
+    assert report["best"] == 3 and pad["vs_baseline"] == pytest.approx(2.4)
+    assert bench.best_line(report).startswith(
+        "best here: row 3 = baseline + attention=sdpa, vocab_pad=64: 2,400 tok/s, 2.40x")
+    assert "dropped: norm_gelu=native: slower here" in bench.best_line(report)
+    assert "| 2 | + norm_gelu=native |" in bench.table(report["rows"])
+    assert "dropped: slower here" in bench.table(report["rows"]).splitlines()[4]
 
 
 def test_only_mode_and_flag_values():
@@ -71,7 +134,7 @@ def test_unknown_or_repeated_flag_and_bad_value(capsys):
 
 def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, capsys):
     code = bench.main(["--config", "tiny", f"--dataset={char_dataset}", "--device=cpu",
-                       "--order", "attention,tf32", "--warmup-steps", "1",
+                       "--order", "attention,tf32", "--warmup-steps", "1", "--kernels", "off",
                        "--measure-steps", "2", "--results", str(tmp_path), "--name", "t"])
     out = capsys.readouterr().out
     assert code == 0
@@ -129,3 +192,34 @@ def test_later_passes_add_their_steps_to_the_median():
     assert first["memory"] == {"rss": 30}
     bench.merge_pass(first, {"status": "failed", "error": "OutOfMemoryError: ..."})
     assert first["later_pass_errors"] == ["OutOfMemoryError: ..."] and first["status"] == "ok"
+
+
+def test_kernel_rows_say_what_the_isa_allowed():
+    from engine import bench_kernels
+    emulated = bench_kernels.variants(threads=2, bf16_units=[])
+    assert [r["label"] for r in emulated] == [
+        "eager float32, 2 threads", "eager float32, 1 thread",
+        "inductor C++ (compile), float32, 2 threads", "oneDNN bf16 (autocast), eager"]
+    assert emulated[-1]["skip"] and "not native here" in emulated[-1]["isa"]
+    assert [r["set"]["system.threads"] for r in emulated] == ["0", "1", "0", "0"]
+    native = bench_kernels.variants(threads=1, bf16_units=["AMX"])
+    assert len(native) == 3 and native[-1]["isa"] == "oneDNN bf16 on AMX"
+    assert not native[-1].get("skip") and native[-1]["set"]["system.dtype"] == "bfloat16"
+    md = bench_kernels.markdown(
+        [{**emulated[0], "train": {"status": "ok", "tokens_per_s": 100.0},
+          "decode": {"status": "ok", "tokens_per_s": 50.0, "new_tokens": 8}},
+         {**emulated[2], "train": {"status": "ok", "tokens_per_s": 150.0},
+          "decode": {"status": "failed", "error": "boom"}}, emulated[3]],
+        {"compile_kernels": "inductor C++ kernels, vectorized for AVX2"})
+    assert "| eager float32, 2 threads | 100 | 1.00x | 50 | 1.00x |" in md
+    assert "| 150 | 1.50x | failed: boom | - | inductor C++ kernels, vectorized for AVX2 |" in md
+    assert "| - | - | - | - | not native here" in md
+
+
+def test_decode_row_generates_batch_1_tokens(char_dataset):
+    from engine import benchmark
+    cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}", "--device=cpu",
+                          "--threads=1"])
+    result = benchmark.run_decode({"config": cfg.to_dict(), "new_tokens": 6, "rounds": 2})
+    assert result["new_tokens"] == 6 and len(result["run_s"]) == 2
+    assert result["tokens_per_s"] > 0 and result["compile"] == "off" and result["threads"] == 1
