@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -276,14 +277,23 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
         job.cancel()
 
 
-async def when_ready(engine: BatchEngine, on_ready: Callable[[], None] | None) -> None:
-    """Call on_ready once the engine has warmed up; a warm-up that failed ends the process."""
+async def when_ready(app: FastAPI, engine: BatchEngine,
+                     on_ready: Callable[[], None] | None) -> None:
+    """Once the engine has warmed up, warm the HTTP path too (a plain and a streamed request
+    through the app, in-process), then report healthy; a failed warm-up ends the process."""
     while not engine.ready.is_set():
         if not engine.thread.is_alive():
             print("serve: the engine failed during warm-up (see above)", file=sys.stderr,
                   flush=True)
             os._exit(1)
         await asyncio.sleep(0.05)
+    if engine.warmup:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://warm-up") as client:
+            for stream in (False, True):
+                body = {"prompt": [0], "max_tokens": 2, "stream": stream}
+                (await client.post("/v1/completions", json=body)).raise_for_status()
+    app.state.healthy = True
     if on_ready is not None:
         on_ready()
 
@@ -296,12 +306,13 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        watcher = asyncio.ensure_future(when_ready(engine, on_ready))
+        watcher = asyncio.ensure_future(when_ready(app, engine, on_ready))
         yield
         watcher.cancel()
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
     app = FastAPI(title="gpt2-scratch serve", lifespan=lifespan)
+    app.state.healthy = False
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -344,7 +355,7 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ready = engine.ready.is_set()
+        ready = app.state.healthy
         body = {"status": "ok" if ready else "warming_up", "model": served.name,
                 "worker_pid": os.getpid(), "warmup_s": round(engine.warmup_seconds, 3),
                 **engine.stats()}
