@@ -115,6 +115,9 @@ class SampleConfig:
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
     prompt_bucket: int = opt(64, "with --compile: prompts padded to a multiple of this, so "
                              "decoding sees a few fixed shapes (no recompiles)")
+    weight_layout: str = opt("auto", "how Linear weights are stored for decoding: row-major (as "
+                             "trained) or column-major (faster one-token matmuls on CPU); auto: "
+                             "column on CPU, row elsewhere", ("auto", "row", "column"))
     quantize: str = opt("none", "int8: int8 weight-only Linear layers (torchao), about half "
                         "the weight bytes of bf16", ("none", "int8"))
     quantize_layers: str = opt("attn,mlp", "Linear layers sample.quantize converts: comma list "

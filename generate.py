@@ -4,6 +4,7 @@
     python generate.py --checkpoint out/tiny --temperature 0   # greedy, from another run
     python generate.py --prompt FILE:prompt.txt --num_samples 3 --top_p 0.9 --seed 7
     python generate.py --init-from gpt2 --prompt "Hello, I'm a language model,"   # OpenAI's GPT-2
+    python generate.py --weight_layout=row    # weights as trained (auto: column-major on CPU)
 """
 import codecs
 import sys
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 
 from config import Config, ConfigError, load_config, opt
-from engine import checkpoint, hf, quantize, runtime, sources, techniques
-from engine.sampling import generate_tokens, warm_up
+from engine import checkpoint, hf, quantize, runtime, sources, sparse, techniques
+from engine.sampling import generate_tokens, set_weight_layout, warm_up
 from engine.tokenizer import TokenizerError, from_meta
 from model import GPT
 
@@ -62,6 +63,9 @@ class GenerateOptions:
 
     init_from: str = opt("", "sample from gpt2[-medium|-large|-xl] | hf:ORG/NAME | a local HF "
                          "dir | our checkpoint; default: sample.checkpoint, else train.out_dir")
+    sparse: str = opt("auto", "a pruned checkpoint (prune.py): auto = sparse kernels for the "
+                      "weight shapes a timing probe finds faster here, at one row (decode) | "
+                      "sparse | dense (its weights with zeros)", sparse.MODES)
 
 
 def load_for_sampling(cfg: Config, device: torch.device, init_from: str) -> tuple[GPT, dict, str]:
@@ -87,10 +91,13 @@ def load_for_sampling(cfg: Config, device: torch.device, init_from: str) -> tupl
     return model.eval(), meta, label
 
 
-def sample(cfg: Config, init_from: str = "") -> None:
+def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
     """Stream sample.num_samples texts from init_from (or the config's checkpoint) to stdout."""
     rt, s = runtime.setup(cfg.system), cfg.sample
     model, meta, label = load_for_sampling(cfg, rt.device, init_from)
+    if note := sparse.prepare_for_inference(model, sparse_mode, rt.device):  # pruned only
+        print(note, file=sys.stderr)
+    layout = set_weight_layout(model, s.weight_layout)  # before compile: it traces the strides
     tokenizer = from_meta(meta["tokenizer"])
     prompt_ids = encode_prompt(tokenizer, s.prompt, model.config.block_size)
     bucket = 0
@@ -101,7 +108,8 @@ def sample(cfg: Config, init_from: str = "") -> None:
         print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     step = f" (step {meta['step']})" if "step" in meta else ""
-    print(f"sampling from {label}{step} on {rt.device}", file=sys.stderr)
+    print(f"sampling from {label}{step} on {rt.device} | weight_layout={layout} "
+          f"({s.weight_layout}) kv_cache={'on' if s.kv_cache else 'off'}", file=sys.stderr)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.system.seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
     for i in range(s.num_samples):
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="generate.py",
                                    script=GenerateOptions, lead=("sample",))
-        sample(cfg, options.init_from)
+        sample(cfg, options.init_from, options.sparse)
     except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

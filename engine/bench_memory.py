@@ -4,6 +4,7 @@ tok/s, val loss; loader: batches/s; decode: batch-1 tok/s, ours vs transformers,
 memory-bandwidth limit. Output: RESULTS/memory_NAME.{json,md}."""
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import subprocess
@@ -20,7 +21,7 @@ from engine import checkpoint, memory, quantize, runtime
 from engine import hf as hf_weights
 from engine.benchmark import (REPO_ROOT, build, hardware_name, markdown_table, run_worker, serve,
                               stepper, time_left, timed)
-from engine.sampling import generate_tokens
+from engine.sampling import generate_tokens, set_weight_layout
 from engine.step import evaluate
 from model import GPT, ModelConfig
 
@@ -140,10 +141,10 @@ def our_generate(model: GPT, prompt: torch.Tensor, rt: runtime.Runtime):
 
 
 def decode_rates(runs: dict, new_tokens: int, rt: runtime.Runtime,
-                 rounds: int = DECODE_ROUNDS) -> dict[str, tuple[float, torch.Tensor]]:
-    """name -> (median tokens/s after the prompt, the tokens) of each run(n) generating n
-    tokens, the runs taking turns round by round (A B A B: load on the machine hits each alike);
-    run(4) first, to warm up."""
+                 rounds: int = DECODE_ROUNDS) -> dict[str, tuple[float, torch.Tensor, list]]:
+    """name -> (median tokens/s after the prompt, the tokens, each round's seconds) of each
+    run(n) generating n tokens, the runs taking turns round by round (A B A B: load on the
+    machine hits each alike); run(4) first, to warm up."""
     for run in runs.values():
         run(4)
     seconds, tokens = {name: [] for name in runs}, {}
@@ -151,13 +152,19 @@ def decode_rates(runs: dict, new_tokens: int, rt: runtime.Runtime,
         for name, run in runs.items():
             took, tokens[name] = timed(lambda: run(new_tokens), rt)
             seconds[name].append(took)
-    return {name: (new_tokens / statistics.median(s), tokens[name]) for name, s in seconds.items()}
+    return {name: (new_tokens / statistics.median(s), tokens[name], s)
+            for name, s in seconds.items()}
+
+
+def round_ratio(rates: dict, fast: str, slow: str) -> float:
+    """The median over rounds of slow's time / fast's in the same round (side by side)."""
+    return statistics.median(b / a for a, b in zip(rates[fast][2], rates[slow][2]))
 
 
 def decode_rate(model: GPT, prompt: torch.Tensor, new_tokens: int,
                 rt: runtime.Runtime) -> tuple[float, torch.Tensor]:
     """(tokens/s after the prompt, the tokens) of our batch-1 greedy decoding."""
-    return decode_rates({"ours": our_generate(model, prompt, rt)}, new_tokens, rt)["ours"]
+    return decode_rates({"ours": our_generate(model, prompt, rt)}, new_tokens, rt)["ours"][:2]
 
 
 def bytes_per_token(model: GPT) -> int:
@@ -270,12 +277,14 @@ def hf_generate(ours: GPT, prompt: torch.Tensor, rt: runtime.Runtime) -> tuple[o
 
 def int8_decode(ours: GPT, prompt: torch.Tensor, new: int, rt: runtime.Runtime, layers: str,
                 our_tokens: torch.Tensor) -> dict:
-    """Our decoding again with the chosen block Linears in int8 (torchao); changes `ours`."""
+    """Our decoding again with the chosen block Linears in int8 (torchao) and the rest in the
+    auto weight layout, as generate.py --quantize=int8 runs; changes `ours`."""
     try:
         quantize.quantize_linears(ours, layers)
     except ConfigError as e:  # the layer names were checked at start: torchao is missing
         print(f"  decode int8: skipped: {e}", flush=True)
         return {"int8_skipped": str(e), "int8_layers": layers}
+    set_weight_layout(ours, "auto")
     rate, tokens = decode_rate(ours, prompt, new, rt)
     return {"int8_tokens_per_s": rate, "int8_layers": layers,
             "int8_weight_bytes_per_token": bytes_per_token(ours),
@@ -294,18 +303,25 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     dst, weight = torch.empty_like(src), bytes_per_token(ours)
     bandwidth = max(2 * src.numel() * 4 / timed(lambda: dst.copy_(src), rt)[0] for _ in range(5))
     hf_run, hf = hf_generate(ours, prompt, rt)
-    runs = {"ours": our_generate(ours, prompt, rt), "hf": hf_run}
+    layout = set_weight_layout(ours, "auto")  # as generate.py does; a row-major copy beside it
+    row_major = copy.deepcopy(ours) if layout == "column" else None
+    if row_major is not None:
+        set_weight_layout(row_major, "row")
+    runs = {"ours": our_generate(ours, prompt, rt), "hf": hf_run,
+            "row": row_major and our_generate(row_major, prompt, rt)}
     rates = decode_rates({name: run for name, run in runs.items() if run}, new, rt)
-    our_rate, our_tokens = rates["ours"]
-    if "hf" in rates:
-        hf["hf_tokens_per_s"] = rates["hf"][0]
+    our_rate, our_tokens, _ = rates["ours"]
+    for name in ("hf", "row"):  # tokens/s, and ours' speed-up over it round by round
+        if name in rates:
+            hf[f"{name}_tokens_per_s"] = rates[name][0]
+            hf[f"over_{name}"] = round_ratio(rates, "ours", name)
     same = bool(torch.equal(our_tokens, rates["hf"][1])) if "hf" in rates else None
     result = {"model": opts.decode_model, "device": rt.device.type,
               "params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
-              "ours_tokens_per_s": our_rate, **hf, "same_tokens": same,
+              "weight_layout": layout, "ours_tokens_per_s": our_rate, **hf, "same_tokens": same,
               "prompt_tokens": opts.prompt_tokens, "new_tokens": new, "rounds": DECODE_ROUNDS,
-              **int8_decode(ours, prompt, new, rt, opts.quantize_layers, our_tokens)}
+              **int8_decode(row_major or ours, prompt, new, rt, opts.quantize_layers, our_tokens)}
     print(f"  decode: {result}", flush=True)
     return result
 
@@ -315,8 +331,10 @@ def decode_markdown(d: dict) -> list[str]:
     row = lambda name, key, limit=limit, of="": [  # noqa: E731
         name, f"{d[key]:,.1f}", f"{100 * d[key] / limit:.0f}%{of}"] if key in d else \
         [name, f"skipped: {d.get(key.split('_')[0] + '_skipped', '')}", ""]
-    rows = [row("ours (KV cache)", "ours_tokens_per_s"),
-            row("transformers generate", "hf_tokens_per_s")]
+    rows = [row(f"ours (KV cache, {d.get('weight_layout', 'row')}-major weights)",
+                "ours_tokens_per_s"), row("transformers generate", "hf_tokens_per_s")]
+    if "row_tokens_per_s" in d:
+        rows.insert(1, row("ours, row-major weights (as trained)", "row_tokens_per_s"))
     if "int8_tokens_per_s" in d:
         per_token = d["int8_weight_bytes_per_token"]
         own = d["copy_bandwidth"] / per_token
@@ -330,8 +348,9 @@ def decode_markdown(d: dict) -> list[str]:
                  f"{limit:,.1f}", "100%"])
     shape = "GPT-2 124M shape" if d["model"] == "gpt2" else \
         f"{d['params'] / 1e6:.1f}M-parameter '{d['model']}' shape"
-    versus = (f"; ours {d['ours_tokens_per_s'] / d['hf_tokens_per_s']:.2f}x transformers"
-              if "hf_tokens_per_s" in d else "")
+    versus = "".join(f", {d[key]:.2f}x {name}" for key, name in (
+        ("over_hf", "transformers"), ("over_row", "ours with row-major weights")) if key in d)
+    versus = f"; ours, the median ratio of the rounds' times{versus}" if versus else ""
     return [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
             f"{d['new_tokens']} new tokens, medians of {d.get('rounds', 1)} runs each taking "
             f"turns (same tokens from both: {d['same_tokens']}{versus}):", "",

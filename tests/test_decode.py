@@ -65,6 +65,7 @@ def test_compiled_decoding_gives_the_eager_tokens():
     prompt = torch.randint(0, 37, (1, 5))
     eager = sampling.generate_tokens(model, prompt, 20, temperature=0)
     torch._dynamo.reset()
+    sampling.set_weight_layout(model, "column")  # traced with its strides, as generate.py does
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # traced: is_compiling()
     static = sampling.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
     torch._dynamo.reset()
