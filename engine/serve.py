@@ -329,12 +329,14 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
             raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
                            headers={"Retry-After": str(served.retry_after_s)})
         check_request(body, served)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not \
+            isinstance(body.prompt[0], int) else [body.prompt]
+        if len(prompts) * body.n > engine.slots + engine.max_queue:
+            raise ApiError(400, f"this request asks for {len(prompts) * body.n} completions "
+                           f"(prompts x n) but the server holds at most "
+                           f"{engine.slots + engine.max_queue}", "n")
         job = Completion(engine, body, encode_prompts(body, tokenizer, served), served,
                          stop_token)
-        if len(job.seqs) > engine.slots + engine.max_queue:
-            raise ApiError(400, f"this request asks for {len(job.seqs)} completions (prompts x "
-                           f"n) but the server holds at most {engine.slots + engine.max_queue}",
-                           "n")
         job.submit()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -111,6 +111,12 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def exit_now(sig: int, frame) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, ready_fd: int) -> int:
     """A worker process, after the fork: its engine and uvicorn on the shared socket."""
     import uvicorn
@@ -119,8 +125,8 @@ def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, rea
     from engine.serve_batch import BatchEngine
 
     die_with_parent()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn takes them; after it, nothing to do
-        signal.signal(sig, lambda *_: None)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before uvicorn: end now; uvicorn takes them
+        signal.signal(sig, exit_now)  # over, and raises them again once it has drained
     torch.set_num_threads(spec.threads_per_worker())
     cfg = spec.cfg
     rt = runtime.setup(cfg.system)

@@ -1,0 +1,384 @@
+"""The serving benchmark behind `python bench.py --serve`: a bounded load on 127.0.0.1 against
+serve.py, continuous batching (--slots 16) beside the same load served one request at a time
+(--slots 1), at concurrency 1, 4 and 16; the first request's time to first token; the memory
+(PSS) of 1, 2 and 4 workers sharing the weights against one copy per worker.
+Output: RESULTS/serve_NAME.{json,md}.
+
+    python -m engine.bench_serve --checkpoint out/shakespeare_char
+    python -m engine.bench_serve --gpt2-shaped --requests 18 --rounds 1 --name cpu_gpt2
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from config import Config, ConfigError, load_options, opt
+from engine import checkpoint, runtime
+from engine.benchmark import REPO_ROOT, markdown_table
+from engine.serve_workers import pss_bytes
+from model import GPT, ModelConfig
+
+MIB = 2**20
+TEXT = REPO_ROOT / "data" / "tinyshakespeare.txt"
+PROMPT_CHARS = (8, 32, 96)  # the fixed mix: request i takes PROMPT_CHARS[i % 3] ...
+OUTPUT_TOKENS = (16, 64, 128)  # ... and OUTPUT_TOKENS[(i // 3) % 3]
+GPT2_OUTPUT_TOKENS = (8, 16, 32)
+START_S = 600  # bound on a server's start-up (a compile on a busy CPU is slow)
+
+
+@dataclass
+class BenchServeOptions:
+    checkpoint: str = opt("out/shakespeare_char", "the checkpoint served (the default run's)")
+    gpt2_shaped: bool = opt(False, "serve a random-weight GPT-2 124M-shaped model instead")
+    concurrency: str = opt("1,4,16", "client concurrency levels")
+    requests: int = opt(36, "requests per level (the fixed mix of prompt and output lengths)")
+    slots: int = opt(16, "decode slots of the batched server")
+    rounds: int = opt(2, "batched and one-at-a-time servers alternate this many times; medians")
+    threads: int = opt(0, "torch threads of the server; 0 = every core")
+    memory_workers: str = opt("1,2,4", "worker counts whose PSS is measured; '' = skip")
+    compile: bool = opt(False, "serve with --compile (warm-up compiles every shape)")
+    parts: str = opt("load,workers,memory", "what to measure: load (throughput, latency, "
+                     "first request), workers (1 vs 2 splitting the cores), memory (PSS)")
+    name: str = opt("cpu", "results go to RESULTS/serve_NAME.{md,json}")
+    results: str = opt("bench_results", "the results directory")
+
+
+class Server:
+    """One serve.py subprocess on a free port."""
+
+    def __init__(self, args: list[str], workers: int = 1):
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "serve.py"), "--port=0",
+                                      *args], cwd=REPO_ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self.started = time.perf_counter()
+        port = self._wait(r"listening on http://[\d.]+:(\d+)")
+        self.url = f"http://127.0.0.1:{port}"
+        self._wait(r"ready, warm-up", count=workers)  # every worker warmed up
+        self.ready_s = time.perf_counter() - self.started
+        assert httpx.get(f"{self.url}/health", timeout=60).status_code == 200  # as a balancer
+
+    def _wait(self, pattern: str, count: int = 1) -> str:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            text = Path(self.log.name).read_text()
+            found = re.findall(pattern, text)
+            if len(found) >= count:
+                return found[0]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve.py exited:\n{text}")
+            time.sleep(0.1)
+        text = Path(self.log.name).read_text()
+        raise RuntimeError(f"serve.py did not start in {START_S}s:\n{text}")
+
+    def pss(self) -> dict[str, int]:
+        """PSS of the supervisor and each worker (its children)."""
+        pids = [self.proc.pid] + [int(p) for p in Path(
+            f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+        return {str(pid): pss_bytes(pid) for pid in pids}
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def workload(n: int, gpt2: bool) -> list[dict]:
+    """n greedy requests: prompts cut from the bundled text, output lengths cycled."""
+    text, outputs = TEXT.read_text(), GPT2_OUTPUT_TOKENS if gpt2 else OUTPUT_TOKENS
+    jobs = []
+    for i in range(n):
+        start = (i * 997) % (len(text) - 200)
+        jobs.append({"prompt": text[start:start + PROMPT_CHARS[i % 3]], "temperature": 0,
+                     "max_tokens": outputs[(i // 3) % 3], "stream": True, "ignore_eos": True,
+                     "stream_options": {"include_usage": True}})
+    return jobs
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+    """Stream one completion -> ttft, latency (s), tokens; error: the reason."""
+    t0 = time.perf_counter()
+    ttft, tokens, done = None, 0, False
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        return {"error": type(e).__name__}
+    if not done:
+        return {"error": "no [DONE]"}
+    return {"ttft": ttft, "latency": time.perf_counter() - t0, "tokens": tokens}
+
+
+async def run_load(url: str, jobs: list[dict], concurrency: int) -> list[dict]:
+    """Send jobs from `concurrency` clients, each taking the next job when its last is done."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def client_loop():
+            while not queue.empty():
+                results.append(await one_request(client, queue.get_nowait()))
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return results
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    ttft, latency = [r["ttft"] for r in ok if r["ttft"] is not None], [r["latency"] for r in ok]
+    return {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
+            "req_per_s": len(ok) / wall, "tok_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_p50_ms": 1e3 * statistics.median(ttft),
+            "ttft_p99_ms": 1e3 * percentile(ttft, .99),
+            "latency_p50_ms": 1e3 * statistics.median(latency),
+            "latency_p99_ms": 1e3 * percentile(latency, .99)}
+
+
+def first_request(server: Server, job: dict) -> dict:
+    """Time to first token of a fresh server's very first request."""
+    first = asyncio.run(run_load(server.url, [job], 1))[0]
+    return {"first_request_ttft_ms": 1e3 * first["ttft"], "ready_s": server.ready_s}
+
+
+def later_request(server: Server, job: dict) -> dict:
+    """The same request later, from a new client too (both pay a new connection)."""
+    later = asyncio.run(run_load(server.url, [job], 1))[0]
+    return {"later_request_ttft_ms": 1e3 * later["ttft"]}
+
+
+def run_level(server: Server, jobs: list[dict], level: int, mode: str) -> dict:
+    t0 = time.perf_counter()
+    results = asyncio.run(run_load(server.url, jobs, level))
+    out = summarize(results, time.perf_counter() - t0)
+    print(f"  {mode:<13} concurrency {level:>2}: {out['req_per_s']:.2f} req/s, "
+          f"{out['tok_per_s']:.0f} tok/s, errors {out['errors']}", flush=True)
+    return out
+
+
+def gpt2_shaped_checkpoint(directory: Path) -> Path:
+    cfg = Config()
+    cfg.model = ModelConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
+                            attention="sdpa", norm="native", gelu="native")
+    torch.manual_seed(0)
+    return checkpoint.save(directory, 0, GPT(cfg.model), cfg, {"tokenizer": {"kind": "gpt2"}})
+
+
+def memory_rows(ckpt: Path, counts: list[int], base: list[str], gpt2: bool) -> list[dict]:
+    """Total PSS of serve.py with N workers sharing the weights, and with one copy each."""
+    rows = []
+    for workers in counts:
+        for shared in (True, False):
+            server = Server([*base, f"--checkpoint={ckpt}", f"--workers={workers}", "--threads=1",
+                             "--slots=4", f"--share-weights={shared}"], workers)
+            try:
+                asyncio.run(run_load(server.url, workload(2 * workers, gpt2), 2 * workers))
+                pss = server.pss()
+            finally:
+                server.stop()
+            rows.append({"workers": workers, "shared": shared, "pss_total_mib": sum(
+                pss.values()) / MIB, "pss_mib": {pid: v / MIB for pid, v in pss.items()}})
+            print(f"  workers {workers} shared={shared}: PSS {rows[-1]['pss_total_mib']:.0f} MiB",
+                  flush=True)
+    return rows
+
+
+def workers_rows(ckpt: Path, counts: list[int], base: list[str], o: BenchServeOptions,
+                 levels: list[int]) -> list[dict]:
+    """Throughput of N workers splitting the cores and the slots, at the top concurrency."""
+    rows, cores = [], os.cpu_count() or 1
+    jobs = workload(o.requests, o.gpt2_shaped)
+    for workers in counts:
+        threads, slots = max(1, cores // workers), max(1, o.slots // workers)
+        server = Server([*base, f"--checkpoint={ckpt}", f"--workers={workers}",
+                         f"--threads={threads}", f"--slots={slots}"], workers)
+        try:
+            t0 = time.perf_counter()
+            results = asyncio.run(run_load(server.url, jobs, max(levels)))
+            rows.append({"workers": workers, "threads": threads, "slots": slots,
+                         "concurrency": max(levels),
+                         **summarize(results, time.perf_counter() - t0)})
+        finally:
+            server.stop()
+        print(f"  workers {workers} x {threads} threads: {rows[-1]['tok_per_s']:.0f} tok/s",
+              flush=True)
+    return rows
+
+
+def markdown(report: dict) -> str:
+    parts = [f"# Serving benchmark ({report['name']})", "", f"Machine: {report['machine']}", "",
+             f"Model: {report['model']}", "", f"Command: `{report['command']}`"]
+    if "runs" in report:
+        parts += ["", *load_markdown(report)]
+    if report.get("workers"):
+        rows = [[r["workers"], r["threads"], r["slots"], r["concurrency"],
+                 f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.0f}", f"{r['latency_p50_ms']:.0f}",
+                 r["errors"]] for r in report["workers"]]
+        parts += ["", "Workers splitting the cores and the slots (the same load, the top "
+                  "concurrency):", "", markdown_table(["workers", "threads each", "slots each",
+                                                       "concurrency", "req/s", "tokens/s",
+                                                       "latency p50 ms", "errors"], rows)]
+    if report.get("memory"):
+        mem = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
+                f"{r['pss_total_mib']:.0f}"] for r in report["memory"]]
+        parts += ["", "Memory: total PSS (/proc/PID/smaps_rollup) of the supervisor and its "
+                  "workers, after a few requests:", "",
+                  markdown_table(["workers", "weights", "total PSS MiB"], mem)]
+    return "\n".join(parts) + "\n"
+
+
+def load_markdown(report: dict) -> list[str]:
+    levels, runs = report["levels"], report["runs"]
+    header = ["server", "concurrency", "req/s", "tokens/s", "vs one at a time", "TTFT p50 ms",
+              "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "errors"]
+    rows = []
+    for level in levels:
+        for mode in ("batched", "one_at_a_time"):
+            m = runs[mode][str(level)]
+            ratio = m["tok_per_s"] / runs["one_at_a_time"][str(level)]["tok_per_s"]
+            rows.append([mode.replace("_", " ") + f" (slots {report['slots'][mode]})", level,
+                         f"{m['req_per_s']:.2f}", f"{m['tok_per_s']:.0f}", f"{ratio:.2f}x",
+                         f"{m['ttft_p50_ms']:.0f}", f"{m['ttft_p99_ms']:.0f}",
+                         f"{m['latency_p50_ms']:.0f}", f"{m['latency_p99_ms']:.0f}",
+                         f"{m['errors']:.0f}"])
+    starts = {**{mode: runs[mode] for mode in ("batched", "one_at_a_time")},
+              "batched, --warmup=false": report["cold"]}
+    first = [[name, f"{m['first_request_ttft_ms']:.0f}", f"{m['later_request_ttft_ms']:.0f}",
+              f"{m['ready_s']:.1f}"] for name, m in starts.items()]
+    return [report["load"], "", markdown_table(header, rows), "",
+            "The very first request after /health is 200 against the same request sent later "
+            "from a new client (time to first token, ms; start: launch to healthy, s):", "",
+            markdown_table(["server", "first request TTFT ms", "later request TTFT ms",
+                            "start s"], first)]
+
+
+def load_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
+    """The batched and the one-at-a-time server, both up, take turns at each level in each
+    round (A B A B); then a cold server (no warm-up) for its first request."""
+    jobs = workload(o.requests, o.gpt2_shaped)
+    slots = {"batched": o.slots, "one_at_a_time": 1}
+    servers: dict[str, Server] = {}
+    try:
+        for mode in slots:
+            servers[mode] = Server([*base, f"--checkpoint={ckpt}", f"--slots={slots[mode]}"])
+        rounds = {mode: [first_request(server, jobs[0])] for mode, server in servers.items()}
+        for r in range(o.rounds):
+            for mode, server in servers.items():
+                rounds[mode][r].update(later_request(server, jobs[0]))
+            for level in levels:
+                for mode, server in servers.items():
+                    rounds[mode][r][str(level)] = run_level(server, jobs, level, mode)
+            if r + 1 < o.rounds:
+                for mode in servers:
+                    rounds[mode].append({})
+    finally:
+        for server in servers.values():
+            server.stop()
+    print("cold: batched, --warmup=false", flush=True)
+    server = Server([*base, f"--checkpoint={ckpt}", f"--slots={o.slots}", "--warmup=false"])
+    try:
+        cold = first_request(server, jobs[0])
+        time.sleep(1)
+        cold.update(later_request(server, jobs[0]))
+    finally:
+        server.stop()
+    for mode in rounds:  # the first request was measured once, before round 1
+        for later in rounds[mode][1:]:
+            later.update({k: rounds[mode][0][k] for k in ("first_request_ttft_ms", "ready_s")})
+    outputs = GPT2_OUTPUT_TOKENS if o.gpt2_shaped else OUTPUT_TOKENS
+    return {"levels": levels, "slots": slots, "requests": o.requests, "cold": cold,
+            "runs": {mode: median_run(runs) for mode, runs in rounds.items()}, "rounds": rounds,
+            "load": (f"Load: {o.requests} greedy streamed requests per level, prompts of "
+                     f"{'/'.join(map(str, PROMPT_CHARS))} characters cut from tinyshakespeare, "
+                     f"outputs of {'/'.join(map(str, outputs))} tokens, in a fixed mix. Both "
+                     f"servers up at once, taking turns at each level; medians of {o.rounds} "
+                     "rounds; with this few requests p99 is about the slowest.")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # servers stopped on the way out
+    try:
+        o = load_options(argv, BenchServeOptions, "engine/bench_serve.py", __doc__)
+        levels = [int(c) for c in o.concurrency.split(",") if c.strip()]
+        counts = [int(c) for c in o.memory_workers.split(",") if c.strip()]
+        ckpt = None if o.gpt2_shaped else checkpoint.resolve(o.checkpoint)
+    except (ConfigError, ValueError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = {"name": o.name, "machine": runtime.machine_line(torch.device("cpu")),
+              "command": "python -m engine.bench_serve " + " ".join(argv)}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = ckpt or gpt2_shaped_checkpoint(Path(tmp))
+        report["model"] = ("random-weight GPT-2 124M shape (12 x 768, block 1024, vocab 50257, "
+                           "sdpa)" if o.gpt2_shaped else f"{ckpt} ({model_line(ckpt)})")
+        common = ["--device=cpu", "--max_queue=64", *(["--compile=true"] if o.compile else [])]
+        base = [*common, *([f"--threads={o.threads}"] if o.threads else [])]
+        if "load" in o.parts:
+            report.update(load_part(o, ckpt, base, levels))
+        if "workers" in o.parts:
+            report["workers"] = workers_rows(ckpt, [1, 2], common, o, levels)
+        if "memory" in o.parts and counts:
+            report["memory"] = memory_rows(ckpt, counts, ["--device=cpu"], o.gpt2_shaped)
+    out = Path(o.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"serve_{o.name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"serve_{o.name}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def model_line(ckpt: Path) -> str:
+    m = json.loads((ckpt / "config.json").read_text())["model"]
+    return (f"{m['n_layer']} layers x {m['n_embd']}, {m['n_head']} heads, block {m['block_size']},"
+            f" vocab {m['vocab_size']}, attention {m['attention']}")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Per level and metric, the median over rounds (errors: their sum)."""
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: (sum if k == "errors" else statistics.median)(r[key][k] for r in runs)
+                        for k in value}  # errors: every round's
+        else:
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
