@@ -95,9 +95,10 @@ def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
     """Stream sample.num_samples texts from init_from (or the config's checkpoint) to stdout."""
     rt, s = runtime.setup(cfg.system), cfg.sample
     model, meta, label = load_for_sampling(cfg, rt.device, init_from)
-    if note := sparse.prepare_for_inference(model, sparse_mode, rt.device):  # pruned only
-        print(note, file=sys.stderr)
     layout = set_weight_layout(model, s.weight_layout)  # before compile: it traces the strides
+    # a pruned model: sparse Linears where they timed faster than these dense weights
+    if note := sparse.prepare_for_inference(model, sparse_mode, rt.device):
+        print(note, file=sys.stderr)
     tokenizer = from_meta(meta["tokenizer"])
     prompt_ids = encode_prompt(tokenizer, s.prompt, model.config.block_size)
     bucket = 0

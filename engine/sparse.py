@@ -16,11 +16,13 @@ import json
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from config import ConfigError
 from engine import prune
 
 MODES = ("dense", "sparse", "auto")
@@ -29,13 +31,20 @@ GPT2_SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 
                "mlp.c_proj": (768, 3072)}  # (out, in) of GPT-2 124M's block Linears
 
 
+def to_sparse(weight: torch.Tensor, layout: str, block: int = 16) -> torch.Tensor:
+    """weight as a CSR or BSR tensor (torch's "in beta state" warning left out)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+        return weight.to_sparse_csr() if layout == "csr" else weight.to_sparse_bsr((block, block))
+
+
 class CSRLinear(torch.nn.Module):
     """A Linear whose weight is a CSR tensor: y = x W^T + b computed as (W x^T)^T (CPU)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = torch.nn.Parameter(linear.weight.detach().to_sparse_csr(),
+        self.weight = torch.nn.Parameter(to_sparse(linear.weight.detach(), "csr"),
                                          requires_grad=False)
         self.bias = linear.bias
 
@@ -89,13 +98,13 @@ def make_sparse(linear: torch.nn.Linear, device: torch.device) -> torch.nn.Modul
     return CSRLinear(linear) if device.type == "cpu" else None
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -111,7 +120,7 @@ def race(dense: torch.nn.Module, sparse: torch.nn.Module, rows: int, repeats: in
     turns = {"dense": [], "sparse": []}
     for _ in range(repeats):
         for name, layer in (("dense", dense), ("sparse", sparse)):
-            turns[name].append(median_seconds(lambda: layer(x), calls))
+            turns[name].append(median_seconds(lambda: layer(x), calls, weight.device))
     return statistics.median(turns["dense"]), statistics.median(turns["sparse"])
 
 
@@ -125,12 +134,12 @@ def prepare_for_inference(model: torch.nn.Module, mode: str, device: torch.devic
                           rows: int = 1) -> str:
     """Swap a pruned model's Linear layers for sparse ones: all that can (sparse), none
     (dense), or those whose weight shape ran faster sparse at `rows` input rows (auto). Returns
-    one line saying what was chosen; a dense model is left as it is."""
+    one line saying what was chosen ('' for a model that is not pruned, left as it is)."""
     if mode not in MODES:
-        raise ValueError(f"sparse mode {mode!r} is not one of {', '.join(MODES)}")
+        raise ConfigError(f"--sparse={mode!r} is not one of {', '.join(MODES)}")
     device, masks = torch.device(device), prune.masks_of(model)
     if not masks:
-        return "sparse kernels: none (the model is not pruned)"
+        return ""
     if mode == "dense":
         return f"sparse kernels: off, dense weights with zeros ({prune.describe(model)})"
     layers = {name.removesuffix(".weight"): model.get_submodule(name.removesuffix(".weight"))
@@ -138,16 +147,18 @@ def prepare_for_inference(model: torch.nn.Module, mode: str, device: torch.devic
     verdicts: dict[tuple, str] = {}  # weight shape -> why it is sparse or dense
     swapped = 0
     for name, linear in layers.items():
-        sparse = make_sparse(linear, device)
+        plain = type(linear.weight.data) is torch.Tensor  # not int8 (sample.quantize)
+        sparse = make_sparse(linear, device) if plain else None
         shape = tuple(linear.weight.shape)
         if sparse is None:
-            verdicts.setdefault(shape, "dense (no sparse kernel for it here)")
+            verdicts.setdefault(shape, "dense (no sparse kernel for it here)" if plain
+                                else "dense (quantized)")
             continue
         if mode == "auto" and shape not in verdicts:
             dense_s, sparse_s = race(linear, sparse, rows)
             faster = dense_s / sparse_s >= SPEEDUP_NEEDED
-            verdicts[shape] = (f"{'sparse' if faster else 'dense'} "
-                               f"({dense_s / sparse_s:.2f}x dense speed)")
+            verdicts[shape] = (f"{'sparse' if faster else 'dense'} ({sparse_kind(device)} "
+                               f"ran at {dense_s / sparse_s:.2f}x dense's speed)")
         if mode == "sparse" or verdicts[shape].startswith("sparse"):
             _set_module(model, name, sparse)
             swapped += 1
@@ -192,7 +203,7 @@ class BSRLinear(CSRLinear):
 
     def __init__(self, linear: torch.nn.Linear, block: int = 16):
         super().__init__(linear)
-        self.weight = torch.nn.Parameter(linear.weight.detach().to_sparse_bsr((block, block)),
+        self.weight = torch.nn.Parameter(to_sparse(linear.weight.detach(), "bsr", block),
                                          requires_grad=False)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import generate
 import prune as prune_script
 import train
 from config import Config, ConfigError, load_config
@@ -135,7 +136,7 @@ def test_sparse_and_dense_execution_give_the_same_logits(pattern):
 
 def test_auto_says_what_it_chose_and_dense_leaves_the_layers():
     model = tiny_gpt(n_embd=32).eval()
-    assert "not pruned" in sparse.prepare_for_inference(model, "auto", "cpu")
+    assert sparse.prepare_for_inference(model, "auto", "cpu") == ""  # not pruned: left alone
     prune.prune(model, 0.9, "unstructured")
     note = sparse.prepare_for_inference(model, "dense", "cpu")
     assert note.startswith("sparse kernels: off, dense weights with zeros")
@@ -144,6 +145,24 @@ def test_auto_says_what_it_chose_and_dense_leaves_the_layers():
     chosen = sum(isinstance(m, sparse.CSRLinear) for m in model.modules())
     assert note.startswith(f"sparse kernels (auto, CSR at 4 rows): {chosen} of 8 pruned")
     assert "32x32:" in note and "128x32:" in note  # each shape's verdict, named
+
+
+def test_generate_from_a_pruned_checkpoint_says_which_kernels_it_uses(trained, tmp_path,
+                                                                     capsys):
+    pruned = tmp_path / "pruned"
+    assert prune_script.main(["--checkpoint", str(trained), "--pattern", "2:4",
+                              "--out", str(pruned)]) == 0
+    capsys.readouterr()
+    common = ["--config", "tiny", f"--checkpoint={pruned}", "--max_new_tokens=5",
+              "--temperature=0", "--device=cpu"]
+    texts = {}
+    for mode in ("sparse", "dense"):
+        assert generate.main([*common, f"--sparse={mode}"]) == 0
+        out = capsys.readouterr()
+        texts[mode] = out.out
+        assert (f"sparse kernels ({mode}, CSR): 8 of 8 pruned Linears sparse" if mode == "sparse"
+                else "sparse kernels: off, dense weights with zeros") in out.err
+    assert texts["sparse"] == texts["dense"]  # greedy: the same tokens either way
 
 
 @pytest.mark.cuda
