@@ -209,17 +209,26 @@ class Completion:
             if not seq.done:
                 self.engine.cancel(seq)
 
-    async def events_until_done(self) -> AsyncIterator[tuple[int, tuple]]:
-        """(choice index, event) until every sequence is done; ApiError 500 on an engine error."""
+    async def batches(self) -> AsyncIterator[list[tuple[int, tuple]]]:
+        """Lists of (choice index, event), everything that has arrived, until every sequence
+        is done; ApiError 500 on an engine error."""
         left = len(self.seqs)
         while left:
-            j, event = await self.events.get()
-            if event[0] == "error":
-                raise ApiError(500, event[1], kind="server_error")
-            if event[0] == "done":
-                left -= 1
-                self.completion_tokens += event[2]
-            yield j, event
+            batch = [await self.events.get()]
+            while not self.events.empty():
+                batch.append(self.events.get_nowait())
+            for j, event in batch:
+                if event[0] == "error":
+                    raise ApiError(500, event[1], kind="server_error")
+                if event[0] == "done":
+                    left -= 1
+                    self.completion_tokens += event[2]
+            yield batch
+
+    async def events_until_done(self) -> AsyncIterator[tuple[int, tuple]]:
+        async for batch in self.batches():
+            for item in batch:
+                yield item
 
     def chunk(self, choices: list[dict], usage: bool = False) -> dict:
         out = {"id": self.id, "object": "text_completion", "created": self.created,
@@ -259,15 +268,26 @@ async def complete(request: Request, job: Completion) -> dict:
     return job.chunk([choice(j, texts[j], reasons[j]) for j in range(len(texts))], usage=True)
 
 
+def merged(batch: list[tuple[int, tuple]]) -> list[list]:
+    """Events -> [choice, text, finish_reason] chunks, a choice's adjacent texts joined."""
+    out: list[list] = []
+    for j, event in batch:
+        if event[0] != "text":
+            out.append([j, "", event[1]])
+        elif out and out[-1][0] == j and out[-1][2] is None:
+            out[-1][1] += event[1]
+        else:
+            out.append([j, event[1], None])
+    return out
+
+
 async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per piece of text, one with each finish_reason, usage if
-    asked, then [DONE]. Cancelled (the client went away): the sequences leave their slots."""
+    """Server-sent events: a chunk per piece of text (what arrived since the last), one with
+    each finish_reason, usage if asked, then [DONE]. Cancelled (the client went away): the sequences leave their slots."""
     try:
-        async for j, event in job.events_until_done():
-            if event[0] == "text":
-                yield sse(job.chunk([choice(j, event[1], None)]))
-            else:
-                yield sse(job.chunk([choice(j, "", event[1])]))
+        async for batch in job.batches():  # a client that reads slower gets longer chunks
+            yield "".join(sse(job.chunk([choice(j, text, reason)]))
+                          for j, text, reason in merged(batch))
         if include_usage:
             yield sse(job.chunk([], usage=True))
         yield sse("[DONE]")

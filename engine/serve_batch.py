@@ -213,19 +213,16 @@ class BatchEngine:
         """Block until something is queued or running (False: stopping with nothing left). An
         idle window of idle_release_s hands cached CUDA memory back, once."""
         with self.lock:
-            idle_since = None
+            idle_since, released = time.monotonic(), False
             while not self.waiting and all(s is None for s in self.running):
                 if self.stopping:
                     return False
-                if idle_since is None:
-                    idle_since = time.monotonic()
                 left = idle_since + self.idle_release_s - time.monotonic()
-                if left <= 0 and idle_since is not None:
+                if not released and left <= 0:
                     if memory.release_cached(self.device, self.empty_cache):
                         self.released_idle += 1
-                    idle_since = float("inf")  # once per idle window
-                    left = None
-                self.lock.wait(timeout=left)
+                    released = True
+                self.lock.wait(timeout=None if released else left)
             return True
 
     def step(self) -> None:

@@ -139,6 +139,29 @@ def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
     assert calls == [True, True] and engine.released_idle == 2
 
 
+def test_an_error_in_the_decode_loop_fails_the_requests_and_the_engine_goes_on(tmp_path):
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=2,
+                         max_queue=2, warmup=False, log=lambda text: None)
+    decode = engine._decode
+    engine._decode = lambda seqs: (_ for _ in ()).throw(RuntimeError("injected"))
+    events = {0: [], 1: []}
+    seqs = [Sequence([1, 2], SamplingParams(max_tokens=5, temperature=0), events[i].append)
+            for i in range(2)]
+    engine.start()
+    engine.submit(seqs)
+    deadline = time.monotonic() + WAIT_S
+    while not all(s.done for s in seqs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [e[-1][0] for e in events.values()] == ["error", "error"]
+    assert "RuntimeError: injected" in events[0][-1][1]
+    engine._decode = decode
+    after = []
+    engine.submit([Sequence([1, 2], SamplingParams(max_tokens=5, temperature=0), after.append)])
+    engine.stop()
+    assert after[-1] == ("done", "length", 5) and engine.stats()["active"] == 0
+
+
 class Server:
     """serve.py in a subprocess on a free port; output in a log file."""
 
@@ -316,13 +339,13 @@ def test_sigterm_finishes_running_requests_then_exits(served):
     with httpx.Client(base_url=served.url, timeout=WAIT_S) as client:
         with contextlib.ExitStack() as stack:
             lines = open_stream(client, stack, 600).iter_lines()
-            next(lines)
+            first = next(lines)
             served.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    choices = [json.loads(line[6:])["choices"][0] for line in rest[:-1]]
+            events = [first] + [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    choices = [json.loads(line[6:])["choices"][0] for line in events[:-1]]
     assert choices[-1]["finish_reason"] == "length"
-    assert len("".join(c["text"] for c in choices)) == 600 - 1  # the first line read above
+    assert len("".join(c["text"] for c in choices)) == 600  # one character per token
     assert served.proc.wait(timeout=WAIT_S) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{served.url}/health", timeout=5)
