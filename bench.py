@@ -377,7 +377,7 @@ def describe(report: dict) -> str:
     load = r.get("load_average")
     shared = (f" | load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (other "
               "processes shared the machine)" if load and max(load) > 0.5 * os.cpu_count() else "")
-    passes = f" in each of {r['repeat']} passes" if r.get("repeat", 1) > 1 else ""
+    passes = f" x {r['repeat']} runs" if r.get("repeat", 1) > 1 else ""
     clock = ", timed by the process's CPU time (--clock=process)" * (r.get("clock") == "process")
     vocab = first.get("settings", {}).get("vocab", m["vocab_size"])
     ratios = [statistics.median(row["step_s"]) / row["estimate_step_s"] for row in r["rows"]
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_to_loss.run(opts, command)
     print(f"bench: {len(rows)} rows on {cfg.system.device}, each {opts.warmup_steps} warm-up + "
           f"{opts.measure_steps} timed steps in its own process" + (
-              f", {opts.repeat} passes" if opts.repeat > 1 else ""), flush=True)
+              f", {opts.repeat} runs of each" if opts.repeat > 1 else ""), flush=True)
     report = run_all(rows, cfg, opts, only, command)
     print("\n" + describe(report) + "\n\n" + results_text(report))
     paths = write_outputs(report, Path(opts.results), opts.name)

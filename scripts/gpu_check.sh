@@ -211,7 +211,7 @@ part_bench() {
     begin bench 180 || return
     local args=(--time-budget $((LIMIT - 15)) --results "$RESULTS" --name "gpu_check_${SLUG}_bench")
     if [[ $CPU_MODE == 1 ]]; then
-        args+=(--device=cpu --order tf32 --warmup-steps 1 --measure-steps 1
+        args+=(--device=cpu --order tf32 --warmup-steps 1 --measure-steps 1 --kernels off
                --ceiling-size 256 --n_layer=1 --n_head=2 --n_embd=32 --block_size=32
                --batch_size=2 --grad_accum_steps=1 "${CPU_DATA[@]}")
     else
