@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import itertools
 import json
+import math
 import os
 import platform
 import re
@@ -75,8 +76,8 @@ class BenchOptions:
     repeat: int = opt(1, "runs of each row (fresh processes); tokens/s: the median of all "
                       "their timed steps")
     keep_margin: float = opt(0.03, "chain: a flag is carried into later rows only when its row "
-                             "beats the chain so far by more than this share and than the "
-                             "spread of either row's steps (dropped otherwise)")
+                             "beats the chain so far by more than this share and than twice "
+                             "the standard error of the medians' difference (else dropped)")
     kernels: str = opt("auto", "CPU kernel rows after the chain (threads, inductor C++, oneDNN "
                        "bf16; training and batch-1 decoding): auto = on CPU", ("auto", "on", "off"))
     decode_rounds: int = opt(3, "kernels: timed batch-1 decode runs per row (medians)")
@@ -177,16 +178,24 @@ def spread(step_s: list[float]) -> float:
     return (q3 - q1) / statistics.median(step_s)
 
 
+def median_error(step_s: list[float]) -> float:
+    """The relative standard error of a row's median step: 1.25 sigma / sqrt(n), sigma from
+    the interquartile range (IQR / 1.35 for a normal spread), robust to a few stalled steps."""
+    return 1.2533 * spread(step_s) / 1.349 / math.sqrt(len(step_s)) if step_s else 0.0
+
+
 def verdict(candidate: dict, head: dict, margin: float) -> tuple[bool, str]:
     """Whether the chain keeps a row's flag: (keep, why not). Kept when its tokens/s beats the
     chain's head (the fastest combination so far) by more than the noise: the larger of margin
-    and either row's step spread. A pure function of the two rows' timings."""
+    and twice the standard error of the difference of the two medians. A pure function of the
+    two rows' timings."""
     if candidate["status"] != "ok":
         return False, "" if candidate["status"] == "skipped" else "dropped: failed"
     if head["status"] != "ok":
         return True, ""  # nothing measured before it: it starts the chain
     gain = candidate["tokens_per_s"] / head["tokens_per_s"] - 1
-    noise = max(margin, spread(candidate["step_s"]), spread(head["step_s"]))
+    noise = max(margin, 2 * math.hypot(median_error(candidate["step_s"]),
+                                       median_error(head["step_s"])))
     if gain > noise:
         return True, ""
     how = "slower here" if gain < -noise else "not faster beyond the noise"
@@ -386,9 +395,10 @@ def describe(report: dict) -> str:
                 "(FLOPs per step at the matmul rate measured in the row's dtype); measured / "
                 f"estimate {min(ratios):.1f}-{max(ratios):.1f}x" if ratios else "")
     chain = ("chain: each flag is tried on the best combination so far and kept only when "
-             f"faster by more than {100 * r.get('keep_margin', 0):.0f}% and than the "
-             "interquartile spread of either row's steps; a dropped row is shown, the chain goes "
-             "on without it" if r["mode"] == "chain" else "")
+             f"faster by more than {100 * r.get('keep_margin', 0):.0f}% and than twice the "
+             "standard error of the two medians' difference (from each row's interquartile "
+             "range); a dropped row is shown, the chain goes on without it"
+             if r["mode"] == "chain" else "")
     return "\n".join([
         f"hardware: {ceiling.get('hardware', r['device'])} | torch {r['torch']} | {r['date']}"
         + shared,
