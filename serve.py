@@ -17,6 +17,7 @@ import torch
 
 from config import ConfigError, load_config, opt
 from engine import checkpoint, runtime
+from engine.sampling import weight_layout_for
 from engine.serve_workers import Supervisor, WorkerSpec, load_for_serving, log
 from engine.tokenizer import TokenizerError
 
@@ -71,14 +72,15 @@ def serve(cfg, o: ServeOptions) -> int:
                       idle_release_s=o.idle_release_s, share_weights=o.share_weights,
                       retry_after_s=o.retry_after_s, access_log=o.access_log, threads=o.threads,
                       init_from=o.init_from, model_name=o.model_name)
-    runtime.resolve_device(cfg.system.device)  # a device this machine lacks fails here
+    device = runtime.resolve_device(cfg.system.device)  # a device this machine lacks fails here
     torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serve_workers.py)
-    loaded = load_for_serving(cfg, o.init_from, o.model_name)  # errors before any fork
+    loaded = load_for_serving(cfg, o.init_from, o.model_name, device)  # errors before any fork
     s = cfg.sample
-    log(f"serving {loaded.name!r} from {loaded.label} | device {cfg.system.device} | dtype "
+    log(f"serving {loaded.name!r} from {loaded.label} | device {device} | dtype "
         f"{cfg.system.dtype} | compile {'on' if cfg.system.compile else 'off'}"
         + (f" (prompt bucket {s.prompt_bucket})" if cfg.system.compile else "")
-        + f" | quantize {s.quantize}")
+        + f" | quantize {s.quantize} | weight_layout={weight_layout_for(s.weight_layout, device)}"
+        f" ({s.weight_layout})")
     if not o.share_weights:  # each worker loads its own copy
         loaded = None
         gc.collect()

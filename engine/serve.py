@@ -283,7 +283,8 @@ def merged(batch: list[tuple[int, tuple]]) -> list[list]:
 
 async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a chunk per piece of text (what arrived since the last), one with
-    each finish_reason, usage if asked, then [DONE]. Cancelled (the client went away): the sequences leave their slots."""
+    each finish_reason, usage if asked, then [DONE]. Cancelled (the client went away): the
+    sequences leave their slots."""
     try:
         async for batch in job.batches():  # a client that reads slower gets longer chunks
             yield "".join(sse(job.chunk([choice(j, text, reason)]))

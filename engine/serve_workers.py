@@ -27,6 +27,7 @@ import torch
 
 from config import Config, ConfigError
 from engine import hf, quantize, runtime, sources, techniques
+from engine.sampling import set_weight_layout
 from engine.tokenizer import TokenizerError, from_meta
 
 RESTARTS_PER_MINUTE = 5  # more crashes than this in a minute: stop, something is wrong
@@ -47,9 +48,12 @@ class Loaded:
     label: str
 
 
-def load_for_serving(cfg: Config, init_from: str, model_name: str = "") -> Loaded:
+def load_for_serving(cfg: Config, init_from: str, model_name: str = "",
+                     device: torch.device | None = None) -> Loaded:
     """The model generate.py would sample from (--init-from, sample.checkpoint or
-    train.out_dir; int8 layers if sample.quantize), on the CPU, with its tokenizer."""
+    train.out_dir; int8 layers if sample.quantize), on the CPU, with its tokenizer. Served on
+    the CPU (`device`), its weights take sample.weight_layout here, before any fork, so the
+    workers share them; a GPU worker sets the layout after moving them."""
     if init_from and cfg.sample.checkpoint:
         raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
                           "name a model to serve; pass one of them")
@@ -65,6 +69,8 @@ def load_for_serving(cfg: Config, init_from: str, model_name: str = "") -> Loade
         chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
         log(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
             f"weights now {quantize.weight_bytes(model) / 2**20:.1f} MiB")
+    if (device or torch.device("cpu")).type == "cpu":
+        set_weight_layout(model, cfg.sample.weight_layout)
     step = f" (step {meta['step']})" if "step" in meta else ""
     return Loaded(model.eval(), from_meta(meta["tokenizer"]), model_name or served_name(source),
                   label + step)
@@ -130,8 +136,10 @@ def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, rea
     torch.set_num_threads(spec.threads_per_worker())
     cfg = spec.cfg
     rt = runtime.setup(cfg.system)
-    loaded = loaded or load_for_serving(cfg, spec.init_from, spec.model_name)
+    loaded = loaded or load_for_serving(cfg, spec.init_from, spec.model_name, rt.device)
     raw_model = loaded.model.to(rt.device)
+    if rt.device.type != "cpu":  # on the CPU the supervisor set it, before the fork
+        set_weight_layout(raw_model, cfg.sample.weight_layout)
     model, _ = techniques.compile_model(raw_model, cfg.system, rt)
     block = raw_model.config.block_size
     engine = BatchEngine(model, raw_model, loaded.tokenizer, rt.device, spec.slots, spec.max_queue,

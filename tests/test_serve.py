@@ -22,7 +22,7 @@ import torch
 
 from config import Config
 from engine import checkpoint, serve_batch, sources
-from engine.sampling import generate_tokens
+from engine.sampling import generate_tokens, set_weight_layout
 from engine.serve_batch import BatchEngine, SamplingParams, Sequence, TextStream
 from engine.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
@@ -212,6 +212,7 @@ def served(tmp_path_factory):
     ckpt = tiny_checkpoint(tmp / "run")
     server = Server(ckpt, tmp / "serve.log")
     server.model = sources.load_model(str(ckpt), Config())[0].eval()
+    set_weight_layout(server.model, "auto")  # as generate.py (and serve.py) store them
     yield server
     server.stop()
 
