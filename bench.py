@@ -351,11 +351,14 @@ def table(rows: list[dict], ceiling: dict | None = None) -> str:
         ms = lambda x: f"{x:,.0f}" if x >= 10 else f"{x:.2g}"  # noqa: E731
         estimate = f"{ms(step_ms)} ({ms(1000 * r['estimate_step_s'])})" \
             if "estimate_step_s" in r else ms(step_ms)
+        note = row_note(r, (ceiling or {}).get("compile_kernels", ""),
+                        tuple((ceiling or {}).get("bf16_units", ())))
+        if "chain" in r and r["previous"] not in (None, i - 1):  # the head it was tried on
+            note = f"on row {r['previous']}" + (f"; {note}" if note else "")
         out.append([str(i), r["label"], f"{r['tokens_per_s']:,.0f}", times(r["vs_previous"]),
                     times(r["vs_baseline"]), estimate, pct(r["mfu"]), pct(r["mfu_measured"]),
                     memory(r["memory"]), f"{r['loss']:.4f}", ", ".join(r["kernels"]) or "-",
-                    row_note(r, (ceiling or {}).get("compile_kernels", ""),
-                             tuple((ceiling or {}).get("bf16_units", ())))])
+                    note])
     return markdown_table(["#", "step", "tok/s", "vs prev", "vs base", "ms/step (est.)", "MFU",
                            "MFU (meas.)", "peak memory", "loss", "attention kernel", "note"], out)
 

@@ -102,7 +102,8 @@ def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
         "best here: row 3 = baseline + attention=sdpa, vocab_pad=64: 2,400 tok/s, 2.40x")
     assert "dropped: norm_gelu=native: slower here" in bench.best_line(report)
     assert "| 2 | + norm_gelu=native |" in bench.table(report["rows"])
-    assert "dropped: slower here" in bench.table(report["rows"]).splitlines()[4]
+    lines = bench.table(report["rows"]).splitlines()
+    assert "dropped: slower here" in lines[4] and "| on row 1 |" in lines[5]  # pad: on sdpa
 
 
 def test_only_mode_and_flag_values():
