@@ -10,6 +10,7 @@
 #   env      nvidia-smi, python / torch / CUDA, which optional packages are missing
 #   tests    python -m pytest -m cuda tests/: the CUDA variants of the flag tests (needs pytest)
 #   decode   batch-1 decode tok/s on GPT-2 124M-shaped weights     (bench.py --memory --part decode)
+#            and pruned Linears: 2:4 semi-structured / CSR vs dense   (python -m engine.sparse)
 #   memory   the memory estimate beside the measured CUDA peaks    (bench.py --memory --part train)
 #   bench    the bench.py chain on GPT-2 124M at context 1024: tok/s and MFU per flag
 #   summary  gpu_check_<gpu>.md / .json: all of the above on one page, and gpu_check_<gpu>.log
@@ -190,7 +191,12 @@ part_decode() {
         args+=(--decode-model gpt2 --decode-tokens 64)
     fi
     limited "$PYTHON" bench.py --memory "${args[@]}"
-    finish decode $?
+    local rc=$?
+    if [[ $CPU_MODE != 1 ]]; then  # GPT-2 124M block shapes, pruned: sparse kernels vs dense
+        limited "$PYTHON" -m engine.sparse --device=cuda --rows=1,16,256,4096 --repeats=5 \
+            --threads=0 --out="$RESULTS/prune_sparse_${SLUG}" || rc=$?
+    fi
+    finish decode $rc
 }
 
 part_memory() {
