@@ -167,6 +167,22 @@ def decode_rate(model: GPT, prompt: torch.Tensor, new_tokens: int,
     return decode_rates({"ours": our_generate(model, prompt, rt)}, new_tokens, rt)["ours"][:2]
 
 
+@torch.no_grad()
+def matvec_seconds(models: dict[str, GPT], rt: runtime.Runtime, rounds: int = 5) -> dict:
+    """name -> median seconds of one token's matrix-vector products alone (every Linear, the
+    LM head included, on a fixed random input), the models taking turns round by round."""
+    linears = {name: [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+               for name, model in models.items()}
+    inputs = [torch.randn(1, 1, m.in_features, device=rt.device) for m in next(iter(
+        linears.values()))]
+    run = lambda mods: [m(x) for m, x in zip(mods, inputs)]  # noqa: E731
+    seconds = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, mods in linears.items():
+            seconds[name].append(timed(lambda: run(mods), rt)[0])
+    return {name: statistics.median(s[1:]) for name, s in seconds.items()}  # round 1: warm-up
+
+
 def bytes_per_token(model: GPT) -> int:
     """The weight bytes one decoded token reads: all but the position table (one row of it)."""
     return quantize.weight_bytes(model) - model.transformer.wpe.weight.numel() * 4
@@ -310,6 +326,8 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     runs = {"ours": our_generate(ours, prompt, rt), "hf": hf_run,
             "row": row_major and our_generate(row_major, prompt, rt)}
     rates = decode_rates({name: run for name, run in runs.items() if run}, new, rt)
+    if row_major is not None:
+        hf["matvec_seconds"] = matvec_seconds({"ours": ours, "row": row_major}, rt)
     our_rate, our_tokens, _ = rates["ours"]
     for name in ("hf", "row"):  # tokens/s, and ours' speed-up over it round by round
         if name in rates:
@@ -351,11 +369,17 @@ def decode_markdown(d: dict) -> list[str]:
     versus = "".join(f", {d[key]:.2f}x {name}" for key, name in (
         ("over_hf", "transformers"), ("over_row", "ours with row-major weights")) if key in d)
     versus = f"; ours, the median ratio of the rounds' times{versus}" if versus else ""
-    return [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
-            f"{d['new_tokens']} new tokens, medians of {d.get('rounds', 1)} runs each taking "
-            f"turns (same tokens from both: {d['same_tokens']}{versus}):", "",
-            markdown_table(["implementation", "tokens/s", "share of the bandwidth limit"], rows),
-            ""]
+    lines = [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
+             f"{d['new_tokens']} new tokens, medians of {d.get('rounds', 1)} runs each taking "
+             f"turns (same tokens from both: {d['same_tokens']}{versus}):", "",
+             markdown_table(["implementation", "tokens/s", "share of the bandwidth limit"], rows),
+             ""]
+    if "matvec_seconds" in d:
+        ms = {name: 1e3 * s for name, s in d["matvec_seconds"].items()}
+        lines += [f"One token's matrix-vector products alone (every Linear and the LM head, the "
+                  f"layouts taking turns 4 times): column-major {ms['ours']:.1f} ms, row-major "
+                  f"{ms['row']:.1f} ms ({ms['row'] / ms['ours']:.2f}x).", ""]
+    return lines
 
 
 def check(opts) -> None:
