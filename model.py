@@ -38,7 +38,9 @@ class ModelConfig:
     causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
                            ("buffer", "on_the_fly"))
     norm: str = opt("scratch", "LayerNorm: written out, or F.layer_norm", ("scratch", "native"))
-    gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu", ("scratch", "native"))
+    gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu; erf: the exact GELU "
+                    "(nanoGPT's nn.GELU; about 2x faster than tanh on AVX2 CPUs)",
+                    ("scratch", "native", "erf"))
     vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
                                   "(64: 50257 -> 50304); padded logits never win")
     activation_checkpointing: str = opt("none", "recompute in backward (less memory, ~1/3 more "
@@ -172,11 +174,14 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.native_gelu = cfg.gelu == "native"
+        self.gelu = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)  # (B, T, 4C)
-        h = F.gelu(h, approximate="tanh") if self.native_gelu else gelu_tanh(h)
+        if self.gelu == "scratch":
+            h = gelu_tanh(h)
+        else:
+            h = F.gelu(h, approximate="none" if self.gelu == "erf" else "tanh")
         h = self.c_proj(h)
         return self.dropout(h) if self.training else h
 

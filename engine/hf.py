@@ -222,7 +222,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     eot = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else None
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             **{theirs: getattr(cfg, ours) for ours, theirs in SHAPE.items()}, "n_inner": None,
-            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
+            "activation_function": "gelu" if cfg.gelu == "erf" else "gelu_new",
+            "layer_norm_epsilon": cfg.layer_norm_eps,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "initializer_range": 0.02, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,

@@ -64,7 +64,7 @@ def block_part_bytes(m: ModelConfig, act: int) -> dict[str, int]:
         attention = 3 * act * C + (4 + act) * nh * T
         attention += nh * T if m.dropout > 0 else 0
     attn = ln + act * C + attention + act * C
-    gelu = 4 * act * C if m.gelu == "native" else 16 * act * C  # scratch keeps 4 intermediates
+    gelu = 4 * act * C if m.gelu != "scratch" else 16 * act * C  # scratch keeps 4 intermediates
     mlp = ln + act * C + gelu + 4 * act * C
     if m.dropout > 0:  # one byte per element for each dropout mask
         attn, mlp = attn + C, mlp + C

@@ -1,0 +1,30 @@
+"""The fast paths nanoGPT's CPU recipe uses: each equal to its reference (CPU, tiny, no timing)."""
+import dataclasses
+import math
+
+import torch
+
+from config import load_config
+from engine.hf import hf_config
+from model import GPT, MLP, ModelConfig
+
+
+def test_erf_gelu_is_nanogpts_exact_gelu():
+    cfg = ModelConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=8, block_size=4, gelu="erf")
+    torch.manual_seed(0)
+    mlp, x = MLP(cfg), torch.randn(2, 4, 8)
+    hidden = mlp.c_fc(x)
+    written_out = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))
+    torch.testing.assert_close(mlp(x), mlp.c_proj(written_out), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mlp(x), mlp.c_proj(torch.nn.GELU()(hidden)), rtol=0, atol=0)
+    tanh = MLP(dataclasses.replace(cfg, gelu="native"))
+    tanh.load_state_dict(mlp.state_dict())
+    assert not torch.equal(tanh(x), mlp(x))  # a different function: the flag really switches
+
+
+def test_erf_gelu_exports_as_hf_gelu_and_is_accepted_by_the_config():
+    cfg, _ = load_config(["--config", "tiny", "--gelu=erf"])
+    assert cfg.model.gelu == "erf"
+    assert hf_config(cfg.model)["activation_function"] == "gelu"
+    assert hf_config(ModelConfig(vocab_size=11))["activation_function"] == "gelu_new"
+    GPT(dataclasses.replace(cfg.model, vocab_size=11))  # builds
