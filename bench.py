@@ -214,7 +214,8 @@ def label(row: dict, only: bool) -> str:
 
 
 def derive(rows: list[dict], ceiling: dict) -> None:
-    """Speedups against the previous measured row and the baseline, and MFU, in place."""
+    """Speedups against the previous measured row (its runs alongside this one's, in the chain)
+    and the baseline, and MFU, in place."""
     base = rows[0] if rows[0]["status"] == "ok" else None
     flops_per_token = next((r["flops_per_token"] for r in rows if "flops_per_token" in r), 0)
     for i, row in enumerate(rows):
@@ -224,7 +225,9 @@ def derive(rows: list[dict], ceiling: dict) -> None:
         while prev is not None and rows[prev]["status"] != "ok":
             prev = rows[prev]["previous"]
         speed = row["tokens_per_s"]
-        row["vs_previous"] = speed / rows[prev]["tokens_per_s"] if prev is not None else None
+        # against the previous row's steps measured alongside this row's, where there are some
+        reference = row.get("alongside", rows[prev] if prev is not None else {})
+        row["vs_previous"] = speed / reference["tokens_per_s"] if prev is not None else None
         row["vs_baseline"] = speed / base["tokens_per_s"] if base and i else None
         row["model_flops_per_s"] = achieved = speed * flops_per_token
         row["mfu"] = achieved / ceiling["datasheet"] if ceiling.get("datasheet") else None
@@ -241,29 +244,43 @@ def merge_pass(first: dict, again: dict) -> None:
     first["memory"] = {k: max(v, again["memory"].get(k, 0)) for k, v in first["memory"].items()}
 
 
+def run_once(config: Config, prev: dict | None, opts: BenchOptions, tmp: Path, left,
+             name: str) -> dict:
+    """One run of a row's config in a fresh process (skipped once the time budget is spent)."""
+    if left() <= 0:
+        why = f"the --time-budget of {opts.time_budget:g} s ran out"
+        print(f"    skipped: {why}", flush=True)
+        return {"status": "skipped", "reason": why + " before this row"}
+    spec = {"kind": "row", "config": config.to_dict(), "clock": opts.clock,
+            "warmup": opts.warmup_steps, "measure": opts.measure_steps,
+            "previous": prev if prev and "settings" in prev else None}
+    return run_worker("engine.benchmark", spec, tmp, name, left())
+
+
+def pooled(first: dict | None, again: dict) -> dict:
+    if not first:
+        return again
+    merge_pass(first, again)
+    return first
+
+
 def measure(row: dict, i: int, n_rows: int, prev: dict | None, opts: BenchOptions,
-            tmp: Path, left, only: bool) -> dict:
-    """One row, run --repeat times in fresh processes back to back, its timed steps pooled."""
-    first: dict = {}
+            tmp: Path, left, only: bool, head: dict | None = None) -> tuple[dict, dict | None]:
+    """One row, run --repeat times in fresh processes, its timed steps pooled; with a head (the
+    chain), each run is followed by one of the head's config, A B A B, so that the verdict
+    compares steps measured side by side, not minutes apart under another load."""
+    first, alongside = None, None
     for run in range(opts.repeat):
         runs = f" (run {run + 1}/{opts.repeat})" if opts.repeat > 1 else ""
         print(f"[{i + 1}/{n_rows}] {label(row, only)}{runs}", flush=True)
-        if left() <= 0:
-            why = f"the --time-budget of {opts.time_budget:g} s ran out"
-            print(f"    skipped: {why}", flush=True)
-            first = first or {"status": "skipped", "reason": why + " before this row"}
-            break
-        spec = {"kind": "row", "config": row["config"].to_dict(), "clock": opts.clock,
-                "warmup": opts.warmup_steps, "measure": opts.measure_steps,
-                "previous": prev if prev and "settings" in prev else None}
-        result = run_worker("engine.benchmark", spec, tmp, f"row{i}", left())
-        if not first:
-            first = result
-        else:
-            merge_pass(first, result)
+        first = pooled(first, run_once(row["config"], prev, opts, tmp, left, f"row{i}"))
         if first["status"] != "ok":
             break  # skipped and failed rows are not retried
-    return first
+        if head is not None:
+            print(f"[{i + 1}/{n_rows}] row {row['previous']} again, alongside{runs}", flush=True)
+            alongside = pooled(alongside, run_once(head["config"], None, opts, tmp, left,
+                                                   f"row{i}head"))
+    return first, alongside
 
 
 def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, command: str) -> dict:
@@ -282,12 +299,18 @@ def run_all(rows: list[dict], cfg: Config, opts: BenchOptions, only: bool, comma
                 row["previous"] = head
                 row["config"] = with_flag(rows[head]["config"], row["flag"], row["value"])
             prev = results[row["previous"]] if row["previous"] is not None else None
-            result = measure(row, i, len(rows), prev, opts, Path(tmp), left, only)
+            chained = i and not only and prev["status"] == "ok"
+            result, alongside = measure(row, i, len(rows), prev, opts, Path(tmp), left, only,
+                                        rows[head] if chained else None)
             result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
                           previous_notes=prev.get("notes", []) if prev else [])
             result["label"] = label(result, only)
+            if alongside and alongside["status"] == "ok":
+                result["alongside"] = {k: alongside[k] for k in ("tokens_per_s", "step_s")}
             if i and not only:
-                keep, why = verdict(result, results[head], opts.keep_margin)
+                keep, why = verdict(result, {"status": "ok", **result["alongside"]}
+                                    if "alongside" in result else results[head],
+                                    opts.keep_margin)
                 result["chain"] = "kept" if keep else why
                 if keep:
                     head = i

@@ -73,12 +73,12 @@ def test_chain_keeps_a_flag_only_when_faster_beyond_the_noise():
 def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
     """Synthetic timings: sdpa doubles the speed, native norm/GELU halves it, padding adds 20%.
     The norm row is shown but dropped, padding is tried on sdpa alone, the best is sdpa+pad."""
-    specs = []
+    specs = {}
 
     def fake_worker(module, spec, workdir, name, timeout=None, env=None):
         if spec["kind"] == "ceiling":
             return {"status": "ok", "measured": 1e9, "datasheet": 0, "hardware": "test CPU"}
-        specs.append(spec)
+        specs[name] = spec
         m = spec["config"]["model"]
         speed = 1000 * (2 if m["attention"] == "sdpa" else 1) * \
             (0.5 if m["norm"] == "native" else 1) * (1.2 if m["vocab_pad_multiple"] > 1 else 1)
@@ -95,8 +95,11 @@ def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
     assert [r.get("chain") for r in report["rows"]] == [
         None, "kept", "dropped: slower here (-50.0%, noise 3.0%)", "kept"]
     assert [r["previous"] for r in report["rows"]] == [None, 0, 1, 1]  # pad built on sdpa
-    assert specs[3]["config"]["model"]["norm"] == "scratch"  # the dropped flag left out
-    assert specs[3]["config"]["model"]["attention"] == "sdpa"
+    assert specs["row3"]["config"]["model"]["norm"] == "scratch"  # the dropped flag left out
+    assert specs["row3"]["config"]["model"]["attention"] == "sdpa"
+    # each candidate is followed by a run of its head, side by side: pad's head is sdpa's row
+    assert specs["row3head"]["config"] == specs["row1"]["config"] and "row0head" not in specs
+    assert pad["alongside"]["tokens_per_s"] == pytest.approx(sdpa["tokens_per_s"])
     assert report["best"] == 3 and pad["vs_baseline"] == pytest.approx(2.4)
     assert bench.best_line(report).startswith(
         "best here: row 3 = baseline + attention=sdpa, vocab_pad=64: 2,400 tok/s, 2.40x")
