@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from config import Config, ConfigError, load_options, opt
-from engine import checkpoint, prune, sources
+from engine import checkpoint, prune, sources, sparse
 
 
 @dataclass
@@ -112,6 +112,7 @@ def write_table(rows: list[dict], source: Path, o: PruneOptions) -> None:
              f"--checkpoint {o.checkpoint} --sweep {o.sweep} --finetune_iters "
              f"{o.finetune_iters} --out {o.out} --table {o.table}"
              + (f" --train_args \"{o.train_args}\"" if o.train_args else "") + "`.", "",
+             f"Machine: {sparse.machine()}.", "",
              "Both columns use the same evaluation batches. The dense row is finetuned the same "
              "way, as a control; 'cost' is the loss above the dense row's in the same column.",
              "", "| variant | val before | cost | val after finetune | cost | sparsity after |",
