@@ -104,7 +104,7 @@ def sparsity_of(model: GPT) -> dict[str, float]:
 
 
 def describe(model: GPT) -> str:
-    """'pruned: 8 matrices, 75.0% zeros (unstructured or 2:4 as stored)' or 'dense'."""
+    """'pruned: 16 block matrices, 75.0% of their weights zero', or 'dense'."""
     masks = masks_of(model)
     if not masks:
         return "dense"
