@@ -169,6 +169,25 @@ def summarize(results: list[dict], wall: float) -> dict:
             "latency_p99_ms": 1e3 * percentile(latency, .99)}
 
 
+async def warm_client() -> None:
+    """One streamed request to a stand-in server in this process, so the client's own first
+    use (imports, connection machinery) is not counted as a server's first request."""
+    body = (b'data: {"choices": [{"text": "x"}]}\n\ndata: {"choices": [], "usage": '
+            b'{"completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+    stand_in = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = stand_in.sockets[0].getsockname()[1]
+    async with stand_in:
+        await run_load(f"http://127.0.0.1:{port}", [{"prompt": "x"}], 1)
+
+
 def first_request(server: Server, job: dict) -> dict:
     """Time to first token of a fresh server's very first request."""
     first = asyncio.run(run_load(server.url, [job], 1))[0]
@@ -292,6 +311,7 @@ def load_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[in
     jobs = workload(o.requests, o.gpt2_shaped)
     slots = {"batched": o.slots, "one_at_a_time": 1}
     servers: dict[str, Server] = {}
+    asyncio.run(warm_client())
     try:
         for mode in slots:
             servers[mode] = Server([*base, f"--checkpoint={ckpt}", f"--slots={slots[mode]}"])
