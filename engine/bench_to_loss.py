@@ -7,19 +7,30 @@ The recipes share nanoGPT's CPU recipe (char Shakespeare, 4 layers, 4 heads, 128
 64, batch 12, no dropout, lr 1e-3 cosine to 2000 steps); `--nanogpt DIR` adds a row running
 nanoGPT's own train.py from DIR with the same recipe, side by side.
 Output: RESULTS/to_loss_NAME.{json,md,png}.
+
+    python -m engine.bench_to_loss --nanogpt=/tmp/nanogpt [--rounds=2] [--max_iters=2000]
+
+runs the issue's side by side instead: nanoGPT's own command for its CPU recipe and ours at the
+same shape and math (evaluation every 250 steps on 20 batches per split, a log line per step,
+checkpoints written), each to its end, taking turns (A B C A B C); the whole-run wall time from
+launch to exit, the median step time read from the log lines, and per round our time over
+nanoGPT's, with the median of those ratios. Output: RESULTS/to_loss_cpu_vs_nanogpt.{json,md}.
 """
 import json
+import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from config import ConfigError
+from config import ConfigError, load_options, opt
 from engine.benchmark import REPO_ROOT, hardware_name, markdown_table
 
 RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd=128",
@@ -158,3 +169,125 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+SIDE_EVAL = ["--eval_interval=250", "--eval_iters=20", "--log_interval=1"]
+OURS_STEP_MS = re.compile(r"^step\s+\d+ \| loss .* \| (\d+) ms \|")
+NANOGPT_STEP_MS = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
+OURS_SIDE = RECIPE + REFERENCE + SPEEDUPS  # nanoGPT's recipe with every speedup: same math
+
+
+@dataclass
+class SideBySideOptions:
+    """python -m engine.bench_to_loss: our whole run against nanoGPT's, taking turns."""
+
+    nanogpt: str = opt("", "a nanoGPT checkout with data/shakespeare_char prepared (required)")
+    rounds: int = opt(2, "rounds; each runs every program once, in turn")
+    max_iters: int = opt(2000, "steps per run (nanoGPT's recipe: 2000)")
+    threads: int = opt(0, "OMP_NUM_THREADS for every program; 0 = torch's default")
+    results: str = opt("bench_results", "folder for the outputs")
+
+
+def side_programs(opts: SideBySideOptions, out: Path) -> dict[str, tuple[Path, list[str]]]:
+    """name -> (working directory, train.py arguments)."""
+    n = opts.max_iters
+    ours = [a for a in OURS_SIDE if not a.startswith("--max_iters=")] + [f"--max_iters={n}"]
+    nanogpt = [a for a in NANOGPT if not a.startswith(("--max_iters=", "--lr_decay_iters="))]
+    return {
+        "nanoGPT": (Path(opts.nanogpt), nanogpt + [f"--max_iters={n}", f"--lr_decay_iters={n}",
+                                                   f"--out_dir={out / 'nanogpt'}"] + SIDE_EVAL),
+        "ours, every speedup (tanh GELU)": (REPO_ROOT, ours + SIDE_EVAL + [
+            f"--out_dir={out / 'tanh'}"]),
+        "ours, nanoGPT's math (erf GELU)": (REPO_ROOT, ours + SIDE_EVAL + [
+            "--gelu=erf", f"--out_dir={out / 'erf'}"]),
+    }
+
+
+def run_to_end(cwd: Path, args: list[str], threads: int) -> dict:
+    """One whole run: wall time from launch to exit, the median logged step time, the last val."""
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-u", "train.py", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    lines = proc.stdout.splitlines()
+    step_ms = [float(m.group(m.lastindex)) for line in lines
+               if (m := OURS_STEP_MS.match(line) or NANOGPT_STEP_MS.match(line))
+               and not (m.re is NANOGPT_STEP_MS and m.group(1) == "0")]  # its step 0 holds an eval
+    vals = [float(m.group(2)) for line in lines if (m := OURS_EVAL.match(line)
+                                                    or NANOGPT_EVAL.match(line))]
+    return {"seconds": seconds, "returncode": proc.returncode,
+            "step_ms": statistics.median(step_ms) if step_ms else None,
+            "val": vals[-1] if vals else None,
+            "tail": [] if proc.returncode == 0 else (proc.stdout + proc.stderr)[-2000:]}
+
+
+def side_by_side(opts: SideBySideOptions, command: str) -> int:
+    runs: dict[str, list[dict]] = {}
+    names = list(side_programs(opts, Path("OUT")))
+    for round_ in range(opts.rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            with tempfile.TemporaryDirectory() as out:  # a fresh out_dir for every run
+                result = run_to_end(*side_programs(opts, Path(out))[name], opts.threads)
+            runs.setdefault(name, []).append(result)
+            print(f"round {round_ + 1}: {name}: {result['seconds']:.1f} s, step "
+                  f"{result['step_ms']} ms, val {result['val']}", flush=True)
+            if result["returncode"]:
+                print(result["tail"], file=sys.stderr)
+                return 1
+    report = {"command": command, "hardware": hardware_name(torch.device("cpu")),
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "programs": {k: {"cwd_is_nanogpt": v[0] != REPO_ROOT, "args": v[1]}
+                           for k, v in side_programs(opts, Path("OUT")).items()},
+              "runs": runs}
+    folder = Path(opts.results)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "to_loss_cpu_vs_nanogpt.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = describe_side_by_side(report)
+    (folder / "to_loss_cpu_vs_nanogpt.md").write_text(
+        "# Our whole run against nanoGPT's, at its CPU recipe\n\n" + text + "\n")
+    print("\n" + text)
+    return 0
+
+
+def describe_side_by_side(report: dict) -> str:
+    base = report["runs"]["nanoGPT"]
+    rows = []
+    for name, runs in report["runs"].items():
+        ratios = [r["seconds"] / b["seconds"] for r, b in zip(runs, base)]
+        step_ratios = [r["step_ms"] / b["step_ms"] for r, b in zip(runs, base)
+                       if r["step_ms"] and b["step_ms"]]
+        rows.append([name, " / ".join(f"{r['seconds']:.1f}" for r in runs),
+                     f"{statistics.median(ratios):.2f}x",
+                     " / ".join(f"{r['step_ms']:.1f}" for r in runs if r["step_ms"]),
+                     f"{statistics.median(step_ratios):.2f}x" if step_ratios else "-",
+                     " / ".join(f"{r['val']:.4f}" for r in runs if r["val"] is not None)])
+    lines = [f"- {report['hardware']}", f"- {report['date']}: `{report['command']}`",
+             "- each round runs every program once, in turn (the order reverses every round); "
+             "whole run: launch to exit (start-up, 9 evaluations of 2 x 20 batches, checkpoints, "
+             "a log line per step); step: the median logged step time; ratios: per round, "
+             "then the median", "",
+             markdown_table(["program", "whole run s (per round)", "vs nanoGPT (median)",
+                             "step ms (per round)", "step vs nanoGPT", "last val"], rows),
+             "", "Arguments:", ""]
+    return "\n".join(lines + [f"- {name}: `{' '.join(p['args'])}`"
+                              for name, p in report["programs"].items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        opts = load_options(argv, SideBySideOptions, "-m engine.bench_to_loss", __doc__)
+        if not (Path(opts.nanogpt) / "train.py").is_file():
+            raise ConfigError(f"--nanogpt={opts.nanogpt!r}: no train.py there; give a nanoGPT "
+                              "checkout (with data/shakespeare_char prepared)")
+        if opts.rounds < 1 or opts.max_iters < 1:
+            raise ConfigError("--rounds and --max_iters must be >= 1")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return side_by_side(opts, " ".join(["python -m engine.bench_to_loss", *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
