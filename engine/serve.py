@@ -298,6 +298,28 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
         job.cancel()
 
 
+async def completion(request: Request, body: CompletionRequest, engine: BatchEngine,
+                     served: ServedModel, tokenizer, stop_token: int | None):
+    """POST /v1/completions: checked, queued, then streamed or answered whole."""
+    if not engine.ready.is_set():
+        raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
+                       headers={"Retry-After": str(served.retry_after_s)})
+    check_request(body, served)
+    prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not \
+        isinstance(body.prompt[0], int) else [body.prompt]
+    if len(prompts) * body.n > engine.slots + engine.max_queue:
+        raise ApiError(400, f"this request asks for {len(prompts) * body.n} completions "
+                       f"(prompts x n) but the server holds at most "
+                       f"{engine.slots + engine.max_queue}", "n")
+    job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, stop_token)
+    job.submit()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(job, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await complete(request, job)
+
+
 async def when_ready(app: FastAPI, engine: BatchEngine,
                      on_ready: Callable[[], None] | None) -> None:
     """Once the engine has warmed up, warm the HTTP path too (a plain and a streamed request
@@ -346,24 +368,7 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        if not engine.ready.is_set():
-            raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
-                           headers={"Retry-After": str(served.retry_after_s)})
-        check_request(body, served)
-        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not \
-            isinstance(body.prompt[0], int) else [body.prompt]
-        if len(prompts) * body.n > engine.slots + engine.max_queue:
-            raise ApiError(400, f"this request asks for {len(prompts) * body.n} completions "
-                           f"(prompts x n) but the server holds at most "
-                           f"{engine.slots + engine.max_queue}", "n")
-        job = Completion(engine, body, encode_prompts(body, tokenizer, served), served,
-                         stop_token)
-        job.submit()
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(job, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await complete(request, job)
+        return await completion(request, body, engine, served, tokenizer, stop_token)
 
     @app.get("/v1/models")
     async def models() -> dict:
