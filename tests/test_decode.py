@@ -129,3 +129,24 @@ def test_weight_layout_auto_and_bad_names():
     assert sampling.weight_layout_for("auto", torch.device("cuda")) == "row"
     with pytest.raises(ValueError, match="weight layout 'colum' is not one of auto, row, column"):
         sampling.weight_layout_for("colum", torch.device("cpu"))
+
+
+def test_generate_names_the_layout_and_gives_the_same_text(tmp_path, capsys):
+    import generate
+    torch.manual_seed(0)
+    chars = [chr(ord("a") + i) for i in range(26)] + list(" .,;:!?'-\nX")  # 37 characters
+    cfg = Config()
+    cfg.model = tiny_model_config()
+    checkpoint.save(tmp_path, 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "char", "chars": chars}})
+    texts = {}
+    for layout in ("row", "column", "auto"):
+        assert generate.main([f"--checkpoint={tmp_path}", "--prompt=ab", "--temperature=0",
+                              "--max_new_tokens=12", "--device=cpu",
+                              f"--weight_layout={layout}"]) == 0
+        texts[layout], err = capsys.readouterr()
+        shown = "column" if layout == "auto" else layout
+        assert f"weight_layout={shown} ({layout})" in err
+    assert texts["row"] == texts["column"] == texts["auto"]
+    assert generate.main([f"--checkpoint={tmp_path}", "--weight_layout=colum"]) == 2
+    assert "sample.weight_layout='colum' is not one of auto, row, column" in \
+        capsys.readouterr().err
