@@ -116,6 +116,28 @@ def test_text_stream_holds_back_a_possible_stop_and_cuts_before_it():
     assert stream.text[:stream.sent] == "aabc"
 
 
+def test_text_stream_assembles_utf8_across_byte_level_tokens():
+    from engine.tokenizer import GPT2Tokenizer
+    tok = GPT2Tokenizer()
+    text = "caf\u00e9 \U0001f600 ok"
+    stream = TextStream(tok, ())
+    pieces = [stream.push(t)[0] for t in tok.encode(text)]
+    assert "".join(pieces) + stream.finish() == text and "\ufffd" not in "".join(pieces)
+
+
+def test_stop_token_finishes_without_its_text(tmp_path):
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    first = reference(model, "ab", 1)
+    events = []
+    engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=1,
+                         max_queue=1, warmup=False)
+    params = SamplingParams(max_tokens=10, temperature=0, stop_token=CHARS.index(first))
+    engine.start()
+    engine.submit([Sequence(CharTokenizer(CHARS).encode("ab"), params, events.append)])
+    engine.stop()
+    assert events == [("done", "stop", 1)]
+
+
 def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(serve_batch.memory, "release_cached",
@@ -260,6 +282,13 @@ def test_eight_concurrent_greedy_requests_equal_each_alone(served):
     seeded = {"prompt": "ab", "max_tokens": 20, "temperature": 1.0, "seed": 11}
     first, second = (post(served, seeded).json()["choices"][0]["text"] for _ in range(2))
     assert first == second == reference(served.model, "ab", 20, 1.0, seed=11)
+
+
+def test_n_choices_with_a_seed_are_reproducible(served):
+    body = {"prompt": "ab", "max_tokens": 15, "temperature": 1.0, "seed": 5, "n": 2}
+    texts = [[c["text"] for c in post(served, body).json()["choices"]] for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0][0] != texts[0][1]
+    assert texts[0][1] == reference(served.model, "ab", 15, 1.0, seed=6)  # choice j: seed + j
 
 
 @pytest.mark.parametrize("body,status,message", [
