@@ -181,9 +181,13 @@ class Supervisor:
 
     def run(self) -> int:
         spec = self.spec
+        try:
+            self.sock = socket.create_server((spec.host, spec.port), backlog=2048)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {spec.host}:{spec.port} ({e.strerror}); pass "
+                              "another --port (0: any free one) or --host") from None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        self.sock = socket.create_server((spec.host, spec.port), backlog=2048)
         host, port = self.sock.getsockname()[:2]
         log(f"listening on http://{host}:{port} (workers {spec.workers} x "
             f"{spec.threads_per_worker()} threads, {spec.slots} slots and a {spec.max_queue} "

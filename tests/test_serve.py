@@ -184,6 +184,17 @@ def test_an_error_in_the_decode_loop_fails_the_requests_and_the_engine_goes_on(t
     assert after[-1] == ("done", "length", 5) and engine.stats()["active"] == 0
 
 
+def test_a_port_in_use_is_one_clear_error(tmp_path, capsys):
+    import socket
+
+    import serve
+    ckpt = tiny_checkpoint(tmp_path)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert serve.main([f"--checkpoint={ckpt}", f"--port={port}", "--device=cpu"]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 class Server:
     """serve.py in a subprocess on a free port; output in a log file."""
 
