@@ -6,8 +6,9 @@
 Kernels: on CPU, the weight as a CSR tensor (torch.mm(csr, x^T)); on CUDA, 2:4 semi-structured
 (torch.sparse.to_sparse_semi_structured, in float16, Ampere or newer). `auto` times dense
 against sparse for each pruned weight shape at `rows` input rows (1 = a decode step) when the
-model is prepared, alternating the two, and swaps in a sparse layer only where its median was
-faster by SPEEDUP_NEEDED; the others keep their dense weights with zeros.
+model is prepared: every layer of that shape in turn, as a forward pass reads them, the two
+kernels alternating. A shape goes sparse only where it was faster by SPEEDUP_NEEDED; the others
+keep their dense weights with zeros.
 """
 from __future__ import annotations
 
@@ -118,18 +119,22 @@ def best_seconds(fn, calls: int, device: torch.device) -> float:
 
 
 @torch.no_grad()
-def race(dense: torch.nn.Module, sparse: torch.nn.Module, rows: int, repeats: int = 7,
-         calls: int = 3) -> tuple[float, float]:
-    """(dense, sparse) seconds of one call at `rows` input rows: they take turns, each turn the
-    best of `calls`; the median of the turns."""
-    weight = dense.weight
-    x = torch.randn(rows, dense.in_features, device=weight.device, dtype=weight.dtype)
-    for layer in (dense, sparse):
-        layer(x)  # warm up
+def race(dense: list[torch.nn.Module], sparse: list[torch.nn.Module], rows: int,
+         repeats: int = 7, calls: int = 3) -> tuple[float, float]:
+    """(dense, sparse) seconds for one call of every layer in the list at `rows` input rows:
+    they take turns, each turn the best of `calls`; the median of the turns. All the layers of a
+    shape run one after another, as in a forward pass, so their weights stream from memory as
+    they do when decoding instead of staying in the cache."""
+    weight = dense[0].weight
+    x = torch.randn(rows, dense[0].in_features, device=weight.device, dtype=weight.dtype)
     turns = {"dense": [], "sparse": []}
+    for group in (dense, sparse):
+        for layer in group:
+            layer(x)  # warm up
     for _ in range(repeats):
-        for name, layer in (("dense", dense), ("sparse", sparse)):
-            turns[name].append(best_seconds(lambda: layer(x), calls, weight.device))
+        for name, group in (("dense", dense), ("sparse", sparse)):
+            turns[name].append(best_seconds(lambda: [layer(x) for layer in group], calls,
+                                            weight.device))
     return statistics.median(turns["dense"]), statistics.median(turns["sparse"])
 
 
@@ -153,24 +158,29 @@ def prepare_for_inference(model: torch.nn.Module, mode: str, device: torch.devic
         return f"sparse kernels: off, dense weights with zeros ({prune.describe(model)})"
     layers = {name.removesuffix(".weight"): model.get_submodule(name.removesuffix(".weight"))
               for name in masks}
+    by_shape: dict[tuple, list[str]] = {}
+    for name, linear in layers.items():
+        by_shape.setdefault(tuple(linear.weight.shape), []).append(name)
     verdicts: dict[tuple, str] = {}  # weight shape -> why it is sparse or dense
     swapped = 0
-    for name, linear in layers.items():
-        plain = type(linear.weight.data) is torch.Tensor  # not int8 (sample.quantize)
-        sparse = make_sparse(linear, device) if plain else None
-        shape = tuple(linear.weight.shape)
-        if sparse is None:
-            verdicts.setdefault(shape, "dense (no sparse kernel for it here)" if plain
-                                else "dense (quantized)")
+    for shape, names in by_shape.items():
+        plain = all(type(layers[n].weight.data) is torch.Tensor for n in names)  # not int8
+        candidates = [make_sparse(layers[n], device) if plain else None for n in names]
+        if any(c is None for c in candidates):
+            verdicts[shape] = "dense (no sparse kernel for it here)" if plain else \
+                "dense (quantized)"
             continue
-        if mode == "auto" and shape not in verdicts:
-            dense_s, sparse_s = race(linear, sparse, rows)
+        faster = mode == "sparse"
+        if mode == "auto":
+            # one call per turn: a repeated call would find the weights still in the cache
+            dense_s, sparse_s = race([layers[n] for n in names], candidates, rows, calls=1)
             faster = dense_s / sparse_s >= SPEEDUP_NEEDED
             verdicts[shape] = (f"{'sparse' if faster else 'dense'} ({sparse_kind(device)} "
                                f"ran at {dense_s / sparse_s:.2f}x dense's speed)")
-        if mode == "sparse" or verdicts[shape].startswith("sparse"):
-            _set_module(model, name, sparse)
-            swapped += 1
+        if faster:
+            for name, candidate in zip(names, candidates):
+                _set_module(model, name, candidate)
+            swapped += len(names)
     shapes = ", ".join(f"{o}x{i}: {verdict}" for (o, i), verdict in verdicts.items())
     probe = f" at {rows} row{'s' * (rows != 1)}" if mode == "auto" else ""
     return (f"sparse kernels ({mode}, {sparse_kind(device)}{probe}): {swapped} of {len(layers)} "
@@ -198,7 +208,7 @@ def bench_shape(shape: tuple[int, int], sparsity: float, pattern: str, rows: int
     for kernel, make in kernels.items():
         try:
             reference = dense if kernel != "2:4" else dense.half()
-            dense_s, sparse_s = race(reference, make(), rows, repeats)
+            dense_s, sparse_s = race([reference], [make()], rows, repeats)
             row[kernel] = round(dense_s / sparse_s, 3)
             row.setdefault("dense_us", round(1e6 * dense_s, 1))
         except (RuntimeError, NotImplementedError) as e:
@@ -228,6 +238,37 @@ def bench(device: torch.device, rows_list: list[int], repeats: int) -> list[dict
                 print(json.dumps(row), flush=True)
                 results.append(row)
     return results
+
+
+@torch.no_grad()
+def decode_race(sparsity: float, tokens: int, rounds: int = 3) -> list[str]:
+    """Batch-1 greedy decoding of a GPT-2 124M-shaped model (random weights) pruned at
+    `sparsity`: dense, auto and sparse in turns; tok/s per mode, median of the rounds."""
+    import copy
+
+    from engine.sampling import generate_tokens, set_weight_layout
+    from model import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    base = GPT(ModelConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12,
+                           n_embd=768)).eval()
+    prune.prune(base, sparsity, "unstructured")
+    lines, models = [], {}
+    for mode in MODES:
+        models[mode] = copy.deepcopy(base)
+        setattr(models[mode], prune.MASKS, prune.masks_of(base))
+        set_weight_layout(models[mode], "auto")  # as generate.py does, before the probe
+        lines.append(f"{mode}: {prepare_for_inference(models[mode], mode, 'cpu')}")
+    idx, speeds, out = torch.zeros((1, 16), dtype=torch.long), {m: [] for m in MODES}, {}
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    for _ in range(rounds):
+        for mode, model in models.items():
+            start = clock()
+            out[mode] = generate_tokens(model, idx, tokens, temperature=0.0)
+            speeds[mode].append(tokens / (clock() - start))
+    same = all(torch.equal(out["dense"], out[m]) for m in MODES)
+    return lines + [f"{mode}: {statistics.median(v):.1f} tok/s" for mode, v in speeds.items()] \
+        + [f"the same tokens in every mode: {same}"]
 
 
 def machine() -> str:
@@ -270,6 +311,8 @@ class BenchOptions:
     threads: int = opt(1, "CPU threads; 1 times with the thread's CPU time; 0 = torch's default")
     out: str = opt("", "write OUT.md and OUT.json (e.g. bench_results/prune_sparse_cpu); '' = "
                    "print the rows only")
+    decode: float = opt(0.0, "instead: batch-1 decode tok/s of a GPT-2 124M-shaped model pruned "
+                        "at this sparsity, dense vs auto vs sparse (CPU); 0 = off")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if o.threads:
         torch.set_num_threads(o.threads)
+    if o.decode:
+        print("\n".join(decode_race(o.decode, 32)))
+        return 0
     device = torch.device(o.device)
     results = bench(device, [int(r) for r in o.rows.split(",")], o.repeats)
     if o.out:
