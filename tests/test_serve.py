@@ -367,7 +367,7 @@ def test_killed_worker_fails_its_request_and_is_restarted(served):
             lines = open_stream(client, stack, MAX_TOKENS_LIMIT).iter_lines()
             next(lines)
             os.kill(pid, signal.SIGKILL)
-            with pytest.raises(httpx.RemoteProtocolError):
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):  # not a timeout
                 for _ in lines:
                     pass
     assert served.health(lambda h: h["worker_pid"] != pid)
