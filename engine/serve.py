@@ -286,8 +286,9 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
     each finish_reason, usage if asked, then [DONE]. Cancelled (the client went away): the
     sequences leave their slots."""
     try:
+        usage = {"usage": None} if include_usage else {}  # as OpenAI: null until the last
         async for batch in job.batches():  # a client that reads slower gets longer chunks
-            yield "".join(sse(job.chunk([choice(j, text, reason)]))
+            yield "".join(sse({**job.chunk([choice(j, text, reason)]), **usage})
                           for j, text, reason in merged(batch))
         if include_usage:
             yield sse(job.chunk([], usage=True))
