@@ -13,7 +13,7 @@ import generate
 import prune as prune_script
 import train
 from config import Config, ConfigError, load_config
-from engine import checkpoint, prune, sparse
+from engine import checkpoint, optim, prune, sparse
 from model import GPT
 from conftest import tiny_model_config, train_args
 
@@ -117,6 +117,37 @@ def test_a_finetune_keeps_the_zeros_and_resumes_bit_exact(optimizer, trained, ch
         assert not torch.equal(wa[name][mask], dense[name][mask]), f"{name} did not train"
     again = load_file(str(b / checkpoint.MASK_FILE))
     assert all(torch.equal(again[k], masks[k]) for k in masks)
+
+
+@pytest.mark.parametrize("setup", ["fused_adamw", "muon", "bf16_masters"])
+def test_every_optimizer_keeps_the_zeros_and_sees_masked_gradients(setup):
+    model = tiny_gpt()
+    masks = prune.prune(model, 0.75, "unstructured")
+    cfg = config_of(model)
+    cfg.train.weight_decay, cfg.train.fused_adamw = 0.1, setup == "fused_adamw"
+    cfg.train.optimizer = "muon" if setup == "muon" else "adamw"
+    if setup == "bf16_masters":
+        model.to(torch.bfloat16)
+    optimizer, _ = optim.make_optimizer(model, cfg, torch.device("cpu"))
+    assert prune.hold_zeros(model, optimizer)[0].startswith("pruned: 8 block matrices, 75.0%")
+    params = dict(model.named_parameters())
+    idx = torch.randint(0, model.config.vocab_size, (2, 8))
+    bf16 = torch.autocast("cpu", torch.bfloat16, enabled=setup == "bf16_masters")
+    for _ in range(3):
+        with bf16:
+            _, loss = model(idx, idx)
+        loss.backward()
+        assert all(not params[n].grad[~m].any() for n, m in masks.items())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for name, mask in masks.items():
+        assert not params[name][~mask].any(), name
+        assert params[name][mask].all(), name  # the kept weights trained and stayed non-zero
+    by_param = {id(p): name for name, p in params.items()}
+    for param, master in zip(getattr(optimizer, "model_params", []),
+                             getattr(optimizer, "masters", [])):
+        if (name := by_param[id(param)]) in masks:  # the float32 copies hold the zeros too
+            assert not master[~masks[name]].any(), name
 
 
 @pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
