@@ -86,9 +86,16 @@ def finetune(start: Path, out_dir: Path, o: PruneOptions) -> dict:
 
 def sweep(o: PruneOptions) -> list[dict]:
     """Every variant of o.sweep (and dense) pruned, finetuned, measured; written as a table."""
+    variants = [v.strip() for v in o.sweep.split(",")]
+    for variant in variants:
+        if variant != "2:4" and not variant.replace(".", "", 1).isdigit():
+            raise ConfigError(f"--sweep entry {variant!r} is neither a sparsity nor 2:4; pass "
+                              "e.g. --sweep 0.5,0.75,0.9,2:4")
+        prune.check_request(0.5 if variant == "2:4" else float(variant),
+                            "2:4" if variant == "2:4" else "unstructured")
     source = checkpoint.resolve(o.checkpoint)
     rows = []
-    for variant in ["dense", *o.sweep.split(",")]:
+    for variant in ["dense", *variants]:
         pattern, sparsity = ("2:4", 0.5) if variant == "2:4" else ("unstructured", 0.0)
         if variant not in ("dense", "2:4"):
             sparsity = float(variant)
@@ -111,7 +118,7 @@ def write_table(rows: list[dict], source: Path, o: PruneOptions) -> None:
              f"width {checkpoint.read_config(source).model.n_embd}). Command: `python prune.py "
              f"--checkpoint {o.checkpoint} --sweep {o.sweep} --finetune_iters "
              f"{o.finetune_iters} --out {o.out} --table {o.table}"
-             + (f" --train_args \"{o.train_args}\"" if o.train_args else "") + "`.", "",
+             + (f" \"--train_args={o.train_args}\"" if o.train_args else "") + "`.", "",
              f"Machine: {sparse.machine()}.", "",
              "Both columns use the same evaluation batches. The dense row is finetuned the same "
              "way, as a control; 'cost' is the loss above the dense row's in the same column.",

@@ -218,6 +218,8 @@ def test_two_four_runs_semi_structured_on_cuda_like_dense():
     (["--sparsity", "1.5"], "--sparsity=1.5 must be in (0, 1)"),
     (["--pattern", "2:4", "--sparsity", "0.75"], "keeps 2 of every 4 weights, sparsity 0.5"),
     (["--pattern", "3:4"], "--pattern='3:4' is not one of unstructured, 2:4"),
+    (["--sweep", "0.5,half"], "--sweep entry 'half' is neither a sparsity nor 2:4"),
+    (["--sweep", "0.5,1"], "--sparsity=1.0 must be in (0, 1)"),
 ])
 def test_bad_requests_are_refused_in_one_line(args, message, trained, tmp_path, capsys):
     assert prune_script.main(["--checkpoint", str(trained), "--out", str(tmp_path / "o"),
