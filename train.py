@@ -109,8 +109,8 @@ def build_run(cfg: Config, dist: distributed.Dist) -> Run:
 
 
 def estimate_line(cfg: Config, raw_model: GPT, rt: runtime.Runtime, world_size: int) -> str:
-    """The time a step and the whole run take at least: their FLOPs at this device's matmul
-    rate in the chosen dtype (measured now, in about 0.2 s)."""
+    """About the time a step and the whole run take: their FLOPs at this device's matmul rate
+    in the chosen dtype (measured now, in about 0.2 s; bench.py sets it against measured)."""
     t, block = cfg.train, cfg.model.block_size
     tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
     per_token = raw_model.flops_per_token()  # training: forward + backward
@@ -119,11 +119,11 @@ def estimate_line(cfg: Config, raw_model: GPT, rt: runtime.Runtime, world_size: 
     rate = runtime.matmul_rate(rt.device, rt.dtype)
     est = runtime.time_estimate(per_token * tokens / world_size, t.max_iters,
                                 per_token / 3 * eval_tokens, rate)
-    line = (f"estimate: >= {runtime.format_seconds(est['step_s'])} per step, >= "
+    line = (f"estimate: ~{runtime.format_seconds(est['step_s'])} per step, ~"
             f"{runtime.format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
             f"evaluations ({per_token * tokens / world_size / 1e9:,.1f} GFLOP per step at "
             f"{rate / 1e9:,.1f} GFLOP/s, the {str(rt.dtype).removeprefix('torch.')} matmul rate "
-            "measured here; other work adds to it)")
+            "measured here; other work adds to it, a busy machine's probe reads low)")
     if est["step_s"] > 60:
         line += "\nnote: this recipe is far too big for this device; on a CPU try --config " \
                 "shakespeare_char, or a smaller model, batch or --max_iters"

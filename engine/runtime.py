@@ -234,7 +234,7 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) 
 
 def time_estimate(flops_per_step: float, steps: int, eval_flops: float, rate: float) -> dict:
     """Seconds per step and for the run (steps + eval_flops of evaluation) at `rate` FLOP/s.
-    Only the matmuls' FLOPs counted at the matmul rate: a floor, real steps take longer."""
+    Every FLOP counted at the matmul rate: real steps add memory-bound work on top."""
     step_s = flops_per_step / rate
     return {"step_s": step_s, "run_s": step_s * steps + eval_flops / rate, "rate": rate}
 

@@ -103,7 +103,7 @@ def test_train_prints_the_estimate_before_step_1(char_dataset, tmp_path, capsys,
     model = train.GPT(cfg.model)
     step_flops = model.flops_per_token() * cfg.train.batch_size * cfg.model.block_size
     want = runtime.format_seconds(step_flops / 1e9)
-    assert lines[at].startswith(f"estimate: >= {want} per step, >= ")
+    assert lines[at].startswith(f"estimate: ~{want} per step, ~")
     assert "for 2 steps and 2 evaluations" in lines[at] and "1.0 GFLOP/s" in lines[at]
     assert "float32 matmul rate measured here" in lines[at]
 
