@@ -467,6 +467,9 @@ def plot(report: dict, path: Path) -> bool:
     for i, r in enumerate(rows):
         ok = r["status"] == "ok"
         vs = f"  ({r['vs_baseline']:.2f}x)" if r.get("vs_baseline") else ""
+        if "chain" in r and r.get("vs_previous"):  # the side-by-side ratio decided the chain
+            vs = f"  ({r['vs_previous']:.2f}x row {r['previous']}, " + (
+                "kept)" if r["chain"] == "kept" else "dropped)")
         ax1.text(speed[i], i, f" {speed[i]:,.0f}{vs}" if ok else f" {r['status']}",
                  va="center", fontsize=8)
         ax2.text(memory[i], i, f" {memory[i]:.2f}" if ok else "", va="center", fontsize=8)
@@ -478,8 +481,9 @@ def plot(report: dict, path: Path) -> bool:
         ax.set_xlabel(what)
         ax.margins(x=0.25)
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"bench.py {report['mode']}: {report['ceiling'].get('hardware', '')}",
-                 fontsize=10)
+    fig.suptitle(f"bench.py {report['mode']}: {report['ceiling'].get('hardware', '')}"
+                 + ("\nin brackets: against the row it was tried on, measured alongside; grey: "
+                    "dropped" if report["mode"] == "chain" else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
