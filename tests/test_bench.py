@@ -133,6 +133,10 @@ def test_unknown_or_repeated_flag_and_bad_value(capsys):
     assert "--measure-steps" in capsys.readouterr().err
     assert bench.main(["--clock=process", "--device=cpu", "--threads=2"]) == 2
     assert "needs --device=cpu and --threads=1" in capsys.readouterr().err
+    assert bench.main(["--kernels", "maybe", "--device=cpu"]) == 2
+    assert "--kernels='maybe': use auto or on or off" in capsys.readouterr().err
+    assert bench.main(["--keep-margin=-1", "--device=cpu"]) == 2
+    assert "--keep-margin must be >= 0 (got -1.0)" in capsys.readouterr().err
     assert bench.main(["--clock=sundial", "--device=cpu"]) == 2
     assert "--clock='sundial': use wall or process" in capsys.readouterr().err
     assert bench.main(["--memory", "--part", "train,speed", "--device=cpu"]) == 2
