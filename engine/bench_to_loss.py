@@ -235,6 +235,13 @@ def side_by_side(opts: SideBySideOptions, command: str) -> int:
             if result["returncode"]:
                 print(result["tail"], file=sys.stderr)
                 return 1
+        text = write_side_by_side(opts, command, runs)  # after every round: a stop keeps them
+    print("\n" + text)
+    return 0
+
+
+def write_side_by_side(opts: SideBySideOptions, command: str, runs: dict[str, list[dict]]
+                       ) -> str:
     report = {"command": command, "hardware": hardware_name(torch.device("cpu")),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "programs": {k: {"cwd_is_nanogpt": v[0] != REPO_ROOT, "args": v[1]}
@@ -246,8 +253,7 @@ def side_by_side(opts: SideBySideOptions, command: str) -> int:
     text = describe_side_by_side(report)
     (folder / "to_loss_cpu_vs_nanogpt.md").write_text(
         "# Our whole run against nanoGPT's, at its CPU recipe\n\n" + text + "\n")
-    print("\n" + text)
-    return 0
+    return text
 
 
 def describe_side_by_side(report: dict) -> str:
