@@ -8,6 +8,7 @@ import difflib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -75,6 +76,8 @@ def fetch(source: str) -> Path:
         raise GPT2WeightsError(f"{source!r} is neither a directory nor a GPT-2 model id{hint} "
                                f"(known: {', '.join(GPT2_MODEL_IDS)}, or hf:ORG/NAME)")
     from huggingface_hub import snapshot_download
+    print(f"fetching {repo} from the Hugging Face hub (once; cached after) ...", file=sys.stderr,
+          flush=True)  # a download of up to 6 GB must not look like a hang
     try:
         local = Path(snapshot_download(repo, allow_patterns=HUB_FILES))
         if not any(local.glob("*.safetensors")):  # an older repository: PyTorch pickle only
