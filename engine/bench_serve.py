@@ -4,7 +4,7 @@ serve.py, continuous batching (--slots 16) beside the same load served one reque
 (PSS) of 1, 2 and 4 workers sharing the weights against one copy per worker.
 Output: RESULTS/serve_NAME.{json,md}.
 
-    python -m engine.bench_serve --checkpoint out/shakespeare_char --threads 1 --rounds 3 \
+    python -m engine.bench_serve --checkpoint out/shakespeare_char --threads 1 --rounds 3 \\
         --parts load,workers                       # bench_results/serve_cpu.{md,json}
     python -m engine.bench_serve --gpt2-shaped --parts memory --name cpu_gpt2
 """

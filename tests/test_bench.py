@@ -235,3 +235,10 @@ def test_decode_row_generates_batch_1_tokens(char_dataset):
     result = benchmark.run_decode({"config": cfg.to_dict(), "new_tokens": 6, "rounds": 2})
     assert result["new_tokens"] == 6 and len(result["run_s"]) == 2
     assert result["tokens_per_s"] > 0 and result["compile"] == "off" and result["threads"] == 1
+
+
+def test_serve_flag_hands_over_to_the_serving_benchmark(tmp_path, capsys):
+    missing = tmp_path / "no_run"
+    assert bench.main(["--serve", "--checkpoint", str(missing), "--parts=load"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err  # bench_serve's own check
