@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from config import Config, ConfigError, load_config, opt
-from engine import checkpoint, hf, quantize, runtime, sources, sparse, techniques
+from engine import checkpoint, runtime, sources, sparse, techniques
 from engine.sampling import generate_tokens, set_weight_layout, warm_up
 from engine.tokenizer import TokenizerError, from_meta
-from model import GPT
 
 
 class StreamPrinter:
@@ -68,33 +67,10 @@ class GenerateOptions:
                       "sparse | dense (its weights with zeros)", sparse.MODES)
 
 
-def load_for_sampling(cfg: Config, device: torch.device, init_from: str) -> tuple[GPT, dict, str]:
-    """(model, meta, label) from --init-from, sample.checkpoint or train.out_dir; int8 if asked."""
-    if init_from and cfg.sample.checkpoint:
-        raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
-                          "name a model to sample from; pass one of them")
-    if init_from == "scratch":
-        raise ConfigError("--init-from scratch has nothing to sample from; pass a GPT-2 id, a "
-                          "Hugging Face directory or one of our checkpoints")
-    if cfg.sample.quantize != "none":
-        quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
-    if init_from in ("", "resume", "auto"):
-        init_from = cfg.sample.checkpoint or cfg.train.out_dir
-    model, _, meta, label = sources.load_model(init_from, cfg, device)
-    if meta["tokenizer"]["kind"] == "unknown":
-        raise TokenizerError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not "
-                             f"GPT-2's {hf.GPT2_VOCAB}: there is no tokenizer for it here")
-    if cfg.sample.quantize == "int8":
-        chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
-        print(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
-              f"weights now {quantize.weight_bytes(model) / 2**20:.1f} MiB", file=sys.stderr)
-    return model.eval(), meta, label
-
-
 def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
     """Stream sample.num_samples texts from init_from (or the config's checkpoint) to stdout."""
     rt, s = runtime.setup(cfg.system), cfg.sample
-    model, meta, label = load_for_sampling(cfg, rt.device, init_from)
+    model, meta, label = sources.load_for_inference(cfg, init_from, rt.device, "sample from")
     layout = set_weight_layout(model, s.weight_layout)  # before compile: it traces the strides
     # a pruned model: sparse Linears where they timed faster than these dense weights
     if note := sparse.prepare_for_inference(model, sparse_mode, rt.device):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from config import ConfigError, load_config, opt
-from engine import checkpoint, runtime
+from engine import checkpoint, runtime, sparse
 from engine.sampling import weight_layout_for
 from engine.serve_workers import Supervisor, WorkerSpec, load_for_serving, log
 from engine.tokenizer import TokenizerError
@@ -46,6 +46,9 @@ class ServeOptions:
     threads: int = opt(0, "torch threads per worker; 0 = system.threads (or the cores) / workers")
     retry_after_s: int = opt(1, "the Retry-After seconds of a 503 (queue full)")
     access_log: bool = opt(False, "uvicorn's access log, one line per request")
+    sparse: str = opt("auto", "a pruned checkpoint (prune.py): auto = sparse kernels for the "
+                      "weight shapes a timing probe at --slots rows finds faster here | sparse | "
+                      "dense (its weights with zeros)", sparse.MODES)
 
 
 def check_options(o: ServeOptions) -> None:
@@ -71,10 +74,11 @@ def serve(cfg, o: ServeOptions) -> int:
                       max_prompt_tokens=o.max_prompt_tokens, warmup=o.warmup,
                       idle_release_s=o.idle_release_s, share_weights=o.share_weights,
                       retry_after_s=o.retry_after_s, access_log=o.access_log, threads=o.threads,
-                      init_from=o.init_from, model_name=o.model_name)
+                      init_from=o.init_from, model_name=o.model_name, sparse=o.sparse)
     device = runtime.resolve_device(cfg.system.device)  # a device this machine lacks fails here
     torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serve_workers.py)
-    loaded = load_for_serving(cfg, o.init_from, o.model_name, device)  # errors before any fork
+    loaded = load_for_serving(cfg, o.init_from, o.model_name, device, o.sparse,
+                              o.slots)  # errors before any fork
     s = cfg.sample
     log(f"serving {loaded.name!r} from {loaded.label} | device {device} | dtype "
         f"{cfg.system.dtype} | compile {'on' if cfg.system.compile else 'off'}"

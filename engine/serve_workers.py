@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from config import Config, ConfigError
-from engine import hf, quantize, runtime, sources, techniques
+from engine import runtime, sources, sparse, techniques
 from engine.sampling import set_weight_layout
-from engine.tokenizer import TokenizerError, from_meta
+from engine.tokenizer import from_meta
 
 RESTARTS_PER_MINUTE = 5  # more crashes than this in a minute: stop, something is wrong
 STOP_GRACE_S = 600.0  # after SIGTERM, running requests get this long before workers are killed
@@ -49,31 +49,30 @@ class Loaded:
 
 
 def load_for_serving(cfg: Config, init_from: str, model_name: str = "",
-                     device: torch.device | None = None) -> Loaded:
+                     device: torch.device | None = None, sparse_mode: str = "auto",
+                     rows: int = 1) -> Loaded:
     """The model generate.py would sample from (--init-from, sample.checkpoint or
     train.out_dir; int8 layers if sample.quantize), on the CPU, with its tokenizer. Served on
-    the CPU (`device`), its weights take sample.weight_layout here, before any fork, so the
-    workers share them; a GPU worker sets the layout after moving them."""
-    if init_from and cfg.sample.checkpoint:
-        raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
-                          "name a model to serve; pass one of them")
-    if cfg.sample.quantize != "none":
-        quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
+    the CPU (`device`), its weights take sample.weight_layout (and a pruned model its sparse
+    kernels, probed at `rows`) here, before any fork, so the workers share them; a GPU worker
+    does both after moving them (prepare_on_device)."""
     source = init_from if init_from not in ("", "resume", "auto") else (
         cfg.sample.checkpoint or cfg.train.out_dir)
-    model, _, meta, label = sources.load_model(source, cfg, "cpu")
-    if meta["tokenizer"]["kind"] == "unknown":
-        raise TokenizerError(f"{source} has a {model.config.vocab_size}-token vocabulary, not "
-                             f"GPT-2's {hf.GPT2_VOCAB}: there is no tokenizer for it here")
-    if cfg.sample.quantize == "int8":
-        chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
-        log(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
-            f"weights now {quantize.weight_bytes(model) / 2**20:.1f} MiB")
+    model, meta, label = sources.load_for_inference(cfg, init_from, "cpu", "serve")
     if (device or torch.device("cpu")).type == "cpu":
-        set_weight_layout(model, cfg.sample.weight_layout)
+        prepare_on_device(model, cfg, torch.device("cpu"), sparse_mode, rows)
     step = f" (step {meta['step']})" if "step" in meta else ""
     return Loaded(model.eval(), from_meta(meta["tokenizer"]), model_name or served_name(source),
                   label + step)
+
+
+def prepare_on_device(model, cfg: Config, device: torch.device, sparse_mode: str,
+                      rows: int) -> None:
+    """generate.py's preparation: the weight layout, then a pruned model's sparse kernels where
+    they timed faster here (engine/sparse.py), said in the log."""
+    set_weight_layout(model, cfg.sample.weight_layout)
+    if note := sparse.prepare_for_inference(model, sparse_mode, device, rows):
+        log(note)
 
 
 def served_name(source: str) -> str:
@@ -104,6 +103,7 @@ class WorkerSpec:
     threads: int = 0  # per worker; 0: the cores split between the workers
     init_from: str = ""
     model_name: str = ""
+    sparse: str = "auto"  # a pruned model: engine/sparse.prepare_for_inference's mode
     extra: dict = field(default_factory=dict)
 
     def threads_per_worker(self) -> int:
@@ -136,10 +136,11 @@ def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, rea
     torch.set_num_threads(spec.threads_per_worker())
     cfg = spec.cfg
     rt = runtime.setup(cfg.system)
-    loaded = loaded or load_for_serving(cfg, spec.init_from, spec.model_name, rt.device)
+    loaded = loaded or load_for_serving(cfg, spec.init_from, spec.model_name, rt.device,
+                                        spec.sparse, spec.slots)
     raw_model = loaded.model.to(rt.device)
-    if rt.device.type != "cpu":  # on the CPU the supervisor set it, before the fork
-        set_weight_layout(raw_model, cfg.sample.weight_layout)
+    if rt.device.type != "cpu":  # on the CPU the supervisor did it, before the fork
+        prepare_on_device(raw_model, cfg, rt.device, spec.sparse, spec.slots)
     model, _ = techniques.compile_model(raw_model, cfg.system, rt)
     block = raw_model.config.block_size
     engine = BatchEngine(model, raw_model, loaded.tokenizer, rt.device, spec.slots, spec.max_queue,

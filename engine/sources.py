@@ -1,16 +1,19 @@
 """Where a model comes from: fresh, one of our checkpoints (or run directories), or a HF GPT-2.
 
-    model, cfg, meta, label = load_model(source, cfg, device)   # generate.py, engine/hellaswag.py
+    model, cfg, meta, label = load_model(source, cfg, device)   # engine/hellaswag.py
+    model, meta, label = load_for_inference(cfg, init_from, device, "sample from")  # generate, serve
     model, source = build_model(cfg, data_meta, device)         # train.py (init_from)
 """
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
 
 from config import Config, ConfigError
 from data.dataset import DataError, check_vocab, load_meta
-from engine import checkpoint, hf
+from engine import checkpoint, hf, quantize
+from engine.tokenizer import TokenizerError
 from model import GPT
 
 DEFAULT_DATASET = "shakespeare_char"
@@ -45,6 +48,32 @@ def load_model(source: str, cfg: Config, device: torch.device | str = "cpu",
     label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
     meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
     return model.to(device), used, meta, label
+
+
+def load_for_inference(cfg: Config, init_from: str, device: torch.device | str,
+                       purpose: str) -> tuple[GPT, dict, str]:
+    """What generate.py samples from and serve.py serves: --init-from, else sample.checkpoint,
+    else train.out_dir; int8 Linears if sample.quantize. -> (model in eval mode, meta, label).
+    purpose ("sample from", "serve") words the errors."""
+    if init_from and cfg.sample.checkpoint:
+        raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
+                          f"name a model to {purpose}; pass one of them")
+    if init_from == "scratch":
+        raise ConfigError(f"--init-from scratch has nothing to {purpose}; pass a GPT-2 id, a "
+                          "Hugging Face directory or one of our checkpoints")
+    if cfg.sample.quantize != "none":
+        quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
+    if init_from in ("", "resume", "auto"):
+        init_from = cfg.sample.checkpoint or cfg.train.out_dir
+    model, _, meta, label = load_model(init_from, cfg, device)
+    if meta["tokenizer"]["kind"] == "unknown":
+        raise TokenizerError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not "
+                             f"GPT-2's {hf.GPT2_VOCAB}: there is no tokenizer for it here")
+    if cfg.sample.quantize == "int8":
+        chosen = quantize.quantize_linears(model, cfg.sample.quantize_layers)
+        print(f"quantized {len(chosen)} Linear layers to int8 ({cfg.sample.quantize_layers}): "
+              f"weights now {quantize.weight_bytes(model) / 2**20:.1f} MiB", file=sys.stderr)
+    return model.eval(), meta, label
 
 
 def build_model(cfg: Config, meta: dict, device: torch.device) -> tuple[GPT, Path | None]:

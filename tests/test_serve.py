@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from config import Config
-from engine import checkpoint, serve_batch, sources
+from engine import checkpoint, prune, serve_batch, serve_workers, sources
 from engine.sampling import generate_tokens, set_weight_layout
 from engine.serve_batch import BatchEngine, SamplingParams, Sequence, TextStream
 from engine.tokenizer import CharTokenizer
@@ -103,6 +103,23 @@ def test_engine_gives_each_request_what_generate_gives_alone(tmp_path, attention
     for (prompt, p), text in zip(requests, got):
         assert text == reference(model, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p,
                                  p.seed or 0), prompt
+
+
+def test_a_pruned_checkpoint_is_served_with_sparse_kernels_and_the_same_text(tmp_path):
+    """serve loads as generate.py does: a pruned model's Linears go sparse (--sparse), and the
+    batched greedy text is what the dense model gives each request alone."""
+    dense = sources.load_model(str(tiny_checkpoint(tmp_path / "dense")), Config())[0].eval()
+    prune.prune(dense, 0.75, "unstructured")
+    cfg = Config()
+    cfg.model = dense.config
+    path = checkpoint.save(tmp_path / "pruned", 1, dense, cfg,
+                           {"tokenizer": {"kind": "char", "chars": CHARS}})
+    loaded = serve_workers.load_for_serving(cfg, str(path), sparse_mode="sparse", rows=3)
+    kinds = {type(m).__name__ for m in loaded.model.modules()}
+    assert "CSRLinear" in kinds and loaded.name == "pruned"
+    requests = [(p, SamplingParams(max_tokens=30, temperature=0)) for p in ("ab", "what?", "c")]
+    got = run_engine(loaded.model, requests, slots=3)
+    assert got == [reference(dense, p, 30) for p, _ in requests]
 
 
 def test_text_stream_holds_back_a_possible_stop_and_cuts_before_it():
