@@ -99,6 +99,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
 
 
+def gelu(x: torch.Tensor, impl: str) -> torch.Tensor:
+    """model.gelu: scratch (tanh, written out), native (F.gelu's tanh) or erf (exact)."""
+    if impl == "scratch":
+        return gelu_tanh(x)
+    return F.gelu(x, approximate="none" if impl == "erf" else "tanh")
+
+
 class KVCache:
     """Keys and values per layer, (2, B, nh, block_size, hs), written at the caller's explicit
     positions. With `filled` unset, attention reads the whole cache under a mask of each query's
@@ -177,12 +184,7 @@ class MLP(nn.Module):
         self.gelu = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)  # (B, T, 4C)
-        if self.gelu == "scratch":
-            h = gelu_tanh(h)
-        else:
-            h = F.gelu(h, approximate="none" if self.gelu == "erf" else "tanh")
-        h = self.c_proj(h)
+        h = self.c_proj(gelu(self.c_fc(x), self.gelu))  # c_fc: (B, T, 4C)
         return self.dropout(h) if self.training else h
 
 
@@ -316,6 +318,21 @@ def _chunked_eager(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor)
     return ChunkedCrossEntropy.apply(x, weight, targets)
 
 
+def _norm(ln: LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """ln(x) for float32 x, without a module call where it is F.layer_norm."""
+    if ln.impl == "native":
+        return F.layer_norm(x, ln.weight.shape, ln.weight, ln.bias, ln.eps)
+    return ln(x)
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x), without a module call for a plain (or int8-weight) nn.Linear; a sparse
+    replacement runs its own forward."""
+    if type(module) is nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -388,6 +405,31 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size),
                                    targets.reshape(-1), ignore_index=IGNORE_INDEX)
         return logits, loss
+
+    @torch.no_grad()
+    def decode_one(self, idx: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tensor:
+        """One token per row, idx (B, 1), at position pos after positions 0..pos-1 in kv_cache
+        -> its logits (B, 1, vocab): forward()'s math for eager float32 inference, written as
+        plain function calls (no module calls, no mask, no dropout), which halves the ~1,450
+        small ops a token costs there. Training, compiled code and autocast use forward()."""
+        B, C, nh = idx.size(0), self.config.n_embd, self.config.n_head
+        t, n = self.transformer, pos + 1
+        x = F.embedding(idx, t.wte.weight) + t.wpe.weight[pos]  # (B, 1, C)
+        for i, block in enumerate(t.h):
+            attn, mlp = block.attn, block.mlp
+            qkv = _linear(attn.c_attn, _norm(block.ln_1, x))
+            qkv = qkv.view(B, 1, 3, nh, C // nh).permute(2, 0, 3, 1, 4)  # (3, B, nh, 1, hs)
+            cache = kv_cache.kv[i]
+            cache[:, :, :, pos:n] = qkv[1:]
+            q, k, v = qkv[0], cache[0, :, :, :n], cache[1, :, :, :n]  # k, v: (B, nh, n, hs)
+            if attn.impl == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v)
+            else:  # one query sees every written key: no mask
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // nh))
+                y = F.softmax(att.float(), dim=-1).to(q.dtype) @ v  # (B, nh, 1, hs)
+            x = x + _linear(attn.c_proj, y.reshape(B, 1, C))
+            x = x + _linear(mlp.c_proj, gelu(_linear(mlp.c_fc, _norm(block.ln_2, x)), mlp.gelu))
+        return _linear(self.lm_head, _norm(t.ln_f, x))[..., :self.vocab_size]
 
     def new_kv_cache(self, batch: int) -> KVCache:
         """An empty cache of block_size positions, on the weights' device and in their dtype."""

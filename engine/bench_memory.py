@@ -135,9 +135,11 @@ def bench_train(config_args: list[str], opts, device: torch.device, left) -> lis
     return rows
 
 
-def our_generate(model: GPT, prompt: torch.Tensor, rt: runtime.Runtime):
-    """run(n): n greedy tokens after the prompt, with our KV cache."""
-    return lambda n: generate_tokens(model, prompt, n, temperature=0, autocast=rt.autocast)
+def our_generate(model: GPT, prompt: torch.Tensor, rt: runtime.Runtime, lean: bool = True):
+    """run(n): n greedy tokens after the prompt, with our KV cache; lean=False: each token
+    through forward() instead of GPT.decode_one."""
+    return lambda n: generate_tokens(model, prompt, n, temperature=0, autocast=rt.autocast,
+                                     lean=lean)
 
 
 def decode_rates(runs: dict, new_tokens: int, rt: runtime.Runtime,
@@ -324,16 +326,17 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     if row_major is not None:
         set_weight_layout(row_major, "row")
     runs = {"ours": our_generate(ours, prompt, rt), "hf": hf_run,
+            "forward": our_generate(ours, prompt, rt, lean=False),
             "row": row_major and our_generate(row_major, prompt, rt)}
     rates = decode_rates({name: run for name, run in runs.items() if run}, new, rt)
     if row_major is not None:
         hf["matvec_seconds"] = matvec_seconds({"ours": ours, "row": row_major}, rt)
     our_rate, our_tokens, _ = rates["ours"]
-    for name in ("hf", "row"):  # tokens/s, and ours' speed-up over it round by round
+    for name in ("hf", "forward", "row"):  # tokens/s, and ours' speed-up over it per round
         if name in rates:
             hf[f"{name}_tokens_per_s"] = rates[name][0]
             hf[f"over_{name}"] = round_ratio(rates, "ours", name)
-    same = bool(torch.equal(our_tokens, rates["hf"][1])) if "hf" in rates else None
+    same = all(torch.equal(our_tokens, tokens) for _, tokens, _ in rates.values())
     result = {"model": opts.decode_model, "device": rt.device.type,
               "params": ours.num_params(False), "weight_bytes_per_token": weight,
               "copy_bandwidth": bandwidth, "bandwidth_limit_tokens_per_s": bandwidth / weight,
@@ -349,10 +352,13 @@ def decode_markdown(d: dict) -> list[str]:
     row = lambda name, key, limit=limit, of="": [  # noqa: E731
         name, f"{d[key]:,.1f}", f"{100 * d[key] / limit:.0f}%{of}"] if key in d else \
         [name, f"skipped: {d.get(key.split('_')[0] + '_skipped', '')}", ""]
-    rows = [row(f"ours (KV cache, {d.get('weight_layout', 'row')}-major weights)",
+    rows = [row(f"ours (KV cache, {d.get('weight_layout', 'row')}-major weights, decode_one)",
                 "ours_tokens_per_s"), row("transformers generate", "hf_tokens_per_s")]
     if "row_tokens_per_s" in d:
         rows.insert(1, row("ours, row-major weights (as trained)", "row_tokens_per_s"))
+    if "forward_tokens_per_s" in d:
+        rows.insert(1, row("ours, each token through forward() (not GPT.decode_one)",
+                           "forward_tokens_per_s"))
     if "int8_tokens_per_s" in d:
         per_token = d["int8_weight_bytes_per_token"]
         own = d["copy_bandwidth"] / per_token
@@ -367,11 +373,12 @@ def decode_markdown(d: dict) -> list[str]:
     shape = "GPT-2 124M shape" if d["model"] == "gpt2" else \
         f"{d['params'] / 1e6:.1f}M-parameter '{d['model']}' shape"
     versus = "".join(f", {d[key]:.2f}x {name}" for key, name in (
-        ("over_hf", "transformers"), ("over_row", "ours with row-major weights")) if key in d)
+        ("over_hf", "transformers"), ("over_forward", "ours through forward()"),
+        ("over_row", "ours with row-major weights")) if key in d)
     versus = f"; ours, the median ratio of the rounds' times{versus}" if versus else ""
     lines = [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
              f"{d['new_tokens']} new tokens, medians of {d.get('rounds', 1)} runs each taking "
-             f"turns (same tokens from both: {d['same_tokens']}{versus}):", "",
+             f"turns (the same tokens from all: {d['same_tokens']}{versus}):", "",
              markdown_table(["implementation", "tokens/s", "share of the bandwidth limit"], rows),
              ""]
     if "matvec_seconds" in d:

@@ -84,11 +84,22 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache,
 
 
 def decode_step(model: GPT, token: torch.Tensor, cache: KVCache, pos: int,
-                input_pos: torch.Tensor) -> torch.Tensor:
+                input_pos: torch.Tensor, lean: bool = True) -> torch.Tensor:
     """One token (B, 1) at position pos (input_pos holds the same, as a (1,) tensor; compiled
-    code sees only the tensor, so one graph serves every step) -> its logits (B, 1, vocab)."""
+    code sees only the tensor, so one graph serves every step) -> its logits (B, 1, vocab).
+    GPT.decode_one where lean_decoding allows it, unless lean=False (forward(): the reference)."""
     cache.filled = pos + 1  # eager attention reads the prefix written so far
+    if lean and lean_decoding(model, token.device):
+        return model.decode_one(token, cache, pos)
     return model(token, kv_cache=cache, input_pos=input_pos)[0]
+
+
+def lean_decoding(model: GPT, device: torch.device) -> bool:
+    """Whether decode_step runs GPT.decode_one (the same math in half the small ops): an eager
+    (not compiled) float32 model in eval mode, outside autocast."""
+    return (isinstance(model, GPT) and not model.training and not torch.compiler.is_compiling()
+            and model.transformer.wte.weight.dtype == torch.float32
+            and not torch.is_autocast_enabled(device.type))
 
 
 @torch.no_grad()
@@ -96,9 +107,10 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
                     top_k: int = 0, top_p: float = 1.0, kv_cache: bool = True,
                     generator: torch.Generator | None = None,
                     on_token: Callable[[torch.Tensor], None] | None = None,
-                    autocast=None, prompt_bucket: int = 0) -> torch.Tensor:
+                    autocast=None, prompt_bucket: int = 0, lean: bool = True) -> torch.Tensor:
     """Extend idx (B, T) by max_new_tokens tokens, passing each (B, 1) to on_token. When the
-    context is full its oldest half is dropped and the rest re-read once (cache or not)."""
+    context is full its oldest half is dropped and the rest re-read once (cache or not).
+    lean=False: every cached step through forward() (see decode_step)."""
     block = model.config.block_size
     start = max(0, idx.size(1) - block)
     cache = model.new_kv_cache(idx.size(0)) if kv_cache else None
@@ -113,7 +125,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
                 logits, pos = prefill(model, idx[:, start:], cache, prompt_bucket)
                 input_pos = torch.tensor([pos], device=idx.device)
             else:  # the last token (a fresh (B, 1) tensor) at the next position
-                logits = decode_step(model, next_id, cache, pos, input_pos)
+                logits = decode_step(model, next_id, cache, pos, input_pos, lean)
                 pos, input_pos = pos + 1, input_pos + 1
         next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
         idx = torch.cat([idx, next_id], dim=1)

@@ -58,6 +58,43 @@ def test_prefill_computes_the_last_logits_only(device):
             torch.testing.assert_close(logits, full[:, -1:], **LOGITS_TOL[device])
 
 
+@pytest.mark.parametrize("impls", [dict(attention="scratch"), dict(
+    attention="sdpa", norm="native", gelu="native"), dict(gelu="erf", vocab_pad_multiple=8)])
+def test_lean_decode_step_gives_the_forward_logits_and_tokens(impls):
+    """GPT.decode_one against forward() with the same cache (NaN in every slot not written)."""
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(**impls)).eval()  # block_size 16
+    sampling.set_weight_layout(model, "column")
+    x = torch.randint(0, 37, (2, 16))
+    logits = {}
+    with torch.no_grad():
+        for lean in (True, False):
+            cache = poisoned_cache(model, 2)
+            first, pos = sampling.prefill(model, x[:, :5], cache)
+            steps = []
+            for t in range(pos, 16):
+                cache.filled = t + 1
+                steps.append(model.decode_one(x[:, t:t + 1], cache, t) if lean else
+                             model(x[:, t:t + 1], kv_cache=cache, input_pos=torch.tensor([t]))[0])
+            logits[lean] = torch.cat([first] + steps, dim=1)
+    assert logits[True].shape == (2, 12, 37) and not logits[True].isnan().any()
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    assert sampling.lean_decoding(model, torch.device("cpu"))  # generate_tokens runs it
+    prompt = x[:1, :3]  # 30 tokens: past the context's overflow and re-read
+    uncached = sampling.generate_tokens(model, prompt, 30, temperature=0, kv_cache=False)
+    assert torch.equal(sampling.generate_tokens(model, prompt, 30, temperature=0), uncached)
+
+
+def test_lean_decoding_only_for_eager_float32_inference():
+    model, cpu = GPT(tiny_model_config()), torch.device("cpu")
+    assert not sampling.lean_decoding(model, cpu)  # training mode: dropout may be on
+    assert sampling.lean_decoding(model.eval(), cpu)
+    assert not sampling.lean_decoding(torch.compile(model, backend="eager"), cpu)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not sampling.lean_decoding(model, cpu)
+    assert not sampling.lean_decoding(copy.deepcopy(model).to(torch.bfloat16), cpu)
+
+
 def test_compiled_decoding_gives_the_eager_tokens():
     """Compiled code reads the whole static cache under the mask; the tokens are the same."""
     torch.manual_seed(0)
