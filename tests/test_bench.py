@@ -171,8 +171,8 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, ca
 def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys):
     """Two recipes of the same math (the reference path, then every speedup) reach the target at
     the same evaluation with close losses; each run is stopped there; table, JSON and plot."""
-    code = bench.main(["--to-loss", "3.3", "--recipes", "reference,every speedup",
-                       "--eval-every", "25", "--results", str(tmp_path), "--name", "t",
+    code = bench.main(["--to-loss", "3.5", "--recipes", "reference,every speedup",
+                       "--eval-every", "10", "--results", str(tmp_path), "--name", "t",
                        "--device=cpu"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -180,7 +180,7 @@ def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, caps
     reference, fast = report["rows"]
     assert reference["status"] == fast["status"] == "ok"
     assert reference["reached"][0] == fast["reached"][0] <= 100  # the same step
-    assert reference["reached"][1] <= 3.3 and fast["curve"][-1] == fast["reached"]  # stopped
+    assert reference["reached"][1] <= 3.5 and fast["curve"][-1] == fast["reached"]  # stopped
     for (step_a, val_a, _), (step_b, val_b, _) in zip(reference["curve"], fast["curve"]):
         assert step_a == step_b and val_a == pytest.approx(val_b, abs=0.02)
     md = (tmp_path / "to_loss_t.md").read_text()
