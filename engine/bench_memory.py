@@ -39,7 +39,7 @@ TRAIN_ROWS = [
     ("empty_cache=off", ["--empty_cache=false"], True),
     ("prefetch=on", ["--prefetch=true"], True),
 ]
-DECODE_ROUNDS = 3  # decode: ours and transformers take turns this many times; medians reported
+DECODE_ROUNDS = 5  # decode: ours and transformers take turns this many times; medians reported
 TRAIN_HEADER = ["setting", "tokens/s", "step peak MiB (estimate)", "ratio",
                 "whole peak MiB (estimate)", "ratio", "reserved MiB"]
 # --decode-model: the shape of the random weights decoded (the same vocabulary, 50257)
@@ -322,7 +322,7 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     bandwidth = max(2 * src.numel() * 4 / timed(lambda: dst.copy_(src), rt)[0] for _ in range(5))
     hf_run, hf = hf_generate(ours, prompt, rt)
     layout = set_weight_layout(ours, "auto")  # as generate.py does; a row-major copy beside it
-    row_major = copy.deepcopy(ours) if layout == "column" else None
+    row_major = copy.deepcopy(ours) if layout != "row" else None
     if row_major is not None:
         set_weight_layout(row_major, "row")
     runs = {"ours": our_generate(ours, prompt, rt), "hf": hf_run,
@@ -352,7 +352,7 @@ def decode_markdown(d: dict) -> list[str]:
     row = lambda name, key, limit=limit, of="": [  # noqa: E731
         name, f"{d[key]:,.1f}", f"{100 * d[key] / limit:.0f}%{of}"] if key in d else \
         [name, f"skipped: {d.get(key.split('_')[0] + '_skipped', '')}", ""]
-    rows = [row(f"ours (KV cache, {d.get('weight_layout', 'row')}-major weights, decode_one)",
+    rows = [row(f"ours (KV cache, {d.get('weight_layout', 'row')} weight layout, decode_one)",
                 "ours_tokens_per_s"), row("transformers generate", "hf_tokens_per_s")]
     if "row_tokens_per_s" in d:
         rows.insert(1, row("ours, row-major weights (as trained)", "row_tokens_per_s"))
@@ -384,8 +384,8 @@ def decode_markdown(d: dict) -> list[str]:
     if "matvec_seconds" in d:
         ms = {name: 1e3 * s for name, s in d["matvec_seconds"].items()}
         lines += [f"One token's matrix-vector products alone (every Linear and the LM head, the "
-                  f"layouts taking turns 4 times): column-major {ms['ours']:.1f} ms, row-major "
-                  f"{ms['row']:.1f} ms ({ms['row'] / ms['ours']:.2f}x).", ""]
+                  f"layouts taking turns 4 times): {d['weight_layout']} {ms['ours']:.1f} ms, "
+                  f"row-major {ms['row']:.1f} ms ({ms['row'] / ms['ours']:.2f}x).", ""]
     return lines
 
 

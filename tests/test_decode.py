@@ -152,6 +152,19 @@ def test_column_major_weights_give_the_row_major_logits_and_tokens():
     assert all(torch.equal(a, b) for a, b in zip(linear_weights(column), linear_weights(row)))
 
 
+def test_by_shape_layout_makes_only_the_wider_outputs_column_major():
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(vocab_pad_multiple=8)).eval()
+    x = torch.randint(0, 37, (1, 3))
+    rows = sampling.generate_tokens(model, x, 20, temperature=0, kv_cache=False)
+    assert sampling.set_weight_layout(model, "auto") == "by_shape"  # on CPU
+    for name, m in model.named_modules():  # c_attn, c_fc, the head: more outputs than inputs
+        if isinstance(m, nn.Linear):
+            wide = m.out_features > m.in_features
+            assert m.weight.is_contiguous() != wide and m.weight.t().is_contiguous() == wide, name
+    assert torch.equal(sampling.generate_tokens(model, x, 20, temperature=0), rows)
+
+
 def test_column_major_weights_leave_saved_checkpoints_unchanged(tmp_path):
     torch.manual_seed(0)
     model, cfg = GPT(tiny_model_config()), Config()
@@ -162,7 +175,7 @@ def test_column_major_weights_leave_saved_checkpoints_unchanged(tmp_path):
 
 
 def test_weight_layout_auto_and_bad_names():
-    assert sampling.weight_layout_for("auto", torch.device("cpu")) == "column"
+    assert sampling.weight_layout_for("auto", torch.device("cpu")) == "by_shape"
     assert sampling.weight_layout_for("auto", torch.device("cuda")) == "row"
     with pytest.raises(ValueError, match="weight layout 'colum' is not one of auto, row, column"):
         sampling.weight_layout_for("colum", torch.device("cpu"))
@@ -181,7 +194,7 @@ def test_generate_names_the_layout_and_gives_the_same_text(tmp_path, capsys):
                               "--max_new_tokens=12", "--device=cpu",
                               f"--weight_layout={layout}"]) == 0
         texts[layout], err = capsys.readouterr()
-        shown = "column" if layout == "auto" else layout
+        shown = "by_shape" if layout == "auto" else layout
         assert f"weight_layout={shown} ({layout})" in err
     assert texts["row"] == texts["column"] == texts["auto"]
     assert generate.main([f"--checkpoint={tmp_path}", "--weight_layout=colum"]) == 2
