@@ -117,7 +117,8 @@ class SampleConfig:
                              "decoding sees a few fixed shapes (no recompiles)")
     weight_layout: str = opt("auto", "how Linear weights are stored for decoding: row-major (as "
                              "trained) or column-major (faster one-token matmuls on CPU); auto: "
-                             "column on CPU, row elsewhere", ("auto", "row", "column"))
+                             "on CPU column-major where a weight has more outputs than inputs, "
+                             "row elsewhere", ("auto", "row", "column"))
     quantize: str = opt("none", "int8: int8 weight-only Linear layers (torchao), about half "
                         "the weight bytes of bf16", ("none", "int8"))
     quantize_layers: str = opt("attn,mlp", "Linear layers sample.quantize converts: comma list "
