@@ -119,6 +119,11 @@ class SampleConfig:
                              "trained) or column-major (faster one-token matmuls on CPU); auto: "
                              "on CPU column-major where a weight has more outputs than inputs, "
                              "row elsewhere", ("auto", "row", "column"))
+    huge_pages: bool = opt(True, "on CPU (Linux), keep the decoding weights in 2 MiB transparent "
+                           "huge pages, which one-token matmuls read faster than 4 KiB pages")
+    matvec: str = opt("auto", "how decoding multiplies one token by each weight: blas (one "
+                      "F.linear) or sliced (one output slice per thread, side by side in a bmm); "
+                      "auto: sliced on CPU with 2+ threads", ("auto", "blas", "sliced"))
     quantize: str = opt("none", "int8: int8 weight-only Linear layers (torchao), about half "
                         "the weight bytes of bf16", ("none", "int8"))
     quantize_layers: str = opt("attn,mlp", "Linear layers sample.quantize converts: comma list "

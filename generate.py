@@ -16,7 +16,8 @@ import torch
 
 from config import Config, ConfigError, load_config, opt
 from engine import checkpoint, runtime, sources, sparse, techniques
-from engine.sampling import generate_tokens, set_weight_layout, warm_up
+from engine.sampling import (generate_tokens, huge_pages_for, lean_decoding, set_matvec,
+                             set_weight_layout, warm_up)
 from engine.tokenizer import TokenizerError, from_meta
 
 
@@ -71,7 +72,9 @@ def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
     """Stream sample.num_samples texts from init_from (or the config's checkpoint) to stdout."""
     rt, s = runtime.setup(cfg.system), cfg.sample
     model, meta, label = sources.load_for_inference(cfg, init_from, rt.device, "sample from")
-    layout = set_weight_layout(model, s.weight_layout)  # before compile: it traces the strides
+    # before compile: it traces the strides
+    layout = set_weight_layout(model, s.weight_layout, s.huge_pages)
+    matvec = set_matvec(model, s.matvec)
     # a pruned model: sparse Linears where they timed faster than these dense weights
     if note := sparse.prepare_for_inference(model, sparse_mode, rt.device):
         print(note, file=sys.stderr)
@@ -84,9 +87,13 @@ def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
         warm_up(model, len(prompt_ids), s.max_new_tokens, bucket, rt.autocast)
         print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if not (lean_decoding(model, rt.device) and rt.dtype == torch.float32):
+        matvec = "blas, each token through forward()"  # compiled, or under autocast
     step = f" (step {meta['step']})" if "step" in meta else ""
     print(f"sampling from {label}{step} on {rt.device} | weight_layout={layout} "
-          f"({s.weight_layout}) kv_cache={'on' if s.kv_cache else 'off'}", file=sys.stderr)
+          f"({s.weight_layout}) huge_pages={huge_pages_for(s.huge_pages, rt.device)[1]} "
+          f"matvec={matvec} ({s.matvec}) "
+          f"kv_cache={'on' if s.kv_cache else 'off'}", file=sys.stderr)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.system.seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
     for i in range(s.num_samples):

@@ -17,7 +17,7 @@ import torch
 
 from config import ConfigError, load_config, opt
 from engine import checkpoint, runtime, sparse
-from engine.sampling import weight_layout_for
+from engine.sampling import huge_pages_for, weight_layout_for
 from engine.serve_workers import Supervisor, WorkerSpec, load_for_serving, log
 from engine.tokenizer import TokenizerError
 
@@ -84,7 +84,7 @@ def serve(cfg, o: ServeOptions) -> int:
         f"{cfg.system.dtype} | compile {'on' if cfg.system.compile else 'off'}"
         + (f" (prompt bucket {s.prompt_bucket})" if cfg.system.compile else "")
         + f" | quantize {s.quantize} | weight_layout={weight_layout_for(s.weight_layout, device)}"
-        f" ({s.weight_layout})")
+        f" ({s.weight_layout}) huge_pages={huge_pages_for(s.huge_pages, device)[1]}")
     if not o.share_weights:  # each worker loads its own copy
         loaded = None
         gc.collect()

@@ -21,9 +21,9 @@ from engine import checkpoint, memory, quantize, runtime
 from engine import hf as hf_weights
 from engine.benchmark import (REPO_ROOT, build, hardware_name, markdown_table, run_worker, serve,
                               stepper, time_left, timed)
-from engine.sampling import generate_tokens, set_weight_layout
+from engine.sampling import generate_tokens, huge_pages_for, set_matvec, set_weight_layout
 from engine.step import evaluate
-from model import GPT, ModelConfig
+from model import GPT, ModelConfig, decode_linear
 
 MIB = 2**20
 PARTS = ("train", "quant", "loader", "decode")
@@ -135,11 +135,21 @@ def bench_train(config_args: list[str], opts, device: torch.device, left) -> lis
     return rows
 
 
-def our_generate(model: GPT, prompt: torch.Tensor, rt: runtime.Runtime, lean: bool = True):
+def our_generate(model: GPT, prompt: torch.Tensor, rt: runtime.Runtime, lean: bool = True,
+                 sliced: bool | None = None):
     """run(n): n greedy tokens after the prompt, with our KV cache; lean=False: each token
-    through forward() instead of GPT.decode_one."""
-    return lambda n: generate_tokens(model, prompt, n, temperature=0, autocast=rt.autocast,
-                                     lean=lean)
+    through forward() instead of GPT.decode_one; sliced: one slice per thread (True) or one
+    F.linear (False) for the run instead of the model's matvec_slices."""
+    def run(n: int) -> torch.Tensor:
+        kept = model.matvec_slices
+        if sliced is not None:
+            model.matvec_slices = torch.get_num_threads() if sliced else 1
+        try:
+            return generate_tokens(model, prompt, n, temperature=0, autocast=rt.autocast,
+                                   lean=lean)
+        finally:
+            model.matvec_slices = kept
+    return run
 
 
 def decode_rates(runs: dict, new_tokens: int, rt: runtime.Runtime,
@@ -170,18 +180,24 @@ def decode_rate(model: GPT, prompt: torch.Tensor, new_tokens: int,
 
 
 @torch.no_grad()
-def matvec_seconds(models: dict[str, GPT], rt: runtime.Runtime, rounds: int = 5) -> dict:
+def matvec_seconds(models: dict[str, GPT], rt: runtime.Runtime, rounds: int = 5,
+                   compare_blas: bool = False) -> dict:
     """name -> median seconds of one token's matrix-vector products alone (every Linear, the
-    LM head included, on a fixed random input), the models taking turns round by round."""
+    LM head included, on a fixed random input, as GPT.decode_one multiplies them), the models
+    taking turns round by round; compare_blas adds 'blas': the first model through F.linear."""
     linears = {name: [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
                for name, model in models.items()}
+    slices = {name: model.matvec_slices for name, model in models.items()}
+    if compare_blas:
+        first = next(iter(models))
+        linears["blas"], slices["blas"] = linears[first], 1
     inputs = [torch.randn(1, 1, m.in_features, device=rt.device) for m in next(iter(
         linears.values()))]
-    run = lambda mods: [m(x) for m, x in zip(mods, inputs)]  # noqa: E731
-    seconds = {name: [] for name in models}
+    run = lambda mods, k: [decode_linear(m, x, k) for m, x in zip(mods, inputs)]  # noqa: E731
+    seconds = {name: [] for name in linears}
     for _ in range(rounds):
         for name, mods in linears.items():
-            seconds[name].append(timed(lambda: run(mods), rt)[0])
+            seconds[name].append(timed(lambda: run(mods, slices[name]), rt)[0])
     return {name: statistics.median(s[1:]) for name, s in seconds.items()}  # round 1: warm-up
 
 
@@ -302,7 +318,7 @@ def int8_decode(ours: GPT, prompt: torch.Tensor, new: int, rt: runtime.Runtime, 
     except ConfigError as e:  # the layer names were checked at start: torchao is missing
         print(f"  decode int8: skipped: {e}", flush=True)
         return {"int8_skipped": str(e), "int8_layers": layers}
-    set_weight_layout(ours, "auto")
+    set_weight_layout(ours, "auto", huge_pages=True)
     rate, tokens = decode_rate(ours, prompt, new, rt)
     return {"int8_tokens_per_s": rate, "int8_layers": layers,
             "int8_weight_bytes_per_token": bytes_per_token(ours),
@@ -321,18 +337,28 @@ def bench_decode(opts, rt: runtime.Runtime) -> dict:
     dst, weight = torch.empty_like(src), bytes_per_token(ours)
     bandwidth = max(2 * src.numel() * 4 / timed(lambda: dst.copy_(src), rt)[0] for _ in range(5))
     hf_run, hf = hf_generate(ours, prompt, rt)
-    layout = set_weight_layout(ours, "auto")  # as generate.py does; a row-major copy beside it
+    # as generate.py does; beside it the same with one change each: F.linear products, copies
+    # as trained (row-major) and in 4 KiB pages
+    huge, huge_note = huge_pages_for(True, rt.device)
+    layout = set_weight_layout(ours, "auto", huge_pages=True)
+    matvec = set_matvec(ours, "auto")
     row_major = copy.deepcopy(ours) if layout != "row" else None
     if row_major is not None:
-        set_weight_layout(row_major, "row")
+        set_weight_layout(row_major, "row")  # a deep copy: 4 KiB pages
+    small_pages = copy.deepcopy(ours) if huge else None
     runs = {"ours": our_generate(ours, prompt, rt), "hf": hf_run,
+            "blas": matvec == "sliced" and our_generate(ours, prompt, rt, sliced=False),
             "forward": our_generate(ours, prompt, rt, lean=False),
-            "row": row_major and our_generate(row_major, prompt, rt)}
+            "row": row_major and our_generate(row_major, prompt, rt),
+            "small_pages": small_pages and our_generate(small_pages, prompt, rt)}
     rates = decode_rates({name: run for name, run in runs.items() if run}, new, rt)
     if row_major is not None:
-        hf["matvec_seconds"] = matvec_seconds({"ours": ours, "row": row_major}, rt)
+        hf["matvec_seconds"] = matvec_seconds(
+            {"ours": ours, "row": row_major, **({"small_pages": small_pages} if huge else {})},
+            rt, compare_blas=matvec == "sliced")
+    hf.update(huge_pages=huge_note, matvec=matvec)
     our_rate, our_tokens, _ = rates["ours"]
-    for name in ("hf", "forward", "row"):  # tokens/s, and ours' speed-up over it per round
+    for name in ("hf", "blas", "forward", "row", "small_pages"):  # tok/s, ours' speed-up
         if name in rates:
             hf[f"{name}_tokens_per_s"] = rates[name][0]
             hf[f"over_{name}"] = round_ratio(rates, "ours", name)
@@ -352,13 +378,19 @@ def decode_markdown(d: dict) -> list[str]:
     row = lambda name, key, limit=limit, of="": [  # noqa: E731
         name, f"{d[key]:,.1f}", f"{100 * d[key] / limit:.0f}%{of}"] if key in d else \
         [name, f"skipped: {d.get(key.split('_')[0] + '_skipped', '')}", ""]
-    rows = [row(f"ours (KV cache, {d.get('weight_layout', 'row')} weight layout, decode_one)",
-                "ours_tokens_per_s"), row("transformers generate", "hf_tokens_per_s")]
+    extra = "".join(f", {name} {d[key]}" for key, name in (
+        ("huge_pages", "huge pages"), ("matvec", "matvec")) if key in d)
+    rows = [row(f"ours (KV cache, {d.get('weight_layout', 'row')} weight layout{extra}, "
+                "decode_one)", "ours_tokens_per_s"), row("transformers generate", "hf_tokens_per_s")]
+    if "small_pages_tokens_per_s" in d:
+        rows.insert(1, row("ours, the same weights in 4 KiB pages", "small_pages_tokens_per_s"))
     if "row_tokens_per_s" in d:
         rows.insert(1, row("ours, row-major weights (as trained)", "row_tokens_per_s"))
     if "forward_tokens_per_s" in d:
         rows.insert(1, row("ours, each token through forward() (not GPT.decode_one)",
                            "forward_tokens_per_s"))
+    if "blas_tokens_per_s" in d:
+        rows.insert(1, row("ours, one F.linear per weight (matvec blas)", "blas_tokens_per_s"))
     if "int8_tokens_per_s" in d:
         per_token = d["int8_weight_bytes_per_token"]
         own = d["copy_bandwidth"] / per_token
@@ -373,8 +405,10 @@ def decode_markdown(d: dict) -> list[str]:
     shape = "GPT-2 124M shape" if d["model"] == "gpt2" else \
         f"{d['params'] / 1e6:.1f}M-parameter '{d['model']}' shape"
     versus = "".join(f", {d[key]:.2f}x {name}" for key, name in (
-        ("over_hf", "transformers"), ("over_forward", "ours through forward()"),
-        ("over_row", "ours with row-major weights")) if key in d)
+        ("over_hf", "transformers"), ("over_blas", "ours with F.linear products"),
+        ("over_forward", "ours through forward()"),
+        ("over_row", "ours with row-major weights"),
+        ("over_small_pages", "ours in 4 KiB pages")) if key in d)
     versus = f"; ours, the median ratio of the rounds' times{versus}" if versus else ""
     lines = [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
              f"{d['new_tokens']} new tokens, medians of {d.get('rounds', 1)} runs each taking "
@@ -383,9 +417,12 @@ def decode_markdown(d: dict) -> list[str]:
              ""]
     if "matvec_seconds" in d:
         ms = {name: 1e3 * s for name, s in d["matvec_seconds"].items()}
-        lines += [f"One token's matrix-vector products alone (every Linear and the LM head, the "
-                  f"layouts taking turns 4 times): {d['weight_layout']} {ms['ours']:.1f} ms, "
-                  f"row-major {ms['row']:.1f} ms ({ms['row'] / ms['ours']:.2f}x).", ""]
+        ours = f"{d['weight_layout']}" + (f", {d['matvec']}" if "matvec" in d else "")
+        others = "".join(f", {name} {ms[key]:.1f} ms ({ms[key] / ms['ours']:.2f}x)" for key, name in (
+            ("blas", "the same through F.linear"), ("row", "row-major"),
+            ("small_pages", "in 4 KiB pages")) if key in ms)
+        lines += [f"One token's matrix-vector products alone (every Linear and the LM head, "
+                  f"taking turns 4 times): {ours} {ms['ours']:.1f} ms{others}.", ""]
     return lines
 
 

@@ -70,7 +70,7 @@ def prepare_on_device(model, cfg: Config, device: torch.device, sparse_mode: str
                       rows: int) -> None:
     """generate.py's preparation: the weight layout, then a pruned model's sparse kernels where
     they timed faster here (engine/sparse.py), said in the log."""
-    set_weight_layout(model, cfg.sample.weight_layout)
+    set_weight_layout(model, cfg.sample.weight_layout, cfg.sample.huge_pages)
     if note := sparse.prepare_for_inference(model, sparse_mode, device, rows):
         log(note)
 

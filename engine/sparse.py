@@ -257,7 +257,7 @@ def decode_race(sparsity: float, tokens: int, rounds: int = 3) -> list[str]:
     for mode in MODES:
         models[mode] = copy.deepcopy(base)
         setattr(models[mode], prune.MASKS, prune.masks_of(base))
-        set_weight_layout(models[mode], "auto")  # as generate.py does, before the probe
+        set_weight_layout(models[mode], "auto", huge_pages=True)  # generate.py's defaults
         lines.append(f"{mode}: {prepare_for_inference(models[mode], mode, 'cpu')}")
     idx, speeds, out = torch.zeros((1, 16), dtype=torch.long), {m: [] for m in MODES}, {}
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter

@@ -1,7 +1,9 @@
 """The decoding path against the reference: a KV cache read only up to what was written, a
-prefill whose LM head runs at the last position only, compiled decoding (one static shape), and
-column-major weights (the same logits and tokens; checkpoints unchanged)."""
+prefill whose LM head runs at the last position only, compiled decoding (one static shape),
+column-major weights and weights in 2 MiB pages (the same logits and tokens; checkpoints
+unchanged), and the sliced one-row products (F.linear's values)."""
 import copy
+import math
 
 import pytest
 import torch
@@ -9,8 +11,9 @@ from torch import nn
 
 from config import Config
 from conftest import on_each_device, tiny_model_config
+import model as model_module
 from engine import checkpoint, sampling
-from model import GPT
+from model import GPT, sliced_matvec
 
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
 
@@ -196,7 +199,110 @@ def test_generate_names_the_layout_and_gives_the_same_text(tmp_path, capsys):
         texts[layout], err = capsys.readouterr()
         shown = "by_shape" if layout == "auto" else layout
         assert f"weight_layout={shown} ({layout})" in err
-    assert texts["row"] == texts["column"] == texts["auto"]
+    for matvec in ("blas", "sliced"):
+        assert generate.main([f"--checkpoint={tmp_path}", "--prompt=ab", "--temperature=0",
+                              "--max_new_tokens=12", "--device=cpu", "--threads=2",
+                              f"--matvec={matvec}"]) == 0
+        texts[matvec], err = capsys.readouterr()
+        assert f"matvec={matvec} ({matvec})" in err
+    assert texts["row"] == texts["column"] == texts["auto"] == texts["blas"] == texts["sliced"]
     assert generate.main([f"--checkpoint={tmp_path}", "--weight_layout=colum"]) == 2
     assert "sample.weight_layout='colum' is not one of auto, row, column" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
+@pytest.mark.parametrize("out, slices, bias", [(12, 2, True), (13, 3, True), (37, 4, False)])
+def test_sliced_matvec_gives_f_linear(layout, out, slices, bias):
+    """Equal blocks of the outputs through one bmm, the rest (13 = 3 x 4 + 1) apart."""
+    weight = torch.randn(out, 24)
+    weight = weight if layout == "row" else weight.t().contiguous().t()
+    b = torch.randn(out) if bias else None
+    for x in (torch.randn(1, 1, 24), torch.randn(1, 24)):
+        got = sliced_matvec(x, weight, b, slices)
+        assert got.shape == x.shape[:-1] + (out,)
+        torch.testing.assert_close(got, nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["row", "column", "auto"])
+def test_sliced_decoding_gives_the_forward_logits_and_tokens(layout, monkeypatch):
+    """Batch 1, every Linear sliced (the size floor lowered), 3 slices: the vocabulary (37)
+    and the qkv (48) leave a remainder; the same logits as forward() and the same tokens."""
+    monkeypatch.setattr(model_module, "SLICED_MIN_BYTES", 0)
+    model = GPT(tiny_model_config(attention="sdpa", norm="native", gelu="native")).eval()
+    sampling.set_weight_layout(model, layout)
+    x = torch.randint(0, 37, (1, 16))
+    reference = sampling.generate_tokens(model, x[:, :3], 30, temperature=0, kv_cache=False)
+    model.matvec_slices = 3
+    with torch.no_grad():
+        cache = poisoned_cache(model, 1)
+        sampling.prefill(model, x[:, :5], cache)
+        for t in range(5, 16):
+            cache.filled = t + 1
+            lean = model.decode_one(x[:, t:t + 1], cache, t)
+            forward = model(x[:, t:t + 1], kv_cache=cache, input_pos=torch.tensor([t]))[0]
+            torch.testing.assert_close(lean, forward, atol=1e-5, rtol=1e-5)
+    assert torch.equal(sampling.generate_tokens(model, x[:, :3], 30, temperature=0), reference)
+
+
+def test_set_matvec_auto_blas_sliced_and_bad_names():
+    model = GPT(tiny_model_config())
+    torch.set_num_threads(2)
+    assert sampling.set_matvec(model, "auto") == "sliced" and model.matvec_slices == 2
+    assert sampling.set_matvec(model, "blas") == "blas" and model.matvec_slices == 1
+    torch.set_num_threads(1)  # one thread: nothing to run side by side
+    assert sampling.set_matvec(model, "auto") == "blas" and model.matvec_slices == 1
+    with pytest.raises(ValueError, match="matvec 'slice' is not one of auto, blas, sliced"):
+        sampling.set_matvec(model, "slice")
+
+
+def test_huge_pages_hold_the_same_weights_on_2_mib_boundaries(tmp_path):
+    """A 2 MiB LM head (8192 x 64) moves into 2 MiB pages in the layout asked for; the values,
+    the tokens and a saved checkpoint stay the same; a second call copies nothing."""
+    if not sampling.huge_pages_for(True, torch.device("cpu"))[0]:
+        pytest.skip(sampling.huge_pages_for(True, torch.device("cpu"))[1])
+    model = GPT(tiny_model_config(vocab_size=8192, n_embd=64)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    head = model.lm_head.weight
+    x = torch.randint(0, 8192, (1, 4))
+    tokens = sampling.generate_tokens(model, x, 8, temperature=0)
+    saved = checkpoint.save(tmp_path / "a", 1, model, Config(), {}) / "model.safetensors"
+    small = model.transformer.h[0].attn.c_proj.weight  # 16 KiB, stays row-major: left in place
+    small_pointer = small.data_ptr()
+    assert sampling.set_weight_layout(model, "auto", huge_pages=True) == "by_shape"
+    assert head.data_ptr() % sampling.HUGE_PAGE == 0 and head.t().is_contiguous()
+    assert model.transformer.wte.weight is head  # still tied: one tensor
+    assert small.data_ptr() == small_pointer
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(sampling.generate_tokens(model, x, 8, temperature=0), tokens)
+    again = checkpoint.save(tmp_path / "b", 1, model, Config(), {}) / "model.safetensors"
+    assert saved.read_bytes() == again.read_bytes()
+    pointer = head.data_ptr()
+    sampling.set_weight_layout(model, "auto", huge_pages=True)
+    assert head.data_ptr() == pointer
+    sampling.set_weight_layout(model, "row", huge_pages=True)  # a row-major copy, also aligned
+    assert head.is_contiguous() and head.data_ptr() % sampling.HUGE_PAGE == 0
+    assert torch.equal(copy.deepcopy(model).lm_head.weight, before["lm_head.weight"])
+
+
+def test_huge_page_empty_is_aligned_and_writable():
+    t = sampling.huge_page_empty((3, sampling.HUGE_PAGE // 4), torch.float32)
+    assert t.shape == (3, sampling.HUGE_PAGE // 4) and t.data_ptr() % sampling.HUGE_PAGE == 0
+    t.fill_(2.0)
+    assert float(t.sum()) == 2.0 * math.prod(t.shape)
+
+
+def test_huge_pages_say_why_they_are_off(tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    assert sampling.huge_pages_for(False, cpu) == (False, "off")
+    assert sampling.huge_pages_for(True, torch.device("cuda")) == (
+        False, "off (CPU only; cuda memory is the driver's)")
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(sampling, "THP_MODE", mode)
+    assert sampling.huge_pages_for(True, cpu) == (
+        False, "off (this system has no transparent huge pages)")
+    mode.write_text("always madvise [never]\n")
+    assert sampling.huge_pages_for(True, cpu)[1].startswith(
+        "off (transparent huge pages are disabled")
+    mode.write_text("always [madvise] never\n")
+    assert sampling.huge_pages_for(True, cpu) == (True, "on")
