@@ -313,9 +313,17 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
     return _chunked_eager(x, weight, targets)
 
 
-@torch.compiler.disable  # compiled models run the chunk loop eagerly: large matmuls, no gain
+_chunks_outside_compile = None  # torch.compiler.disable(ChunkedCrossEntropy.apply), on first use
+
+
 def _chunked_eager(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return ChunkedCrossEntropy.apply(x, weight, targets)
+    """ChunkedCrossEntropy.apply, kept out of compiled graphs (the chunk loop is large matmuls:
+    nothing to gain). The wrapper is made on first use, not at import: making it imports
+    torch._dynamo, ~1.2 s of every script's start-up here."""
+    global _chunks_outside_compile
+    if _chunks_outside_compile is None:
+        _chunks_outside_compile = torch.compiler.disable(ChunkedCrossEntropy.apply)
+    return _chunks_outside_compile(x, weight, targets)
 
 
 def _norm(ln: LayerNorm, x: torch.Tensor) -> torch.Tensor:

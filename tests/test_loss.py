@@ -72,6 +72,21 @@ def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_c
         assert not grads["transformer.wte.weight"][chunked.vocab_size:].any()  # = the LM head
 
 
+def test_compiled_model_runs_our_chunk_loop_eagerly_with_the_same_loss(small_chunks,
+                                                                      monkeypatch):
+    """The chunk loop is kept out of the graph (wrapped on first use, not at import)."""
+    monkeypatch.setattr(model_module, "chunked_loss_impl", lambda dtype: "ours")
+    full, chunked = twins()
+    x, y = batch(full.config)
+    _, loss_full, grads_full = loss_and_grads(full, x, y)
+    torch._dynamo.reset()
+    compiled = torch.compile(chunked, backend="eager")
+    _, loss, grads = loss_and_grads(compiled, x, y)
+    torch.testing.assert_close(loss, loss_full, rtol=0, atol=1e-5)
+    for name, g in grads_full.items():
+        torch.testing.assert_close(grads["_orig_mod." + name], g, rtol=0, atol=1e-5)
+
+
 def test_chunked_under_bf16_autocast_matches_full(small_chunks):
     """Both paths run the head's matmuls in bf16 and the softmax in float32, from the same
     bf16-rounded logits: the loss agrees to float32 rounding (it is not rounded to bf16, as
