@@ -319,7 +319,7 @@ _chunks_outside_compile = None  # torch.compiler.disable(ChunkedCrossEntropy.app
 def _chunked_eager(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """ChunkedCrossEntropy.apply, kept out of compiled graphs (the chunk loop is large matmuls:
     nothing to gain). The wrapper is made on first use, not at import: making it imports
-    torch._dynamo, ~1.2 s of every script's start-up here."""
+    torch._dynamo, ~1.2 s of start-up here that generate.py and serve.py need not pay."""
     global _chunks_outside_compile
     if _chunks_outside_compile is None:
         _chunks_outside_compile = torch.compiler.disable(ChunkedCrossEntropy.apply)
@@ -355,10 +355,9 @@ def sliced_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear(x, weight, bias) for x holding one row, with the outputs cut into `slices`
     equal blocks (the few left over done apart) that one bmm multiplies side by side, a thread
     each. On the 2-core AMD EPYC MKL's matrix-vector product reads a weight at about one core's
-    bandwidth, as fast at two threads as at one; the sliced product reads it ~1.3-1.5x faster.
-    weight is row-major (out, in) or column-major (its transpose contiguous). There, at two
-    threads: 1.1-1.7x faster from 1 MiB weights up, slower below (0.3x at 64 KiB: the bmm's
-    overhead outweighs the read)."""
+    bandwidth, as fast at two threads as at one; sliced, two threads read it 1.1-1.7x faster
+    from 1 MiB weights up, and slower below (0.3x at 64 KiB: the bmm's overhead outweighs the
+    read). weight is row-major (out, in) or column-major (its transpose contiguous)."""
     out, width = weight.shape
     cut = out // slices * slices
     if weight.is_contiguous():  # each slice a block of rows, used transposed
