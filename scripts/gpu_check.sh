@@ -154,8 +154,19 @@ find_pytest() {
     say "pytest is missing: installing it offline from $GPU_CHECK_WHEELS"
     "$PYTHON" -m pip install --quiet --no-index --find-links "$GPU_CHECK_WHEELS" \
         --target "$WORK/pylib" pytest || return 1
+    "$PYTHON" -m pip install --quiet --no-index --find-links "$GPU_CHECK_WHEELS" \
+        --target "$WORK/pylib" --no-deps pytest-timeout 2>/dev/null ||
+        say "no pytest-timeout wheel in $GPU_CHECK_WHEELS"
     export PYTHONPATH=$WORK/pylib${PYTHONPATH:+:$PYTHONPATH}
     "$PYTHON" -c 'import pytest' 2>/dev/null
+}
+
+# pyproject.toml requires pytest-timeout; without it the CUDA tests still run, under the part's
+# own limit, with the other strict settings
+pytest_settings() {
+    "$PYTHON" -c 'import pytest_timeout' 2>/dev/null && return
+    say "pytest-timeout is missing: the CUDA tests run without the per-test timeout" >&2
+    echo "-o required_plugins= -o addopts=--strict-markers"
 }
 
 part_tests() {
@@ -167,8 +178,10 @@ part_tests() {
     local targets=${GPU_CHECK_TESTS:-tests}
     [[ $GC_HAS_CUDA == 1 ]] ||
         say "no CUDA device: running the CUDA selection anyway; every test in it must skip"
+    local settings
+    settings=$(pytest_settings)
     # shellcheck disable=SC2086
-    limited "$PYTHON" -m pytest -m cuda -q -rfEs -p no:cacheprovider \
+    limited "$PYTHON" -m pytest -m cuda -q -rfEs -p no:cacheprovider $settings \
         --continue-on-collection-errors --junitxml="$RESULTS/gpu_check_${SLUG}_tests.xml" \
         $targets
     local rc=$?

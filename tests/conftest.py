@@ -4,7 +4,8 @@ devices a test runs on.
 Device-aware tests take a `device` argument through `@on_each_device`: "cpu" always, and "cuda"
 marked `cuda`. Tests that only exist on CUDA carry `@pytest.mark.cuda` themselves. Without a CUDA
 device every `cuda` test is skipped with the reason below, so the CPU suite costs nothing more;
-on a GPU, `python -m pytest -m cuda` runs exactly them (scripts/gpu_check.sh does).
+on a GPU, `python -m pytest -m cuda` runs exactly them (scripts/gpu_check.sh does). The marker,
+the per-test timeout and the strict settings are in pyproject.toml.
 """
 from __future__ import annotations
 
@@ -25,11 +26,6 @@ NO_CUDA = "needs a CUDA device and torch.cuda.is_available() is False here " \
           "(bash scripts/gpu_check.sh runs these on a GPU)"
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 on_each_device = pytest.mark.parametrize("device", DEVICES)
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: runs on a CUDA device (select with -m cuda); "
-                                       "skipped where there is none")
 
 
 def pytest_collection_modifyitems(config, items):
