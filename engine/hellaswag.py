@@ -120,12 +120,17 @@ def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[dict],
              device: torch.device | str = "cpu", autocast=None, batch_examples: int = 4,
-             rank: int = 0, world_size: int = 1) -> dict:
-    """acc, acc_norm and the counts behind them over examples[rank::world_size]."""
+             rank: int = 0, world_size: int = 1, progress: bool | None = False) -> dict:
+    """acc, acc_norm and the counts behind them over examples[rank::world_size]. progress: a
+    bar with the pace and the time left on stderr (None: only where stderr is a terminal)."""
+    from tqdm import tqdm
+
     was_training = model.training
     model.eval()
     mine = examples[rank::world_size]
     correct = correct_norm = 0
+    bar = tqdm(total=len(mine), desc="hellaswag", unit="ex", mininterval=1.0,
+               disable=None if progress is None else not progress, leave=progress is not None)
     for start in range(0, len(mine), batch_examples):
         chunk = mine[start:start + batch_examples]
         rows = [r for ex in chunk for r in example_rows(ex, tokenizer, model.config.block_size)]
@@ -134,6 +139,9 @@ def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[di
         labels = torch.tensor([ex["label"] for ex in chunk], device=total.device)
         correct += int((total.argmin(dim=1) == labels).sum())
         correct_norm += int((mean.argmin(dim=1) == labels).sum())
+        bar.update(len(chunk))
+        bar.set_postfix(acc_norm=f"{correct_norm / (start + len(chunk)):.4f}", refresh=False)
+    bar.close()
     model.train(was_training)
     n = len(mine)
     return {"acc": correct / n if n else math.nan, "acc_norm": correct_norm / n if n else math.nan,
@@ -162,7 +170,8 @@ class TrainingEval:
 
     def run(self, model: torch.nn.Module, step: int) -> dict:
         t0 = time.perf_counter()
-        r = evaluate(model, self.tokenizer, self.examples, self.rt.device, self.rt.autocast())
+        r = evaluate(model, self.tokenizer, self.examples, self.rt.device, self.rt.autocast(),
+                     progress=None)
         print(f"hellaswag {step:5d} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
               f"{r['n']:,} examples | {time.perf_counter() - t0:.1f}s")
         return {"acc": r["acc"], "acc_norm": r["acc_norm"], "n": r["n"]}
@@ -196,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    r = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(), o.batch_examples)
+    r = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(), o.batch_examples,
+                 progress=True)
     note = "" if r["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
     print(f"hellaswag | {o.model} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
           f"{r['n']:,} examples{note} | {time.perf_counter() - t0:.1f}s on {rt.device}\n"

@@ -149,9 +149,12 @@ def test_command_line_on_our_checkpoints(val_file, tmp_path, capsys):
     save_tiny(tmp_path / "gpt2run", {"kind": "gpt2"}, TOK.vocab_size)
     code = hellaswag.main(["--model", str(tmp_path / "gpt2run"), "--data", str(val_file),
                            "--device", "cpu", "--attention", "sdpa"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 0 and "| 3 examples (a subset; the full set has 10,042)" in out
     assert "acc_norm 0." in out and "reference: GPT-2 124M acc_norm 0.2955" in out
+    bar = err.replace("\r", "\n").splitlines()[-1]  # the progress bar's last state, with its ETA
+    assert bar.startswith("hellaswag: 100%") and "3/3 [" in bar and "<00:00" in bar, err
+    assert "acc_norm=0." in bar
     save_tiny(tmp_path / "charrun", {"kind": "char", "chars": list("abc")}, 3)
     code = hellaswag.main(["--model", str(tmp_path / "charrun"), "--data", str(val_file),
                            "--device", "cpu"])
