@@ -10,6 +10,7 @@ Endpoints: POST /v1/completions (stream: server-sent events), GET /v1/models, GE
 How it works, and what it measured: docs/serve.md.
 """
 import gc
+import importlib.util
 import sys
 from dataclasses import dataclass
 
@@ -67,6 +68,15 @@ def check_options(o: ServeOptions) -> None:
         raise ConfigError("invalid options: " + "; ".join(problems))
 
 
+def check_server_packages() -> None:
+    """Before any model is loaded: the HTTP side's libraries (pyproject.toml's serve group)."""
+    missing = [name for name in ("fastapi", "pydantic", "uvicorn", "httpx")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"serve.py needs {', '.join(missing)}: pip install {' '.join(missing)}"
+                          " (or pip install -e \".[serve]\")")
+
+
 def serve(cfg, o: ServeOptions) -> int:
     """Load the model once, then the supervisor's loop until SIGTERM/SIGINT. -> exit code."""
     spec = WorkerSpec(cfg=cfg, host=o.host, port=o.port, workers=o.workers, slots=o.slots,
@@ -96,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="serve.py",
                                    script=ServeOptions, lead=("sample", "system"))
         check_options(options)
+        check_server_packages()
         return serve(cfg, options)
     except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)

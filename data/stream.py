@@ -54,7 +54,11 @@ class Batch:
 
 def open_stream(source: Source) -> datasets.IterableDataset:
     """The documents as a datasets.IterableDataset (streamed: memory stays flat)."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("preparing sharded datasets needs Hugging Face datasets: pip install "
+                        "datasets (pyproject.toml's data group)") from None
 
     path = Path(source.dataset)
     saved = path.is_dir() and any((path / m).is_file() for m in SAVED_DATASET_MARKERS)

@@ -75,7 +75,11 @@ def fetch(source: str) -> Path:
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise GPT2WeightsError(f"{source!r} is neither a directory nor a GPT-2 model id{hint} "
                                f"(known: {', '.join(GPT2_MODEL_IDS)}, or hf:ORG/NAME)")
-    from huggingface_hub import snapshot_download
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise GPT2WeightsError(f"fetching {repo} needs huggingface_hub: pip install "
+                               "huggingface_hub (pyproject.toml's hf group)") from None
     print(f"fetching {repo} from the Hugging Face hub (once; cached after) ...", file=sys.stderr,
           flush=True)  # a download of up to 6 GB must not look like a hang
     try:
@@ -302,7 +306,11 @@ def export_hf(ckpt_path: str | Path, out: str | Path) -> tuple[GPT, Path, list[s
 def verify(model: GPT, hf_dir: Path, tolerance: float = 1e-4, device: str = "cpu") -> float:
     """Max |logit difference| vs transformers' GPT2LMHeadModel on seeded ids (row 0 a sentence
     for GPT-2's vocabulary); VerificationError above tolerance * max(1, max |logit|)."""
-    from transformers import GPT2LMHeadModel
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        raise GPT2WeightsError("checking against Hugging Face's GPT-2 needs transformers: pip "
+                               "install transformers (pyproject.toml's hf group)") from None
 
     reference = GPT2LMHeadModel.from_pretrained(str(hf_dir), attn_implementation="eager"
                                                 ).float().to(device).eval()

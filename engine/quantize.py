@@ -31,7 +31,8 @@ def quantize_linears(model: GPT, layers: str) -> list[str]:
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError:
-        raise ConfigError("sample.quantize=int8 needs torchao: pip install torchao") from None
+        raise ConfigError("sample.quantize=int8 needs torchao: pip install torchao "
+                          "(pyproject.toml's quant group)") from None
     chosen = [name for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear) and name.startswith("transformer.h.")
               and name.split(".", 3)[3] in targets]

@@ -1,14 +1,18 @@
 """The package: pyproject.toml lists every module and package of the tree, every library the
 code imports is in its dependencies or in the optional group of the feature that needs it, and
-requirements.txt (what CI and the README install) is exactly all of it, with the same floors."""
+requirements.txt (what CI and the README install) is exactly all of it, with the same floors.
+A feature whose group is not installed says so in one line."""
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import re
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -92,3 +96,25 @@ def test_every_imported_library_is_declared():
     tests = distributions_of(list((ROOT / "tests").glob("*.py")))
     test_group = set(groups()["test"]) | declared
     assert {d: m for d, m in tests.items() if d not in test_group} == {}
+
+
+
+def test_a_missing_optional_group_is_one_line_naming_it(monkeypatch, capsys):
+    import serve
+    from data import stream
+    from data.dataset import DataError
+    from engine import hf
+    for name in ("huggingface_hub", "transformers", "datasets", "fastapi"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    with pytest.raises(hf.GPT2WeightsError, match=r"needs huggingface_hub: pip install "
+                       r"huggingface_hub \(pyproject.toml's hf group\)"):
+        hf.fetch("gpt2")
+    with pytest.raises(hf.GPT2WeightsError, match="needs transformers: .* hf group"):
+        hf.verify(None, Path("."))
+    with pytest.raises(DataError, match="needs Hugging Face datasets: .* data group"):
+        stream.open_stream(stream.Source(dataset="somewhere"))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fastapi" else object())
+    assert serve.main(["--checkpoint", "nowhere"]) == 2
+    assert capsys.readouterr().err == ('error: serve.py needs fastapi: pip install fastapi '
+                                       '(or pip install -e ".[serve]")\n')
