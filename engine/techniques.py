@@ -255,10 +255,29 @@ def compile_kernels(device: torch.device) -> str:
         return "Triton kernels" if device.type == "cuda" else f"inductor on {device.type}"
     try:
         from torch._inductor import cpu_vec_isa
-        isa = str(cpu_vec_isa.pick_vec_isa()).upper() or "none (scalar)"
+        isa = cpu_vec_isa.pick_vec_isa()  # falsy where none is usable
+        isa = str(isa).upper() if isa else "none (scalar)"
     except Exception:  # noqa: BLE001 - a private module: only the note is lost
         isa = "unknown"
     return f"inductor C++ kernels, vectorized for {isa}"
+
+
+def inductor_cache_per_isa() -> str:
+    """On CPU, TorchInductor's caches go in one folder per vector ISA (its default folder +
+    /isa_avx2, /isa_avx512_avx512_vnni_amx_tile, /isa_scalar) unless TORCHINDUCTOR_CACHE_DIR names another -> the
+    folder. torch 2.13's FX graph cache does not key on the ISA that ATEN_CPU_CAPABILITY
+    selects: here a graph cached under avx512 crashed the run (SIGSEGV) when reused under
+    avx2, and failed to build under default."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != default_cache_dir():  # the user's (or ours, set)
+        return chosen
+    isa = cpu_vec_isa.pick_vec_isa()  # falsy where none: scalar C++
+    isa = "_".join(str(isa).split()) if isa else "scalar"  # 'avx512 avx512_vnni amx_tile'
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"isa_{isa}")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def wrap(model: GPT, cfg: Config, rt: runtime.Runtime, dist: Dist) -> torch.nn.Module:
@@ -323,6 +342,8 @@ def compile_model(model: torch.nn.Module, system: SystemConfig,
         raise runtime.SetupError("--compile=true on CUDA needs Triton, which is not installed; "
                                  "pip install triton (it ships with the CUDA torch wheels) or "
                                  "use --compile=false")
+    if device == "cpu":
+        inductor_cache_per_isa()
     note = system.compile_mode
     if system.compile_mode == "reduce-overhead" and device != "cuda":
         note += " (its CUDA graphs need CUDA: plain inductor here)"

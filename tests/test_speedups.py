@@ -414,6 +414,18 @@ def test_compile_without_a_compiler_is_refused(monkeypatch):
         (model, "off")
 
 
+@pytest.mark.parametrize("capability, folder", [("avx2", "isa_avx2"), ("default", "isa_scalar")])
+def test_compiled_code_is_cached_per_vector_isa(monkeypatch, tmp_path, capability, folder):
+    """torch's FX graph cache ignores the ISA ATEN_CPU_CAPABILITY picks: one folder per ISA."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)  # what inductor picks from
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    techniques.compile_model(GPT(tiny_model_config()), SystemConfig(compile=True), cpu_runtime())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(default_cache_dir(), folder)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice stays
+    assert techniques.inductor_cache_per_isa() == str(tmp_path)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reset is Linux's")
 def test_cpu_peak_memory_tracks_and_resets():
     device = torch.device("cpu")
