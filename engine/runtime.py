@@ -96,12 +96,35 @@ def cpu_info() -> dict[str, str]:
 
 
 def cpu_bf16_units() -> list[str]:
-    """The CPU's native bf16 matmul units: AMX and/or AVX-512-BF16 ([]: bf16 is emulated)."""
+    """The CPU's native bf16 matmul units that oneDNN may use: AMX and/or AVX-512-BF16 ([]: bf16
+    is emulated; also where ONEDNN_MAX_CPU_ISA caps oneDNN below them)."""
     flags = set(cpu_info().get("flags", "").split())
-    units = [name for name, has in (
-        ("AMX", "amx_bf16" in flags or torch.cpu._is_amx_tile_supported()),
-        ("AVX512-BF16", "avx512_bf16" in flags or torch.cpu._is_avx512_bf16_supported())) if has]
+    units = [name for name, has, isa in (
+        ("AMX", "amx_bf16" in flags or torch.cpu._is_amx_tile_supported(), "AVX512_CORE_AMX"),
+        ("AVX512-BF16", "avx512_bf16" in flags or torch.cpu._is_avx512_bf16_supported(),
+         "AVX512_CORE_BF16")) if has and onednn_allows(isa)]
     return units
+
+
+# oneDNN's ISAs in order (ONEDNN_MAX_CPU_ISA caps which it may use)
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+               "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+               "AVX512_CORE_AMX_FP16")
+
+
+def onednn_allows(isa: str) -> bool:
+    """Whether ONEDNN_MAX_CPU_ISA (unset: no cap) lets oneDNN use `isa`."""
+    cap = kernel_overrides().get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return cap not in ONEDNN_ISAS or ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
+
+
+# environment variables that narrow the CPU kernels torch, oneDNN and MKL choose
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def kernel_overrides() -> dict[str, str]:
+    """Those of KERNEL_ENV that are set ({} on a machine left to choose for itself)."""
+    return {name: os.environ[name] for name in KERNEL_ENV if os.environ.get(name)}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -124,6 +147,8 @@ def machine_line(device: torch.device) -> str:
         "bf16 emulated (no AMX / AVX512-BF16)"
     line = (f"CPU {cpu_model()}, ISA {torch.backends.cpu.get_cpu_capability()}, {bf16}, "
             f"{threads} thread{'s' if threads > 1 else ''} of {os.cpu_count()} CPUs")
+    if overrides := kernel_overrides():
+        line += " (kernels narrowed: " + " ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         native = props.major >= 8

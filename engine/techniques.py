@@ -243,9 +243,27 @@ def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[s
         y.float().sum().backward()
 
     with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
-        kernels = attention_kernels(run)
+        try:
+            kernels = attention_kernels(run)
+        except RuntimeError as e:  # torch's kernel cannot run this shape or precision here
+            raise runtime.SetupError(sdpa_failure(e, rt)) from None
     model.zero_grad(set_to_none=True)
     return kernels
+
+
+def sdpa_failure(e: RuntimeError, rt: runtime.Runtime) -> str:
+    """What to say when torch's attention kernel fails at the training shape. One case seen:
+    on a CPU with AMX, torch 2.13's CPU Flash kernel takes its AMX path from the CPU's flags,
+    but that code is built only into its AVX-512 kernels, so under ATEN_CPU_CAPABILITY=avx2
+    or default a bf16 step raises 'pack_vnni2 is only supported when avx512 is supported'."""
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    hint, capability = "", runtime.kernel_overrides().get("ATEN_CPU_CAPABILITY")
+    if rt.device.type == "cpu" and capability:
+        hint = (f"; ATEN_CPU_CAPABILITY={capability} narrows torch's kernels below what its "
+                "attention code expects of this CPU: unset it")
+    return (f"--attention=sdpa: torch's attention kernel failed at the training shape in "
+            f"{str(rt.dtype).removeprefix('torch.')} ({first}){hint}, or use "
+            "--attention=scratch")
 
 
 def compile_kernels(device: torch.device) -> str:

@@ -56,7 +56,7 @@ EXACT = {"train.lr"}
 # quantities a run holds in bfloat16 (the norm of bf16 gradients): one unit in the last place is
 # within tolerance, since any difference upstream, however small, can round them either way
 BF16_VALUES = {"every_cpu_flag": {"train.norm"}}
-KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+KERNEL_ENV = runtime.KERNEL_ENV
 # the CPU features the kernels choose by (a virtual machine's model name can hide the generation)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
              "amx_bf16", "amx_int8")

@@ -22,6 +22,7 @@ def cpu_flags(monkeypatch):
         monkeypatch.setattr(runtime, "cpu_info", lambda: info)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+        monkeypatch.setattr(runtime, "kernel_overrides", lambda: {})  # none of the run's
     return use
 
 
@@ -42,6 +43,16 @@ def test_auto_is_bfloat16_on_a_cpu_with_amx(cpu_flags):
     assert rt.dtype == torch.bfloat16 and system.dtype == "bfloat16"
     assert any("dtype=auto: bfloat16 (native on this CPU: AMX, AVX512-BF16)" in n
                for n in rt.notes)
+
+
+@pytest.mark.parametrize("cap, units", [("AVX2", []), ("AVX512_CORE_BF16", ["AVX512-BF16"]),
+                                        ("AVX512_CORE_AMX", ["AMX", "AVX512-BF16"])])
+def test_a_onednn_cap_below_the_bf16_units_makes_them_emulated(cpu_flags, monkeypatch, cap, units):
+    cpu_flags(WITH_AMX)
+    monkeypatch.setattr(runtime, "kernel_overrides", lambda: {"ONEDNN_MAX_CPU_ISA": cap})
+    assert runtime.cpu_bf16_units() == units
+    want = "bfloat16" if units else "float32"
+    assert runtime.resolve_dtype("auto", torch.device("cpu"))[0] == want
 
 
 def test_explicit_bfloat16_on_an_emulating_cpu_still_warns(cpu_flags):
@@ -75,6 +86,13 @@ def test_banner_and_benchmark_header_name_cpu_isa_bf16_and_threads(cpu_flags):
     assert benchmark.hardware_name(torch.device("cpu")) == machine.removeprefix("machine: ")
     cpu_flags(WITH_AMX)
     assert "bf16 native (AMX, AVX512-BF16)" in runtime.machine_line(torch.device("cpu"))
+
+
+def test_the_machine_line_names_kernel_overrides(monkeypatch):
+    monkeypatch.setattr(runtime, "kernel_overrides", lambda: {"ONEDNN_MAX_CPU_ISA": "AVX2",
+                                                              "MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert runtime.machine_line(torch.device("cpu")).endswith(
+        " (kernels narrowed: ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2)")
 
 
 def test_matmul_probe_is_quick_cached_and_leaves_the_rng_alone():
