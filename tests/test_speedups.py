@@ -361,9 +361,9 @@ def test_an_attention_kernel_that_cannot_run_is_one_line_with_the_fix(monkeypatc
 
 
 def narrowed_below_amx() -> bool:
-    """A CPU with AMX whose torch kernels ATEN_CPU_CAPABILITY narrowed below AVX-512."""
-    return torch.cpu._is_amx_tile_supported() and \
-        torch.backends.cpu.get_cpu_capability() not in ("AVX512",)
+    """A CPU whose AMX oneDNN may use, but whose torch kernels ATEN_CPU_CAPABILITY narrowed
+    below AVX-512."""
+    return "AMX" in runtime.cpu_bf16_units() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
