@@ -282,10 +282,10 @@ def compile_kernels(device: torch.device) -> str:
 
 def inductor_cache_per_isa() -> str:
     """On CPU, TorchInductor's caches go in one folder per vector ISA (its default folder +
-    /isa_avx2, /isa_avx512_avx512_vnni_amx_tile, /isa_scalar) unless TORCHINDUCTOR_CACHE_DIR names another -> the
-    folder. torch 2.13's FX graph cache does not key on the ISA that ATEN_CPU_CAPABILITY
-    selects: here a graph cached under avx512 crashed the run (SIGSEGV) when reused under
-    avx2, and failed to build under default."""
+    /isa_avx2, /isa_avx512_avx512_vnni_amx_tile, /isa_scalar) unless TORCHINDUCTOR_CACHE_DIR
+    names another -> the folder. torch 2.13's FX graph cache does not key on the ISA that
+    ATEN_CPU_CAPABILITY selects: here a graph cached under avx512 crashed the run (SIGSEGV)
+    when reused under avx2, and failed to build under default."""
     from torch._inductor import cpu_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
