@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from config import Config, ConfigError, load_config, opt
-from engine import checkpoint, runtime, sources, sparse, techniques
+from engine import checkpoint, runtime, sources, sparse, techniques, weights
 from engine.sampling import (generate_tokens, huge_pages_for, lean_decoding, set_matvec,
                              set_weight_layout, warm_up)
 from engine.tokenizer import TokenizerError, from_meta
@@ -72,6 +72,7 @@ def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
     """Stream sample.num_samples texts from init_from (or the config's checkpoint) to stdout."""
     rt, s = runtime.setup(cfg.system), cfg.sample
     model, meta, label = sources.load_for_inference(cfg, init_from, rt.device, "sample from")
+    held = weights.convert(model, s.weights, rt.device)  # bf16/int8/int4: packed Linears
     # before compile: it traces the strides
     layout = set_weight_layout(model, s.weight_layout, s.huge_pages)
     matvec = set_matvec(model, s.matvec)
@@ -90,7 +91,7 @@ def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
     if not (lean_decoding(model, rt.device) and rt.dtype == torch.float32):
         matvec = "blas, each token through forward()"  # compiled, or under autocast
     step = f" (step {meta['step']})" if "step" in meta else ""
-    print(f"sampling from {label}{step} on {rt.device} | weight_layout={layout} "
+    print(f"sampling from {label}{step} on {rt.device} | weights={held} weight_layout={layout} "
           f"({s.weight_layout}) huge_pages={huge_pages_for(s.huge_pages, rt.device)[1]} "
           f"matvec={matvec} ({s.matvec}) "
           f"kv_cache={'on' if s.kv_cache else 'off'}", file=sys.stderr)

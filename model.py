@@ -479,8 +479,9 @@ class GPT(nn.Module):
         return decode_linear(self.lm_head, _norm(t.ln_f, x), parts)[..., :self.vocab_size]
 
     def new_kv_cache(self, batch: int) -> KVCache:
-        """An empty cache of block_size positions, on the weights' device and in their dtype."""
-        p = self.transformer.wte.weight
+        """An empty cache of block_size positions, on the weights' device and in the dtype of the
+        residual stream's inputs (the position embedding's: float32 unless the model is bf16)."""
+        p = self.transformer.wpe.weight
         return KVCache(self.config, batch, p.device, p.dtype)
 
     def crop_block_size(self, block_size: int) -> None:

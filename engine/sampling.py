@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine import weights
 from model import GPT, KVCache
 
 
@@ -151,6 +152,8 @@ def decode_step(model: GPT, token: torch.Tensor, cache: KVCache, pos: int,
     GPT.decode_one where lean_decoding allows it, unless lean=False (forward(): the reference)."""
     cache.filled = pos + 1  # eager attention reads the prefix written so far
     if lean and lean_decoding(model, token.device):
+        if weights.fused(model):  # packed weights: each block one compiled call
+            return weights.decode_rows(model, token, cache.kv, input_pos.expand(token.size(0)))
         return model.decode_one(token, cache, pos)
     return model(token, kv_cache=cache, input_pos=input_pos)[0]
 
@@ -159,7 +162,7 @@ def lean_decoding(model: GPT, device: torch.device) -> bool:
     """Whether decode_step runs GPT.decode_one (the same math in half the small ops): an eager
     (not compiled) float32 model in eval mode, outside autocast."""
     return (isinstance(model, GPT) and not model.training and not torch.compiler.is_compiling()
-            and model.transformer.wte.weight.dtype == torch.float32
+            and model.transformer.wpe.weight.dtype == torch.float32
             and not torch.is_autocast_enabled(device.type))
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from engine import memory
+from engine import memory, weights
 from engine.sampling import prefill, sample_next
 from model import GPT, KVCache
 
@@ -43,7 +43,7 @@ class SlotCache:
     per-row mask, so one graph serves every step."""
 
     def __init__(self, model: GPT, slots: int, static: bool):
-        cfg, p = model.config, model.transformer.wte.weight
+        cfg, p = model.config, model.transformer.wpe.weight  # the dtype new_kv_cache uses
         shape = (2, slots, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         self.kv = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(cfg.n_layer)]
         self.positions = torch.arange(cfg.block_size, device=p.device)
@@ -266,9 +266,13 @@ class BatchEngine:
         for s in seqs:
             tokens[s.slot, 0], positions[s.slot, 0] = s.tokens[-1], s.pos
         self.cache.rows, self.cache.filled = rows, max(s.pos for s in seqs) + 1
-        with self.autocast():
-            logits = self.model(tokens.to(self.device), kv_cache=self.cache,
-                                input_pos=positions.to(self.device))[0][:, -1, :]  # (rows, V)
+        if self.model is self.raw_model and weights.fused(self.raw_model):  # one call a block
+            logits = weights.decode_rows(self.raw_model, tokens, self.cache.kv,
+                                         positions.view(rows))[:, -1, :]  # (rows, V)
+        else:
+            with self.autocast():
+                logits = self.model(tokens.to(self.device), kv_cache=self.cache,
+                                    input_pos=positions.to(self.device))[0][:, -1, :]
         for s in seqs:
             s.pos += 1
         greedy = [s for s in seqs if s.params.temperature == 0]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from config import Config, ConfigError
-from engine import runtime, sources, sparse, techniques
+from engine import runtime, sources, sparse, techniques, weights
 from engine.sampling import set_weight_layout
 from engine.tokenizer import from_meta
 
@@ -68,8 +68,11 @@ def load_for_serving(cfg: Config, init_from: str, model_name: str = "",
 
 def prepare_on_device(model, cfg: Config, device: torch.device, sparse_mode: str,
                       rows: int) -> None:
-    """generate.py's preparation: the weight layout, then a pruned model's sparse kernels where
-    they timed faster here (engine/sparse.py), said in the log."""
+    """generate.py's preparation: the weights' format (sample.weights), the weight layout, then
+    a pruned model's sparse kernels where they timed faster here (engine/sparse.py), said in
+    the log."""
+    if cfg.sample.weights != "float32":
+        log(f"weights={weights.convert(model, cfg.sample.weights, device)}")
     set_weight_layout(model, cfg.sample.weight_layout, cfg.sample.huge_pages)
     if note := sparse.prepare_for_inference(model, sparse_mode, device, rows):
         log(note)

@@ -1,0 +1,198 @@
+"""Weight formats for inference (sample.weights): every Linear of the blocks and the LM head held
+as float32, bfloat16, int8 or int4 and multiplied by float32 activations through the compiled
+kernels of engine/cpu_kernels.py; `auto` times the formats on this machine and keeps the fastest
+of those within 0.5% of float32's perplexity (float32, bfloat16, int8: int4 is asked for by name).
+
+    note = convert(model, "int8", torch.device("cpu"))   # in place; -> the banner's note
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from config import ConfigError
+from engine import cpu_kernels
+
+FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+AUTO_CANDIDATES = ("float32", "bfloat16", "int8")  # within 0.5% perplexity of float32 (int4: 3%)
+KERNEL_ROWS = 128  # up to this many rows a call runs the kernels (faster than unpacking the
+# weight for a dense product up to ~256 rows here); more (a long prompt): the dense product
+LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class PackedLinear(nn.Module):
+    """An inference-only nn.Linear whose weight is packed in one of cpu_kernels.FORMATS. Up to
+    KERNEL_ROWS rows (decoding, batched decoding) run the compiled kernels; more rows (a
+    prompt) multiply the unpacked float32 weight, made for that call."""
+
+    def __init__(self, linear: nn.Linear, fmt: str, isa: str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if isa is None:  # the fastest path for the format here; the layout it reads
+            isa, layout = cpu_kernels.best_path(fmt) if cpu_kernels.status()[0] else \
+                ("torch", "blocked")
+        else:
+            layout = "vnni" if isa == "avx512_vnni" else "blocked"
+        packed = cpu_kernels.pack(linear.weight, fmt, layout=layout)
+        self.format, self.group, self.isa, self.layout = fmt, packed.group, isa, layout
+        self.register_buffer("data", packed.data)
+        self.register_buffer("scales", packed.scales)
+        bias = None if linear.bias is None else F.pad(linear.bias.detach().float(),
+                                                      (0, packed.padded - self.out_features))
+        self.register_buffer("bias", bias)
+
+    @property
+    def packed(self) -> cpu_kernels.Packed:
+        return cpu_kernels.Packed(self.format, self.data, self.scales, self.out_features,
+                                  self.in_features, self.group, self.layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // self.in_features <= KERNEL_ROWS:
+            return cpu_kernels.matmul(x, self.packed, self.bias, self.isa)
+        bias = None if self.bias is None else self.bias[:self.out_features]
+        return cpu_kernels.reference(x, self.packed, bias)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.data, self.scales, self.bias) if t is not None)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.format} ({self.isa})"
+
+
+def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, Linear) for each block Linear and the LM head."""
+    found = [(model, "lm_head", model.lm_head)]
+    for block in model.transformer.h:
+        for name in LINEARS:
+            parent_name, attr = name.split(".")
+            parent = getattr(block, parent_name)
+            found.append((parent, attr, getattr(parent, attr)))
+    return found
+
+
+def convert(model: nn.Module, fmt: str, device: torch.device) -> str:
+    """sample.weights: repack the model's Linears in place -> the banner's note. float32 leaves
+    the model as it is (MKL's products, the decode weight layout); auto times the candidates."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"sample.weights={fmt!r} is not one of {', '.join(FORMATS)}")
+    if isinstance(model.lm_head, PackedLinear):
+        return model.lm_head.format + " (packed already)"
+    dtype = model.transformer.wpe.weight.dtype
+    if device.type != "cpu" or dtype != torch.float32:
+        if fmt in ("auto", "float32"):
+            return "float32" if device.type == "cpu" else "as loaded (the kernels are CPU only)"
+        raise ConfigError(f"sample.weights={fmt} runs on a CPU with a float32 model, not on "
+                          f"{device.type} with {dtype} weights; use --weights=float32 (or "
+                          "auto) there")
+    built, why = cpu_kernels.status()
+    note = ""
+    if fmt == "auto":
+        fmt, note = choose(model, built, why)
+    elif not built and fmt != "float32":
+        note = f" ({why}: slower than float32 here)"
+    if fmt == "float32":
+        return "float32" + note
+    for parent, attr, linear in linears(model):
+        if not isinstance(linear, PackedLinear):  # auto packed them already
+            setattr(parent, attr, PackedLinear(linear, fmt))
+    # the embedding is read a row a token: bf16 halves its memory for nothing measurable
+    model.transformer.wte.weight.data = model.transformer.wte.weight.data.to(torch.bfloat16)
+    return f"{fmt}{note} ({weight_bytes(model) / 2**20:.0f} MiB)"
+
+
+def choose(model: nn.Module, built: bool, why: str) -> tuple[str, str]:
+    """auto: the fastest of AUTO_CANDIDATES decoding this model here, each timed over a few
+    cached steps after a short prompt (float32 as generate.py runs it: its weight layout and
+    sliced products); the chosen packing is kept."""
+    if not built:
+        return "float32", f" (auto: {why})"
+    from engine.sampling import set_matvec, set_weight_layout  # they import this module
+    set_weight_layout(model, "auto", huge_pages=True)
+    set_matvec(model, "auto")
+    found = linears(model)
+    times, packs = {"float32": step_seconds(model)}, {}
+    for fmt in AUTO_CANDIDATES[1:]:
+        packs[fmt] = [PackedLinear(linear, fmt) for _, _, linear in found]
+        swap(found, packs[fmt])
+        times[fmt] = step_seconds(model)
+        swap(found, [linear for _, _, linear in found])
+    best = min(times, key=times.get)
+    if best != "float32":
+        swap(found, packs[best])
+    timed = ", ".join(f"{f} {t * 1e3:.1f} ms" for f, t in times.items())
+    return best, f" (auto: the fastest decode step here of {timed})"
+
+
+def swap(found: list[tuple[nn.Module, str, nn.Linear]], modules: list[nn.Module]) -> None:
+    """Put modules in the places of linears() (`found`), in order."""
+    for (parent, attr, _), module in zip(found, modules):
+        setattr(parent, attr, module)
+
+
+@torch.no_grad()
+def step_seconds(model: nn.Module, steps: int = 6) -> float:
+    """The median seconds of one cached greedy decode step after a 4-token prompt."""
+    from engine.sampling import decode_step, prefill
+    cache, token = model.new_kv_cache(1), torch.zeros((1, 1), dtype=torch.long)
+    prefill(model, torch.zeros((1, 4), dtype=torch.long), cache)
+    times = []
+    for pos in range(4, 4 + steps):
+        start = time.perf_counter()
+        decode_step(model, token, cache, pos, torch.tensor([pos]))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the weights take: parameters (tied ones once) and packed Linears."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.nbytes() for m in model.modules() if isinstance(m, PackedLinear))
+
+
+GELU_KINDS = {"scratch": 0, "native": 0, "erf": 1}  # GPT-2's tanh GELU, or the exact one
+
+
+def fused(model: nn.Module) -> bool:
+    """Whether decode can run each block as one compiled call: every block Linear packed in
+    one format for one kernel path, with the kernels built."""
+    first = model.transformer.h[0].attn.c_attn
+    return (isinstance(first, PackedLinear) and first.isa != "torch"
+            and all(isinstance(linear, PackedLinear) and (linear.format, linear.isa)
+                    == (first.format, first.isa) for _, _, linear in linears(model)[1:]))
+
+
+def block_arguments(model: nn.Module) -> list[tuple]:
+    """decode_block's arguments per block, made once (on the model, as _decode_blocks)."""
+    if getattr(model, "_decode_blocks", None) is None:
+        none = torch.empty(0)
+        cfg, args = model.config, []
+        for block in model.transformer.h:
+            ln = [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias]
+            packed = [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
+            first = packed[0]
+            args.append(([none if t is None else t.detach() for t in ln], cfg.layer_norm_eps,
+                         [m.data for m in packed], [m.scales for m in packed],
+                         [none if m.bias is None else m.bias for m in packed],
+                         [m.data.size(0) * cpu_kernels.BLOCK for m in packed],
+                         cpu_kernels.FORMATS[first.format], first.group,
+                         cpu_kernels.ISAS.index(first.isa), cfg.n_head, GELU_KINDS[cfg.gelu]))
+        model._decode_blocks = args
+    return model._decode_blocks
+
+
+@torch.no_grad()
+def decode_rows(model: nn.Module, idx: torch.Tensor, kv: list[torch.Tensor],
+                positions: torch.Tensor) -> torch.Tensor:
+    """GPT.forward for one token per row, idx (B, 1), each at its own position (B,), with the
+    blocks' caches kv (2, rows, nh, T, hs) each: every block one compiled call -> logits
+    (B, 1, vocab)."""
+    t, (B, C) = model.transformer, (idx.size(0), model.config.n_embd)
+    x = (F.embedding(idx.view(B), t.wte.weight).float() + t.wpe.weight[positions]).contiguous()
+    for cache, args in zip(kv, block_arguments(model)):
+        x = torch.ops.gpt2s.decode_block(x, cache, positions, *args)  # (B, C)
+    x = F.layer_norm(x, (C,), t.ln_f.weight, t.ln_f.bias, t.ln_f.eps)
+    return model.lm_head(x)[:, None, :model.vocab_size]

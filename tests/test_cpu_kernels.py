@@ -1,0 +1,181 @@
+"""The CPU decode kernels (engine/cpu_kernels.py): packing each weight format, every kernel path
+this CPU runs (portable C++, AVX2, AVX-512) against plain torch on the unpacked weight, the
+fallback without a compiler, and PackedLinear (engine/weights.py) inside a model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels, weights
+
+PATHS = cpu_kernels.cpu_isas()
+FLOAT_PATHS = [isa for isa in PATHS if isa != "avx512_vnni"]  # the blocked layout's paths
+
+
+def test_packing_keeps_each_format_to_its_rounding():
+    torch.manual_seed(0)
+    w = torch.randn(40, 64) * 0.02  # 40 outputs: padded to 48
+    assert torch.equal(cpu_kernels.unpack(cpu_kernels.pack(w, "float32")), w)
+    assert torch.equal(cpu_kernels.unpack(cpu_kernels.pack(w, "bfloat16")),
+                       w.bfloat16().float())
+    int8 = cpu_kernels.pack(w, "int8")
+    step = w.abs().amax(dim=1, keepdim=True) / 127  # one int8 step per output
+    assert int8.data.dtype == torch.int8 and int8.data.shape == (3, 64, 16)
+    assert ((cpu_kernels.unpack(int8) - w).abs() <= step / 2 + 1e-9).all()
+    int4 = cpu_kernels.pack(w, "int4")
+    groups = w.view(40, 2, 32).abs().amax(dim=2) / 7  # one int4 step per output and group
+    assert int4.data.dtype == torch.uint8 and int4.data.shape == (3, 32, 16)
+    error = (cpu_kernels.unpack(int4) - w).view(40, 2, 32).abs()
+    assert (error <= groups[..., None] / 2 + 1e-9).all()
+    assert int4.nbytes() < int8.nbytes() < w.nbytes  # 4 bits (+ scales) < 8 bits < 32 bits
+
+
+def test_int4_refuses_a_group_that_does_not_divide_the_inputs():
+    with pytest.raises(ValueError, match="int4 needs an even group that divides the 48 inputs"):
+        cpu_kernels.pack(torch.randn(16, 48), "int4", group=32)
+
+
+@pytest.fixture(scope="module")
+def built():
+    ok, why = cpu_kernels.status()
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("isa", FLOAT_PATHS)
+@pytest.mark.parametrize("fmt", list(cpu_kernels.FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_every_path_gives_the_reference_product(built, isa, fmt, rows):
+    """Every register-block size (1-8 rows on AVX-512, 1-4 on AVX2, and what is left over),
+    outputs that are not a multiple of 16, with and without a bias."""
+    torch.manual_seed(rows)
+    w, bias = torch.randn(40, 96) * 0.05, torch.randn(40)
+    packed = cpu_kernels.pack(w, fmt)
+    x = torch.randn(rows, 96)
+    for b in (bias, None):
+        want = cpu_kernels.reference(x, packed, b)
+        got = cpu_kernels.matmul(x, packed, b, isa=isa)
+        assert got.shape == (rows, 40)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+VNNI = pytest.mark.skipif("avx512_vnni" not in PATHS, reason="needs a CPU with AVX-512 VNNI")
+
+
+@VNNI
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 8, 11])
+def test_the_vnni_path_gives_the_reference_of_rounded_activations(built, fmt, rows):
+    """Its int32 sums are exact: the product of the activations rounded to int8 per block of 32
+    (cpu_kernels.rounded_activations) and the unpacked weight, to float32 rounding; and within
+    the activations' rounding of the float32-activation product."""
+    torch.manual_seed(rows)
+    w, bias = torch.randn(40, 96) * 0.05, torch.randn(40)
+    packed = cpu_kernels.pack(w, fmt, layout="vnni")
+    assert torch.equal(cpu_kernels.unpack(packed), cpu_kernels.unpack(cpu_kernels.pack(w, fmt)))
+    x = torch.randn(rows, 96)
+    got = cpu_kernels.matmul(x, packed, bias, isa="avx512_vnni")
+    torch.testing.assert_close(got, cpu_kernels.reference(x, packed, bias), rtol=1e-5, atol=1e-5)
+    exact = F.linear(x, cpu_kernels.unpack(packed), bias)
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_leading_dimensions_are_kept(built):
+    packed = cpu_kernels.pack(torch.randn(32, 64), "int8")
+    x = torch.randn(2, 1, 64)  # (B, T, C), as the model calls a Linear
+    assert cpu_kernels.matmul(x, packed).shape == (2, 1, 32)
+
+
+def test_without_a_compiler_the_product_is_plain_torch(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "compiler", lambda: None)
+    cpu_kernels.status.cache_clear()
+    try:
+        assert cpu_kernels.status() == (False, "no C++ compiler (g++, c++, clang++ or $CXX): "
+                                               "plain torch instead")
+        packed = cpu_kernels.pack(torch.randn(16, 32), "int4")
+        x = torch.randn(1, 32)
+        assert torch.equal(cpu_kernels.matmul(x, packed), cpu_kernels.reference(x, packed))
+    finally:
+        cpu_kernels.status.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, weights.KERNEL_ROWS, weights.KERNEL_ROWS + 5])
+def test_packed_linear_is_the_linear_of_its_unpacked_weight(rows):
+    """Kernels up to KERNEL_ROWS rows, plain torch above (a prompt's prefill), on the path
+    best_path picks for the format here (vnni for int8 where the CPU has it)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 40)
+    packed = weights.PackedLinear(linear, "int8")
+    assert (packed.isa, packed.layout) == (cpu_kernels.best_path("int8") if
+                                           cpu_kernels.status()[0] else ("torch", "blocked"))
+    x = torch.randn(rows, 64)
+    want = cpu_kernels.reference(x, packed.packed, linear.bias)
+    torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-5)
+    assert packed.nbytes() < linear.weight.nbytes
+
+
+def packed_model(fmt: str, **overrides) -> torch.nn.Module:
+    from conftest import tiny_model_config
+    from model import GPT
+    model = GPT(tiny_model_config(n_embd=64, n_head=4, block_size=32, vocab_size=50,
+                                  **overrides)).eval()
+    for parent, attr, linear in weights.linears(model):  # float32 too: the packed kind
+        setattr(parent, attr, weights.PackedLinear(linear, fmt))
+    return model
+
+
+@pytest.mark.parametrize("fmt", list(cpu_kernels.FORMATS))
+@pytest.mark.parametrize("overrides", [{}, {"gelu": "erf", "bias": False}])
+def test_a_fused_block_step_gives_forward_logits(built, fmt, overrides):
+    """decode_rows (each block one compiled call) against forward() over the same packed
+    Linears: rows at different positions in one call, as the server's slots are."""
+    from engine.sampling import prefill
+    torch.manual_seed(1)
+    model = packed_model(fmt, **overrides)
+    assert weights.fused(model)
+    lengths = [5, 11, 2]
+    caches, ids = [], []
+    for length in lengths:  # each row's context, prefilled alone (batch 1)
+        tokens = torch.randint(0, 50, (1, length + 1))
+        cache = model.new_kv_cache(1)
+        prefill(model, tokens[:, :length], cache)
+        caches.append(cache)
+        ids.append(tokens)
+    kv = [torch.cat([c.kv[i] for c in caches], dim=1) for i in range(len(model.transformer.h))]
+    last = torch.cat([t[:, -1:] for t in ids])  # (3, 1): each row's next token
+    got = weights.decode_rows(model, last, kv, torch.tensor(lengths))
+    for row, (tokens, length) in enumerate(zip(ids, lengths)):
+        want, _ = model(tokens)  # the whole context through forward()
+        torch.testing.assert_close(got[row, 0], want[0, length], rtol=1e-4, atol=1e-5)
+        for i in range(len(kv)):  # the step's key and value went into the row's cache
+            assert torch.count_nonzero(kv[i][:, row, :, length]) > 0
+
+
+def test_generate_with_each_weight_format(tmp_path, capsys):
+    """generate.py --weights: every format samples and says what it holds; auto names what it
+    timed; torchao's int8 and ours together are refused."""
+    import generate
+    from config import Config
+    from conftest import tiny_model_config
+    from engine import checkpoint
+    from model import GPT
+    torch.manual_seed(0)
+    chars = [chr(ord("a") + i) for i in range(26)] + list(" .,;:!?'-\nX")  # 37 characters
+    cfg = Config()
+    cfg.model = tiny_model_config(n_embd=64, n_head=4)
+    checkpoint.save(tmp_path, 1, GPT(cfg.model), cfg,
+                    {"tokenizer": {"kind": "char", "chars": chars}})
+    args = [f"--checkpoint={tmp_path}", "--prompt=ab", "--temperature=0",
+            "--max_new_tokens=12", "--device=cpu"]
+    texts = {}
+    for fmt in ("float32", "bfloat16", "int8", "int4", "auto"):
+        assert generate.main([*args, f"--weights={fmt}"]) == 0
+        texts[fmt], err = capsys.readouterr()
+        assert len(texts[fmt]) > len("ab")
+        if fmt == "auto":
+            assert "(auto: the fastest decode step here of float32 " in err, err
+        else:
+            assert f"weights={fmt}" in err
+    assert generate.main([*args, "--weights=int8", "--quantize=int8"]) == 2
+    assert "both choose the weights' format; pass one of them" in capsys.readouterr().err
