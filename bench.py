@@ -1,7 +1,8 @@
 """The speedup ablation: what each flag buys here, alone or chained, as one table and one plot;
 --memory: what each memory strategy costs and saves (engine/bench_memory.py); --to-loss TARGET:
 the wall-clock time each recipe takes to reach a val loss (engine/bench_to_loss.py); --serve:
-serve.py under load, batched against one request at a time (engine/bench_serve.py).
+serve.py under load, batched against one request at a time (engine/bench_serve.py); --decode:
+batch-1 decoding per weight format against the memory-read limit (engine/bench_decode.py).
 
     python bench.py                          # the baseline, then each flag added in turn
     python bench.py --only all               # each flag alone against the baseline
@@ -9,6 +10,7 @@ serve.py under load, batched against one request at a time (engine/bench_serve.p
     python bench.py --memory --part train,decode
     python bench.py --to-loss 1.886 [--nanogpt ../nanoGPT]
     python bench.py --serve --checkpoint out/shakespeare_char    # its options: --serve --help
+    python bench.py --decode --gguf f32.gguf --llama-python VENV/bin/python   # --decode --help
 
 Each row runs in a fresh process from the same seed; a flag that changes nothing here is skipped
 with the reason. The chain puts each flag on the fastest combination so far and carries it on
@@ -40,7 +42,7 @@ import torch
 from config import (BOOL_WORDS, Config, ConfigError, apply_override, load_config, opt,
                     parse_command_line, validate)
 from data.loader import DataError
-from engine import bench_kernels, bench_memory, bench_serve, bench_to_loss, runtime
+from engine import bench_decode, bench_kernels, bench_memory, bench_serve, bench_to_loss, runtime
 from engine.benchmark import ensure_dataset, markdown_table, run_worker, time_left
 
 
@@ -92,6 +94,8 @@ class BenchOptions:
     memory: bool = opt(False, "the memory benchmark instead of the ablation")
     serve: bool = opt(False, "the serving load benchmark instead (engine/bench_serve.py, with "
                       "its own options: python bench.py --serve --help)")
+    decode: bool = opt(False, "the decode benchmark of the weight formats instead "
+                       "(engine/bench_decode.py, its own options: python bench.py --decode --help)")
     part: str = opt(",".join(bench_memory.PARTS), "memory: the parts to run, a comma list")
     rows: str = opt("", "memory train: only these rows ("
                     + ", ".join(r[0] for r in bench_memory.TRAIN_ROWS) + ")")
@@ -553,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--serve" in argv or "--serve=true" in argv:  # its options are not the ablation's
         return bench_serve.main([a for a in argv if a not in ("--serve", "--serve=true")])
+    if "--decode" in argv or "--decode=true" in argv:  # its own options too
+        return bench_decode.main([a for a in argv if a not in ("--decode", "--decode=true")])
     command = ("python bench.py " + shlex.join(argv)).strip()
     try:
         cfg, opts, config_args = load_bench_config(argv)

@@ -242,3 +242,51 @@ def test_serve_flag_hands_over_to_the_serving_benchmark(tmp_path, capsys):
     assert bench.main(["--serve", "--checkpoint", str(missing), "--parts=load"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err  # bench_serve's own check
+
+
+FAKE_LLAMA = '''
+import json, sys
+print(json.dumps({"ready": "fake"}), flush=True)
+for line in sys.stdin:
+    print(json.dumps({"tokens": [3] * int(line)}), flush=True)
+'''
+
+
+def test_decode_benchmark_rows_ceilings_and_quality(char_dataset, tmp_path, monkeypatch):
+    from config import Config
+    from engine import bench_decode, checkpoint
+    from model import GPT
+    from tests.conftest import tiny_model_config
+    cfg = Config()
+    cfg.data.dataset = str(char_dataset)
+    cfg.model = tiny_model_config(n_embd=64, n_head=4, block_size=32, vocab_size=65)
+    ckpt = checkpoint.save(tmp_path / "run", 1, GPT(cfg.model), cfg, {})
+    fake = tmp_path / "fake_llama.py"
+    fake.write_text(FAKE_LLAMA)
+    monkeypatch.setattr(bench_decode, "LLAMA_WORKER", fake)  # the protocol, without llama.cpp
+    monkeypatch.setattr(bench_decode.subprocess, "run", lambda *a, **k: type("R", (), {
+        "returncode": 0})())  # "llama_cpp imports"
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"\0" * 4096)
+    assert bench_decode.main([f"--checkpoint={ckpt}", "--formats=float32,int8,int4",
+                              "--new-tokens=6", "--rounds=2", "--hf=false", f"--gguf={gguf}",
+                              f"--quality={ckpt}", "--eval-batches=2", "--agreement-tokens=8",
+                              f"--results={tmp_path}", "--name=t", "--threads=1"]) == 0
+    report = json.loads((tmp_path / "decode_t.json").read_text())
+    rows = report["speed"]["rows"]
+    assert list(rows) == ["ours float32", "ours int8", "ours int4", "llama.cpp model"]
+    assert rows["ours float32"]["bytes"] > rows["ours int8"]["bytes"] > rows["ours int4"]["bytes"]
+    assert rows["llama.cpp model"]["bytes"] == 4096
+    for row in rows.values():
+        assert len(row["seconds"]) == 2 and row["tok_per_s"] > 0
+        assert row["ceiling"] == pytest.approx(row["bandwidth"] / row["bytes"])
+    assert rows["ours float32"]["same_tokens"] == 6  # the first row is the reference
+    quality = {q["format"]: q for q in report["quality"]}
+    assert quality["float32"]["change"] == 0 and quality["float32"]["same_tokens"] == 8
+    assert quality["int4"]["perplexity"] != quality["float32"]["perplexity"]
+    assert "| llama.cpp | model |" in (tmp_path / "decode_t.md").read_text()
+
+
+def test_decode_benchmark_refuses_an_unknown_format(capsys):
+    assert bench.main(["--decode", "--formats=float32,int3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --formats: 'int3' is not one of")

@@ -75,13 +75,22 @@ def imported_modules(paths: list[Path]) -> set[str]:
     return names
 
 
+# outside engines bench.py measures against, each imported only by its worker script, which the
+# engine's own virtual environment runs: yardsticks, never dependencies
+OUTSIDE_ENGINES = {"llama_cpp": "scripts/llama_decode.py"}
+
+
 def distributions_of(paths: list[Path]) -> dict[str, str]:
     """{distribution: the module imported} for every third-party import in these files."""
     local = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
     local |= {p.stem for p in (ROOT / "tests").glob("*.py")}
     by_module = importlib.metadata.packages_distributions()
     found = {}
-    for module in imported_modules(paths) - set(sys.stdlib_module_names) - local:
+    for module, worker in OUTSIDE_ENGINES.items():
+        users = [p for p in paths if module in imported_modules([p])]
+        assert users in ([], [ROOT / worker]), f"{module} is imported outside {worker}: {users}"
+    outside = set(OUTSIDE_ENGINES)
+    for module in imported_modules(paths) - set(sys.stdlib_module_names) - local - outside:
         assert module in by_module, f"{module} is imported but no installed distribution has it"
         found.update({canonical(d): module for d in by_module[module]})
     return found

@@ -1,0 +1,330 @@
+"""The decode benchmark behind `python bench.py --decode`: batch-1 greedy tokens/s per weight
+format (sample.weights) against the memory-read limit of this machine, beside transformers and,
+when given, llama.cpp on the same weights (an outside row, in its own Python); and the formats'
+quality: perplexity on a checkpoint's held-out split and greedy agreement with float32.
+Output: RESULTS/decode_NAME.{json,md}.
+
+    python bench.py --decode --name cpu                         # random GPT-2 124M weights
+    python bench.py --decode --checkpoint DIR --gguf f32.gguf,q8_0.gguf \\
+        --llama-python ~/venv_llama/bin/python                  # DIR: the weights of the GGUFs
+    python bench.py --decode --parts quality --quality out/shakespeare_char,out/gpt2_shaped
+
+The limit: each token reads every weight once (the KV cache is small beside them at these
+lengths), so tokens/s cannot pass read bandwidth / bytes per token. The bandwidth is measured
+here, by summing a buffer the size of each row's weights (a working set that fits a large cache
+reads faster than memory), with the benchmark's threads.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from config import ConfigError, load_options, opt
+from data.loader import Batches, load_meta
+from engine import checkpoint, runtime, weights
+from engine.bench_memory import DECODE_SHAPES, hf_generate, our_generate
+from engine.benchmark import REPO_ROOT, markdown_table
+from engine.sampling import generate_tokens, set_matvec, set_weight_layout
+from model import GPT, ModelConfig
+
+MIB = 2**20
+LLAMA_WORKER = REPO_ROOT / "scripts" / "llama_decode.py"
+
+
+@dataclass
+class BenchDecodeOptions:
+    checkpoint: str = opt("", "the weights decoded (a checkpoint or run directory); '': random "
+                          "GPT-2 124M-shaped weights, seed 0")
+    formats: str = opt("float32,bfloat16,int8,int4", "sample.weights formats, a row each")
+    prompt_tokens: int = opt(10, "prompt length (random token ids, seed 0)")
+    new_tokens: int = opt(128, "greedy tokens per timed run (the prompt's prefill included)")
+    rounds: int = opt(3, "timed runs per row, every row taking its turn each round; medians")
+    threads: int = opt(0, "torch threads (and llama.cpp's); 0: every core")
+    hf: bool = opt(True, "a transformers generate row (float32) where transformers imports")
+    gguf: str = opt("", "llama.cpp rows: GGUF files of the same weights, a comma list")
+    llama_python: str = opt("", "the Python with llama-cpp-python for the GGUF rows (default: "
+                            "this one)")
+    llama_extra_buffers: bool = opt(False, "let ggml use its extra (AMX) weight buffers (off: "
+                                    "they stopped with SIGILL on a KVM guest with AMX)")
+    parts: str = opt("speed,quality", "speed (tokens/s per row) and/or quality (--quality)")
+    quality: str = opt("", "quality: checkpoints scored per format, a comma list ('': skipped)")
+    eval_batches: int = opt(20, "quality: held-out batches per checkpoint (the same for every "
+                            "format)")
+    eval_batch_size: int = opt(4, "quality: windows per batch (each the model's block_size)")
+    agreement_tokens: int = opt(256, "quality: greedy tokens compared with float32's")
+    name: str = opt("cpu", "results go to RESULTS/decode_NAME.{md,json}")
+    results: str = opt("bench_results", "the results directory")
+
+
+def base_model(path: str) -> tuple[GPT, str]:
+    """(float32 model in eval mode, its description): a checkpoint, or random GPT-2 weights."""
+    if path:
+        model, cfg, _ = checkpoint.load_model(path, "cpu")
+        m = cfg.model
+        about = f"{path}: {m.n_layer} x {m.n_embd}, vocab {m.vocab_size}"
+    else:
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(**DECODE_SHAPES["gpt2"], attention="sdpa", norm="native",
+                                gelu="native"))
+        about = "random GPT-2 124M-shaped weights (seed 0)"
+    return model.float().eval(), about
+
+
+def prepared(base: GPT, fmt: str) -> tuple[GPT, str]:
+    """A copy of base held in fmt as generate.py holds it (the format, then the float32 weight
+    layout and products where they stay float32) -> (model, the banner's note)."""
+    model = copy.deepcopy(base)
+    note = weights.convert(model, fmt, torch.device("cpu"))
+    set_weight_layout(model, "auto", huge_pages=True)
+    set_matvec(model, "auto")
+    return model, note
+
+
+def token_bytes(model: GPT) -> int:
+    """The weight bytes one decoded token reads: every Linear (packed or not, the LM head
+    included) and the norms, one row of each embedding."""
+    t = model.transformer
+    rows = {id(t.wpe.weight)}
+    if not (isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is t.wte.weight):
+        rows.add(id(t.wte.weight))  # the head is its own (packed) copy: one row read
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.nbytes for i, p in params.items() if i not in rows)
+    total += sum(m.nbytes() for m in model.modules() if isinstance(m, weights.PackedLinear))
+    return total + t.wpe.weight[0].nbytes + t.wte.weight[0].nbytes
+
+
+def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
+    """Bytes/s summing a float32 buffer of nbytes with this process's threads: the best of
+    `repeats` passes after one to warm up (the same working set a token's weights make)."""
+    buffer = torch.ones(max(nbytes // 4, 1024))
+    buffer.sum()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / best
+
+
+class LlamaRow:
+    """One GGUF file decoded by llama.cpp in a worker process (scripts/llama_decode.py) that
+    keeps it loaded; run(n) -> the n greedy tokens as a (1, n) tensor."""
+
+    def __init__(self, path: str, python: str, threads: int, prompt: list[int], extra: bool):
+        command = [python, str(LLAMA_WORKER), path, f"--threads={threads}",
+                   "--prompt=" + ",".join(map(str, prompt)), *(["--extra-buffers"] if extra
+                                                              else [])]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.version = self._read()["ready"]
+        self.nbytes = Path(path).stat().st_size
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker exited ({self.proc.wait()}); run "
+                               f"{LLAMA_WORKER.name} by hand to see why")
+        return json.loads(line)
+
+    def run(self, n: int) -> torch.Tensor:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return torch.tensor([self._read()["tokens"]])
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def llama_rows(o: BenchDecodeOptions, threads: int, prompt: list[int]) -> dict[str, LlamaRow]:
+    """label -> LlamaRow for each --gguf file; none where llama_cpp does not import."""
+    files = [p.strip() for p in o.gguf.split(",") if p.strip()]
+    python = o.llama_python or sys.executable
+    if files and subprocess.run([python, "-c", "import llama_cpp"],
+                                capture_output=True).returncode != 0:
+        print(f"  llama.cpp rows skipped: llama_cpp does not import in {python} (give "
+              "--llama-python)", flush=True)
+        return {}
+    return {f"llama.cpp {Path(p).stem}": LlamaRow(p, python, threads, prompt,
+                                                  o.llama_extra_buffers) for p in files}
+
+
+def take_turns(runs: dict, new: int, rounds: int) -> dict[str, dict]:
+    """name -> {seconds of each round, the tokens} of each run(n), every run timed once a round
+    (A B C A B C: load on the machine hits each alike), after run(4) each to warm up."""
+    for run in runs.values():
+        run(4)
+    out = {name: {"seconds": []} for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            out[name]["tokens"] = run(new)[0, -new:].tolist()
+            out[name]["seconds"].append(time.perf_counter() - start)
+    return out
+
+
+def speed_part(o: BenchDecodeOptions) -> dict:
+    base, about = base_model(o.checkpoint)
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    prompt = torch.randint(0, base.config.vocab_size, (1, o.prompt_tokens))
+    new = min(o.new_tokens, base.config.block_size - o.prompt_tokens)
+    rows, runs = {}, {}
+    for fmt in [f.strip() for f in o.formats.split(",") if f.strip()]:
+        model, note = prepared(base, fmt)
+        rows[f"ours {fmt}"] = {"engine": "ours", "format": fmt, "note": note,
+                               "bytes": token_bytes(model)}
+        runs[f"ours {fmt}"] = our_generate(model, prompt, runtime_cpu())
+    if o.hf:
+        hf_run, _ = hf_generate(base, prompt, runtime_cpu())
+        if hf_run is not None:
+            rows["transformers"] = {"engine": "transformers", "format": "float32", "note":
+                                    "GPT2LMHeadModel.generate", "bytes": token_bytes(base)}
+            runs["transformers"] = hf_run
+    llamas = llama_rows(o, threads, prompt[0].tolist())
+    for label, row in llamas.items():
+        rows[label] = {"engine": "llama.cpp", "format": label.split(" ", 1)[1],
+                       "note": f"llama-cpp-python {row.version}, the GGUF file's bytes",
+                       "bytes": row.nbytes}
+        runs[label] = row.run
+    try:
+        timed = take_turns(runs, new, o.rounds)
+    finally:
+        for row in llamas.values():
+            row.stop()
+    bandwidth = {}
+    for label, row in rows.items():
+        size = row["bytes"]
+        bandwidth[size] = bandwidth.get(size) or read_bandwidth(size)
+        reference = timed[next(iter(timed))]["tokens"]
+        same = sum(a == b for a, b in zip(timed[label]["tokens"], reference))
+        row.update(seconds=timed[label]["seconds"],
+                   tok_per_s=new / statistics.median(timed[label]["seconds"]),
+                   bandwidth=bandwidth[size], ceiling=bandwidth[size] / size, same_tokens=same)
+        row["share"] = row["tok_per_s"] / row["ceiling"]
+        print(f"  {label}: {row['tok_per_s']:.1f} tok/s, {size / MIB:.0f} MiB a token, "
+              f"ceiling {row['ceiling']:.0f} ({100 * row['share']:.0f}%)", flush=True)
+    return {"model": about, "prompt_tokens": o.prompt_tokens, "new_tokens": new,
+            "rounds": o.rounds, "threads": threads, "rows": rows}
+
+
+def runtime_cpu() -> runtime.Runtime:
+    return runtime.Runtime(torch.device("cpu"), torch.float32, False, [])
+
+
+@torch.no_grad()
+def perplexity(model: GPT, loader: Batches, starts: list) -> float:
+    """exp(mean cross-entropy) over fixed held-out batches, from the logits (float32)."""
+    losses = []
+    for batch in starts:
+        x, y = loader.windows(batch)
+        logits = model(x)[0]
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item())
+    return math.exp(sum(losses) / len(losses))
+
+
+def quality_part(o: BenchDecodeOptions) -> list[dict]:
+    """Per checkpoint and format: perplexity on the held-out split and its change from float32,
+    and how many of agreement_tokens greedy tokens equal float32's (and the first that
+    differs), from the first 16 held-out tokens."""
+    out = []
+    for path in [p.strip() for p in o.quality.split(",") if p.strip()]:
+        base, cfg, _ = checkpoint.load_model(path, "cpu")
+        base.float().eval()
+        block = base.config.block_size
+        val = Batches(load_meta(cfg.data.dataset), "val", o.eval_batch_size, block, 0,
+                      torch.device("cpu"))
+        starts = val.fixed(o.eval_batches, seed=1)
+        prompt = val.windows(starts[0])[0][:1, :16]
+        new = min(o.agreement_tokens, block - prompt.size(1))
+        reference = None
+        for fmt in [f.strip() for f in o.formats.split(",") if f.strip()]:
+            model, note = prepared(base, fmt)
+            ppl = perplexity(model, val, starts)
+            tokens = generate_tokens(model, prompt, new, temperature=0)[0, -new:]
+            if reference is None:
+                reference = {"ppl": ppl, "tokens": tokens}
+            differ = (tokens != reference["tokens"]).nonzero()
+            out.append({"checkpoint": path, "dataset": cfg.data.dataset, "format": fmt,
+                        "note": note, "params": base.num_params(False), "perplexity": ppl,
+                        "change": ppl / reference["ppl"] - 1, "new_tokens": new,
+                        "same_tokens": int((tokens == reference["tokens"]).sum()),
+                        "first_difference": int(differ[0]) if len(differ) else None,
+                        "eval_tokens": o.eval_batches * o.eval_batch_size * block})
+            print(f"  {path} {fmt}: perplexity {ppl:.4f} ({100 * out[-1]['change']:+.2f}%), "
+                  f"{out[-1]['same_tokens']}/{new} greedy tokens as float32", flush=True)
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Decode benchmark ({report['name']})", "", f"Machine: {report['machine']}", "",
+             f"Command: `{report['command']}`", ""]
+    if "speed" in report:
+        s = report["speed"]
+        header = ["engine", "weights", "MiB a token", "tokens/s", "read GB/s at that size",
+                  "ceiling tokens/s", "share of ceiling", "greedy tokens as the first row"]
+        rows = [[r["engine"], r["format"], f"{r['bytes'] / MIB:.0f}", f"{r['tok_per_s']:.1f}",
+                 f"{r['bandwidth'] / 1e9:.1f}", f"{r['ceiling']:.0f}", f"{100 * r['share']:.0f}%",
+                 f"{r['same_tokens']}/{s['new_tokens']}"] for r in s["rows"].values()]
+        notes = "; ".join(f"{label}: {r['note']}" for label, r in s["rows"].items())
+        lines += [f"Batch 1, greedy, {s['model']}, a {s['prompt_tokens']}-token prompt then "
+                  f"{s['new_tokens']} tokens (the prefill counted), {s['threads']} threads; "
+                  f"medians of {s['rounds']} rounds, the rows taking turns.", "",
+                  markdown_table(header, rows), "", f"Rows: {notes}.", ""]
+    if report.get("quality"):
+        header = ["checkpoint", "weights", "perplexity", "vs float32", "greedy tokens as "
+                  "float32", "first difference"]
+        rows = [[f"{q['checkpoint']} ({q['params'] / 1e6:.1f}M, {q['dataset']})", q["format"],
+                 f"{q['perplexity']:.4f}", f"{100 * q['change']:+.2f}%",
+                 f"{q['same_tokens']}/{q['new_tokens']}",
+                 "none" if q["first_difference"] is None else q["first_difference"]]
+                for q in report["quality"]]
+        first = report["quality"][0]
+        lines += [f"Quality: perplexity over {first['eval_tokens']:,} held-out tokens per "
+                  "checkpoint (the same windows for every format), greedy tokens after 16 "
+                  "held-out ones.", "", markdown_table(header, rows), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        o = load_options(argv, BenchDecodeOptions, "bench.py --decode", __doc__)
+        parts = {p.strip() for p in o.parts.split(",") if p.strip()}
+        if not parts or not parts <= {"speed", "quality"}:
+            raise ConfigError(f"--parts={o.parts!r}: use speed, quality or both")
+        for fmt in o.formats.split(","):
+            if fmt.strip() not in weights.FORMATS[1:]:
+                raise ConfigError(f"--formats: {fmt!r} is not one of "
+                                  f"{', '.join(weights.FORMATS[1:])}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    report = {"name": o.name, "machine": runtime.machine_line(torch.device("cpu")),
+              "command": "python bench.py --decode " + " ".join(argv)}
+    if "speed" in parts:
+        report["speed"] = speed_part(o)
+    if "quality" in parts and o.quality:
+        report["quality"] = quality_part(o)
+    out = REPO_ROOT / o.results
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"decode_{o.name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"decode_{o.name}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
