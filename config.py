@@ -115,6 +115,9 @@ class SampleConfig:
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
     prompt_bucket: int = opt(64, "with --compile: prompts padded to a multiple of this, so "
                              "decoding sees a few fixed shapes (no recompiles)")
+    prefill_chunk: int = opt(128, "serving: the prompt tokens read between two decode steps "
+                             "(a long prompt is read in chunks, so running streams wait for one "
+                             "chunk, not the whole prompt); 0 = each prompt whole")
     weight_layout: str = opt("auto", "how Linear weights are stored for decoding: row-major (as "
                              "trained) or column-major (faster one-token matmuls on CPU); auto: "
                              "on CPU column-major where a weight has more outputs than inputs, "
@@ -288,7 +291,7 @@ RULES = {  # dotted key -> (what it must be, the test)
                     "train.grad_clip train.stop_after_iters train.tokens_per_step "
                     "train.hellaswag_interval train.hellaswag_examples sample.max_new_tokens "
                     "sample.temperature sample.top_k system.threads system.peak_flops "
-                    "data.loader_workers".split(), NON_NEGATIVE),
+                    "data.loader_workers sample.prefill_chunk".split(), NON_NEGATIVE),
     **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2", "train.muon_momentum"),
                     ("in [0, 1)", lambda v: 0 <= v < 1)),
     "train.min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),

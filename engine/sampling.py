@@ -129,20 +129,22 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-def prefill(model: GPT, ids: torch.Tensor, cache: KVCache,
-            bucket: int = 0) -> tuple[torch.Tensor, int]:
-    """Write ids (B, L) into the cache at 0..L-1 -> (the last position's logits (B, 1, vocab),
-    L). bucket > 0 right-pads to a multiple of it (at most block_size, masked): few compiled
-    shapes. The LM head runs at the last real position only."""
+def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, bucket: int = 0,
+            start: int = 0) -> tuple[torch.Tensor, int]:
+    """Write ids (B, L) into the cache at start..start+L-1 (after 0..start-1, written by earlier
+    calls: a prompt read in chunks) -> (the last position's logits (B, 1, vocab), start + L).
+    bucket > 0 right-pads to a multiple of it (within block_size, masked): few compiled shapes.
+    The LM head runs at the last real position only."""
     length = ids.size(1)
-    padded = min(model.config.block_size, -(-length // bucket) * bucket) if bucket > 0 else length
+    room = model.config.block_size - start
+    padded = min(room, -(-length // bucket) * bucket) if bucket > 0 else length
     # a copy with standard strides: a slice of the growing idx carries its row stride, which
     # compiled code would guard on (and recompile for)
     ids = F.pad(ids, (0, padded - length)).clone(memory_format=torch.contiguous_format)
-    input_pos = torch.arange(padded, device=ids.device)
-    cache.filled = padded
-    last = input_pos[length - 1:length]
-    return model(ids, kv_cache=cache, input_pos=input_pos, logits_at=last)[0], length
+    input_pos = torch.arange(start, start + padded, device=ids.device)
+    cache.filled = start + padded
+    last = torch.arange(length - 1, length, device=ids.device)
+    return model(ids, kv_cache=cache, input_pos=input_pos, logits_at=last)[0], start + length
 
 
 def decode_step(model: GPT, token: torch.Tensor, cache: KVCache, pos: int,

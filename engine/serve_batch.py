@@ -7,7 +7,9 @@ with a position per slot. New sequences join at the next step, finished ones lea
 
 Each step, every running sequence does one forward: the ones with a cache row decode together
 (one batched step, each row at its own position), then new or re-windowed ones are prefilled
-alone (the same `sampling.prefill` as generate.py) and copied into their row. Sampling is
+alone (the same `sampling.prefill` as generate.py), up to prefill_chunk prompt tokens a step (a
+long prompt is read over several steps, so the running streams wait for one chunk, never for
+the whole prompt), and copied into their row. Sampling is
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
 """
@@ -126,6 +128,7 @@ class Sequence:
     slot: int | None = None
     pos: int | None = None  # the next token's position in the slot; None: (re)read the context
     start: int = 0  # where the context window begins in tokens
+    read: int = 0  # context tokens prefilled so far (into the engine's scratch cache)
     cancelled: bool = False
     done: bool = False
 
@@ -141,7 +144,8 @@ class BatchEngine:
     """The decode loop, in its own thread. Thread-safe: submit, cancel, stats, stop."""
 
     def __init__(self, model: torch.nn.Module, raw_model: GPT, tokenizer, device: torch.device,
-                 slots: int, max_queue: int, prompt_bucket: int = 0, autocast=None,
+                 slots: int, max_queue: int, prompt_bucket: int = 0, prefill_chunk: int = 0,
+                 autocast=None,
                  static: bool = False, warmup: bool = True, idle_release_s: float = 30.0,
                  empty_cache: bool = True, log: Callable[[str], None] | None = None):
         self.model, self.raw_model, self.tokenizer = model, raw_model, tokenizer
@@ -153,6 +157,9 @@ class BatchEngine:
         self.empty_cache, self.log = empty_cache, log or (lambda text: print(text, file=sys.stderr))
         self.cache = SlotCache(raw_model, slots, static)
         self.scratch = raw_model.new_kv_cache(1)  # prefills run batch 1 here, as generate.py's
+        # prompt tokens a step reads (a multiple of the bucket: only the last chunk is padded)
+        self.chunk = -(-prefill_chunk // max(prompt_bucket, 1)) * max(prompt_bucket, 1)
+        self.prefilling: Sequence | None = None  # the one part-read into scratch
         self.running: list[Sequence | None] = [None] * slots
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.lock = threading.Condition()
@@ -226,13 +233,20 @@ class BatchEngine:
             return True
 
     def step(self) -> None:
-        """One forward for every running sequence: a batched decode, then the prefills."""
+        """A batched decode of every sequence with a cache row, then prefills of up to
+        self.chunk prompt tokens in all (0: every waiting prompt whole), the one part-read
+        first (it holds the scratch cache)."""
         self._admit()
         decoding = [s for s in self.running if s is not None and s.pos is not None]
         if decoding:
             self._decode(decoding)
-        for seq in [s for s in self.running if s is not None and s.pos is None]:
-            self._prefill(seq)
+        waiting = sorted((s for s in self.running if s is not None and s.pos is None),
+                         key=lambda s: s is not self.prefilling)
+        budget = self.chunk or float("inf")
+        for seq in waiting:
+            if budget <= 0:
+                break
+            budget -= self._prefill(seq, budget)
 
     def _admit(self) -> None:
         """Drop cancelled sequences; move queued ones into free slots (lowest first)."""
@@ -240,6 +254,8 @@ class BatchEngine:
             for i, seq in enumerate(self.running):
                 if seq is not None and seq.cancelled:
                     self.running[i] = None
+                    if seq is self.prefilling:
+                        self.prefilling = None
             self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
             for i in range(self.slots):
                 if self.running[i] is None and self.waiting:
@@ -249,14 +265,22 @@ class BatchEngine:
                     seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
                     seq.text = TextStream(self.tokenizer, seq.params.stop)
 
-    def _prefill(self, seq: Sequence) -> None:
-        """Read seq's context window alone (as generate.py does), into its slot's row."""
-        ids = torch.tensor([seq.tokens[seq.start:]], dtype=torch.long, device=self.device)
+    def _prefill(self, seq: Sequence, budget: float) -> int:
+        """Read up to `budget` more tokens of seq's context window alone (as generate.py does);
+        once it is all read, copy it into the slot's row and sample -> the tokens read."""
+        context = seq.tokens[seq.start:]
+        n = int(min(len(context) - seq.read, budget))
+        ids = torch.tensor([context[seq.read:seq.read + n]], dtype=torch.long, device=self.device)
         with self.autocast():
-            logits, length = prefill(self.model, ids, self.scratch, self.bucket)
-        self.cache.store_row(seq.slot, self.scratch, length)
-        seq.pos = length
+            logits, seq.read = prefill(self.model, ids, self.scratch, self.bucket, seq.read)
+        if seq.read < len(context):
+            self.prefilling = seq
+            return n
+        self.prefilling = None
+        self.cache.store_row(seq.slot, self.scratch, seq.read)
+        seq.pos, seq.read = seq.read, 0
         self._advance(seq, logits[:, -1, :])
+        return n
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Each seq's last token at its own position, all in one (rows, 1) batch."""
@@ -318,6 +342,7 @@ class BatchEngine:
         with self.lock:
             failed = [s for s in self.running if s is not None] + list(self.waiting)
             self.running, self.waiting = [None] * self.slots, collections.deque()
+            self.prefilling = None
         for seq in failed:
             seq.done = True
             seq.on_event(("error", message))

@@ -148,6 +148,7 @@ def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, rea
     block = raw_model.config.block_size
     engine = BatchEngine(model, raw_model, loaded.tokenizer, rt.device, spec.slots, spec.max_queue,
                          prompt_bucket=cfg.sample.prompt_bucket if cfg.system.compile else 0,
+                         prefill_chunk=cfg.sample.prefill_chunk,
                          autocast=rt.autocast, static=cfg.system.compile, warmup=spec.warmup,
                          idle_release_s=spec.idle_release_s, empty_cache=cfg.system.empty_cache,
                          log=log)

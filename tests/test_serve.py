@@ -67,7 +67,7 @@ def reference(model: GPT, prompt: str, max_tokens: int, temperature: float = 0.0
 
 
 def run_engine(model: GPT, requests: list[tuple[str, SamplingParams]], slots: int,
-               static: bool = False) -> list[str]:
+               static: bool = False, prefill_chunk: int = 0, on_engine=None) -> list[str]:
     """The requests through one BatchEngine, all submitted at once (more than the slots wait)."""
     tok = CharTokenizer(CHARS)
     texts = [""] * len(requests)
@@ -77,7 +77,9 @@ def run_engine(model: GPT, requests: list[tuple[str, SamplingParams]], slots: in
             texts[i] += event[1]
 
     engine = BatchEngine(model, model, tok, torch.device("cpu"), slots=slots, max_queue=16,
-                         static=static, warmup=False)
+                         static=static, warmup=False, prefill_chunk=prefill_chunk)
+    if on_engine is not None:
+        on_engine(engine)
     seqs = [Sequence(tok.encode(p), params, lambda e, i=i: collect(i, e))
             for i, (p, params) in enumerate(requests)]
     engine.start()
@@ -100,6 +102,33 @@ def test_engine_gives_each_request_what_generate_gives_alone(tmp_path, attention
                 ("dd", SamplingParams(max_tokens=30, temperature=0.8, top_k=5, top_p=0.9, seed=3)),
                 ("what?", SamplingParams(max_tokens=25, temperature=0))]
     got = run_engine(model, requests, slots=3, static=static)
+    for (prompt, p), text in zip(requests, got):
+        assert text == reference(model, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p,
+                                 p.seed or 0), prompt
+
+
+def test_long_prompts_are_read_in_chunks_between_decode_steps(tmp_path):
+    """prefill_chunk=4: no step reads more than 4 prompt tokens in all, so a running stream
+    waits for one chunk; the texts are still what generate.py gives each request alone (also
+    after the context is full and re-read in chunks)."""
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    requests = [("ab", SamplingParams(max_tokens=45, temperature=0)),
+                ("hello world, this is long", SamplingParams(max_tokens=12, temperature=0)),
+                ("what a long prompt it is", SamplingParams(max_tokens=9, temperature=0.7,
+                                                           seed=5)),
+                ("c", SamplingParams(max_tokens=30, temperature=1.0, seed=7))]
+    read: list[list[int]] = []  # per step, the length of every multi-token forward
+
+    def watch(engine) -> None:
+        step = engine.step
+        engine.step = lambda: (read.append([]), step())
+
+    hook = model.register_forward_pre_hook(lambda m, args: read[-1].append(
+        args[0].size(1)) if args[0].size(1) > 1 else None)
+    got = run_engine(model, requests, slots=3, prefill_chunk=4, on_engine=watch)
+    hook.remove()
+    assert max(sum(step) for step in read) <= 4
+    assert sum(len(step) > 0 for step in read) >= 25 // 4 + 24 // 4  # the long ones in chunks
     for (prompt, p), text in zip(requests, got):
         assert text == reference(model, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p,
                                  p.seed or 0), prompt
