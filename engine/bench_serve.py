@@ -51,8 +51,14 @@ class BenchServeOptions:
     threads: int = opt(0, "torch threads of the server; 0 = every core")
     memory_workers: str = opt("1,2,4", "worker counts whose PSS is measured; '' = skip")
     compile: bool = opt(False, "serve with --compile (warm-up compiles every shape)")
+    weights: str = opt("float32,bfloat16,int8", "formats: our servers' sample.weights, a "
+                       "comma list, each a server")
+    outside: str = opt("", "formats: outside OpenAI-compatible servers already running on the "
+                       "same weights (vLLM, llama.cpp's), LABEL=URL comma list")
+    fixed_tokens: int = opt(64, "formats: tokens every request generates")
     parts: str = opt("load,workers,memory", "what to measure: load (throughput, latency, "
-                     "first request), workers (1 vs 2 splitting the cores), memory (PSS)")
+                     "first request), workers (1 vs 2 splitting the cores), memory (PSS), "
+                     "formats (our weight formats beside --outside servers)")
     name: str = opt("cpu", "results go to RESULTS/serve_NAME.{md,json}")
     results: str = opt("bench_results", "the results directory")
 
@@ -272,6 +278,8 @@ def markdown(report: dict) -> str:
                   "concurrency):", "", markdown_table(["workers", "threads each", "slots each",
                                                        "concurrency", "req/s", "tokens/s",
                                                        "latency p50 ms", "errors"], rows)]
+    if report.get("formats"):
+        parts += ["", *formats_markdown(report["formats"])]
     if report.get("memory"):
         mem = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
                 f"{r['pss_total_mib']:.0f}"] for r in report["memory"]]
@@ -350,6 +358,61 @@ def load_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[in
                      "rounds; with this few requests p99 is about the slowest.")}
 
 
+def served_model(url: str) -> str:
+    """The model id a running OpenAI-compatible server lists first (GET /v1/models)."""
+    return httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+
+
+def formats_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
+    """Our server once per weight format (--slots each) beside the --outside servers, all up
+    at once and taking turns at each level in each round, on one load: --requests greedy
+    requests of --fixed-tokens tokens each."""
+    outside = dict(item.split("=", 1) for item in o.outside.split(",") if item.strip())
+    jobs = [{**job, "max_tokens": o.fixed_tokens} for job in workload(o.requests, o.gpt2_shaped)]
+    ours: dict[str, Server] = {}
+    asyncio.run(warm_client())
+    try:
+        for fmt in [w.strip() for w in o.weights.split(",") if w.strip()]:
+            ours[f"ours {fmt}"] = Server([*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
+                                          f"--weights={fmt}"])
+        urls = {**{label: s.url for label, s in ours.items()}, **outside}
+        models = {label: served_model(url) for label, url in urls.items()}
+        rounds: dict[str, list[dict]] = {label: [] for label in urls}
+        for _ in range(o.rounds):
+            for label in urls:
+                rounds[label].append({})
+            for level in levels:
+                for label, url in urls.items():
+                    t0 = time.perf_counter()
+                    results = asyncio.run(run_load(url, [{**j, "model": models[label]}
+                                                         for j in jobs], level))
+                    rounds[label][-1][str(level)] = summarize(results, time.perf_counter() - t0)
+                    m = rounds[label][-1][str(level)]
+                    print(f"  {label:<16} concurrency {level:>2}: {m['tok_per_s']:.0f} tok/s, "
+                          f"TTFT p50 {m['ttft_p50_ms']:.0f} ms, errors {m['errors']}",
+                          flush=True)
+    finally:
+        for server in ours.values():
+            server.stop()
+    return {"levels": levels, "requests": o.requests, "tokens": o.fixed_tokens,
+            "slots": o.slots, "outside": outside, "models": models,
+            "runs": {label: median_run(runs) for label, runs in rounds.items()}}
+
+
+def formats_markdown(f: dict) -> list[str]:
+    header = ["server", *(f"tok/s at {c}" for c in f["levels"]),
+              *(f"TTFT p50 ms at {c}" for c in f["levels"]), "errors"]
+    rows = [[label, *(f"{m[str(c)]['tok_per_s']:.0f}" for c in f["levels"]),
+             *(f"{m[str(c)]['ttft_p50_ms']:.0f}" for c in f["levels"]),
+             sum(m[str(c)]["errors"] for c in f["levels"])] for label, m in f["runs"].items()]
+    return [f"Formats: {f['requests']} greedy streamed requests of {f['tokens']} tokens per "
+            f"level (prompts of {'/'.join(map(str, PROMPT_CHARS))} characters), our servers "
+            f"with --slots {f['slots']}; every server up at once, taking turns at each level; "
+            "medians over the rounds. Outside: "
+            + (", ".join(f"{k} {v}" for k, v in f["outside"].items()) or "none") + ".", "",
+            markdown_table(header, rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # servers stopped on the way out
@@ -373,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             report.update(load_part(o, ckpt, base, levels))
         if "workers" in o.parts:
             report["workers"] = workers_rows(ckpt, [1, 2], common, o, levels)
+        if "formats" in o.parts:
+            report["formats"] = formats_part(o, ckpt, base, levels)
         if "memory" in o.parts and counts:
             report["memory"] = memory_rows(ckpt, counts, ["--device=cpu"], o.gpt2_shaped)
     out = Path(o.results)
