@@ -229,6 +229,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     eot = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else None
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             **{theirs: getattr(cfg, ours) for ours, theirs in SHAPE.items()}, "n_inner": None,
+            "n_ctx": cfg.block_size,  # as OpenAI's files have it: llama.cpp's converter reads it
             "activation_function": "gelu" if cfg.gelu == "erf" else "gelu_new",
             "layer_norm_epsilon": cfg.layer_norm_eps,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
