@@ -127,11 +127,12 @@ class SampleConfig:
     matvec: str = opt("auto", "how decoding multiplies one token by each weight: blas (one "
                       "F.linear) or sliced (one output slice per thread, side by side in a bmm); "
                       "auto: sliced on CPU with 2+ threads", ("auto", "blas", "sliced"))
-    weights: str = opt("float32", "how sampling and serving hold the Linear weights on CPU, "
-                       "unpacked in registers by compiled kernels (engine/cpu_kernels.py): "
-                       "float32 (as trained) | bfloat16 | int8 (a scale per output) | int4 (a "
-                       "scale per 32 inputs) | auto: the fastest of float32/bfloat16/int8 timed "
-                       "here", ("float32", "bfloat16", "int8", "int4", "auto"))
+    weights: str = opt("torch", "how sampling and serving hold the Linear weights: torch (as "
+                       "loaded, torch's products) | on a CPU, packed for the compiled kernels of "
+                       "engine/cpu_kernels.py: float32 (as trained) | bfloat16 | int8 (a scale "
+                       "per output) | int4 (a scale per 32 inputs) | auto: the fastest of torch, "
+                       "float32, bfloat16 and int8 timed here",
+                       ("torch", "float32", "bfloat16", "int8", "int4", "auto"))
     quantize: str = opt("none", "int8: torchao's int8 weight-only Linear layers (the blocks' "
                         "only; sample.weights=int8 is ours)", ("none", "int8"))
     quantize_layers: str = opt("attn,mlp", "Linear layers sample.quantize converts: comma list "
@@ -312,7 +313,7 @@ def validate(cfg: Config) -> list[str]:
         if not ok(value := getattr(getattr(cfg, section), name)):
             problems.append(f"{key} must be {text}, got {value}")
     m, t = cfg.model, cfg.train
-    if cfg.sample.quantize != "none" and cfg.sample.weights != "float32":
+    if cfg.sample.quantize != "none" and cfg.sample.weights != "torch":
         problems.append(f"sample.quantize={cfg.sample.quantize} (torchao) and "
                         f"sample.weights={cfg.sample.weights} both choose the weights' format; "
                         "pass one of them")

@@ -45,7 +45,8 @@ LLAMA_WORKER = REPO_ROOT / "scripts" / "llama_decode.py"
 class BenchDecodeOptions:
     checkpoint: str = opt("", "the weights decoded (a checkpoint or run directory); '': random "
                           "GPT-2 124M-shaped weights, seed 0")
-    formats: str = opt("float32,bfloat16,int8,int4", "sample.weights formats, a row each")
+    formats: str = opt("torch,float32,bfloat16,int8,int4", "sample.weights choices, a row each "
+                       "(the first is the reference of the greedy tokens and the perplexity)")
     prompt_tokens: int = opt(10, "prompt length (random token ids, seed 0)")
     new_tokens: int = opt(128, "greedy tokens per timed run (the prompt's prefill included)")
     rounds: int = opt(3, "timed runs per row, every row taking its turn each round; medians")
@@ -234,9 +235,9 @@ def perplexity(model: GPT, loader: Batches, starts: list) -> float:
 
 
 def quality_part(o: BenchDecodeOptions) -> list[dict]:
-    """Per checkpoint and format: perplexity on the held-out split and its change from float32,
-    and how many of agreement_tokens greedy tokens equal float32's (and the first that
-    differs), from the first 16 held-out tokens."""
+    """Per checkpoint and format: perplexity on the held-out split and its change from the first
+    format's (torch: as trained), and how many of agreement_tokens greedy tokens equal the
+    first's (and the first that differs), from the first 16 held-out tokens."""
     out = []
     for path in [p.strip() for p in o.quality.split(",") if p.strip()]:
         base, cfg, _ = checkpoint.load_model(path, "cpu")
@@ -262,7 +263,7 @@ def quality_part(o: BenchDecodeOptions) -> list[dict]:
                         "first_difference": int(differ[0]) if len(differ) else None,
                         "eval_tokens": o.eval_batches * o.eval_batch_size * block})
             print(f"  {path} {fmt}: perplexity {ppl:.4f} ({100 * out[-1]['change']:+.2f}%), "
-                  f"{out[-1]['same_tokens']}/{new} greedy tokens as float32", flush=True)
+                  f"{out[-1]['same_tokens']}/{new} greedy tokens as the first", flush=True)
     return out
 
 
@@ -282,8 +283,8 @@ def markdown(report: dict) -> str:
                   f"medians of {s['rounds']} rounds, the rows taking turns.", "",
                   markdown_table(header, rows), "", f"Rows: {notes}.", ""]
     if report.get("quality"):
-        header = ["checkpoint", "weights", "perplexity", "vs float32", "greedy tokens as "
-                  "float32", "first difference"]
+        header = ["checkpoint", "weights", "perplexity", "vs the first", "greedy tokens as "
+                  "the first", "first difference"]
         rows = [[f"{q['checkpoint']} ({q['params'] / 1e6:.1f}M, {q['dataset']})", q["format"],
                  f"{q['perplexity']:.4f}", f"{100 * q['change']:+.2f}%",
                  f"{q['same_tokens']}/{q['new_tokens']}",

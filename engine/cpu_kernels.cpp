@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -47,7 +48,8 @@ constexpr int64_t PREFETCH = 2048;
 struct Problem {
   const float* x;       // (M, K)
   const void* w;        // packed
-  const float* scales;  // int8: (N,); int4: (K / group, N); else unused
+  const float* scales;  // int8: (N,); else unused
+  const uint16_t* half_scales;  // int4: float16 (N / 16, K / group, 16), a block's together
   const float* bias;    // (N,) or nullptr
   const float* xsum;    // int4: (M, K / group), the sum of x over each group
   float* y;             // (M, N)
@@ -82,6 +84,10 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* scal
 }
 
 // ---- portable path: the reference the vector paths are tested against --------------------
+float half_at(const uint16_t* h, int64_t at) {
+  return c10::detail::fp16_ieee_to_fp32_value(h[at]);
+}
+
 float weight_at(const Problem& p, int64_t block, int64_t k, int64_t lane) {
   const int64_t at = (block * p.K + k) * BLOCK + lane;
   switch (p.format) {
@@ -113,7 +119,8 @@ void blocks_portable(const Problem& p, int64_t begin, int64_t end) {
           float part = 0.f;
           for (int64_t k = g * width; k < (g + 1) * width; ++k)
             part += weight_at(p, b, k, lane) * p.x[m * p.K + k];
-          acc += p.format == INT4 ? part * p.scales[g * p.N + n] : part;
+          acc += p.format == INT4 ? part * half_at(p.half_scales, (b * groups + g) * BLOCK + lane)
+                                  : part;
         }
         if (p.format == INT8) acc *= p.scales[n];
         p.y[m * p.N + n] = acc + (p.bias ? p.bias[n] : 0.f);
@@ -127,6 +134,10 @@ void blocks_portable(const Problem& p, int64_t begin, int64_t end) {
 // The products of one row form one chain of dependent FMAs; a few rows (decoding) keep U
 // chains per row, over k, k+1, ..., so the FMA units are not left waiting on their latency.
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+AVX512 inline __m512 load16_half(const uint16_t* h) {  // 16 float16 -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
 
 template <Format F>
 AVX512 inline __m512 load16(const void* w, int64_t at) {
@@ -193,7 +204,7 @@ AVX512 void block_avx512_int4(const Problem& p, int64_t b, int64_t m0) {
         odd_part[i] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[i * p.K + k + 1]), odd_part[i]);
       }
     }
-    const __m512 scale = _mm512_loadu_ps(p.scales + g * p.N + n);
+    const __m512 scale = load16_half(p.half_scales + (b * groups + g) * BLOCK);
     for (int i = 0; i < MB; ++i) {
       const __m512 offset = _mm512_set1_ps(8.f * p.xsum[(m0 + i) * groups + g]);
       const __m512 part = _mm512_add_ps(even_part[i], odd_part[i]);
@@ -234,7 +245,7 @@ AVX512 void blocks_avx512(const Problem& p, int64_t begin, int64_t end) {
 }
 
 // ---- AVX2: a block is two ymm halves (outputs 0-7 and 8-15), two chains per row ----------
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 template <Format F>
 AVX2 inline __m256 load8(const void* w, int64_t at) {
@@ -304,7 +315,8 @@ AVX2 void block_avx2_int4(const Problem& p, int64_t b, int64_t m0) {
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_loadu_ps(p.scales + g * p.N + n + 8 * h);
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(p.half_scales + (b * groups + g) * BLOCK + 8 * h)));
       for (int i = 0; i < MB; ++i) {
         const __m256 offset = _mm256_set1_ps(8.f * p.xsum[(m0 + i) * groups + g]);
         acc[i][h] = _mm256_fmadd_ps(_mm256_sub_ps(part[i][h], offset), scale, acc[i][h]);
@@ -413,7 +425,7 @@ VNNI void block_vnni_int4(const Problem& p, int64_t b, int64_t m0) {
         dot[i][c + 1] = _mm512_dpbusd_epi32(dot[i][c + 1], last, broadcast4(xi + 4));
       }
     }
-    const __m512 wscale = _mm512_loadu_ps(p.scales + g * p.N + n);
+    const __m512 wscale = load16_half(p.half_scales + (b * groups + g) * BLOCK);
     for (int i = 0; i < MB; ++i) {
       const int64_t at = (m0 + i) * groups + g;
       __m512i d = dot[i][0];
@@ -455,15 +467,17 @@ VNNI void blocks_vnni(const Problem& p, int64_t begin, int64_t end) {
 // One packed Linear as the kernels read it.
 struct Weights {
   const void* data;
-  const float* scales;  // int8: (N,); int4: (K / group, N); else nullptr
+  const void* scales;  // int8: float (N,); int4: float16 (N / 16, K / group, 16); else nullptr
   const float* bias;    // (N,) or nullptr
   int64_t n, format, group, isa;  // n: outputs, a multiple of 16
 };
 
 // y (M, n) = x (M, K) @ W^T (+ bias): the blocks of outputs shared among torch's threads
 void product(const float* x, int64_t M, int64_t K, const Weights& w, float* y) {
-  Problem p{x, w.data, w.scales, w.bias, nullptr, y, M, K, w.n, w.group,
-            static_cast<Format>(w.format)};
+  const bool half = w.format == INT4;
+  Problem p{x, w.data, half ? nullptr : static_cast<const float*>(w.scales),
+            half ? static_cast<const uint16_t*>(w.scales) : nullptr, w.bias, nullptr, y, M, K,
+            w.n, w.group, static_cast<Format>(w.format)};
   std::vector<int8_t> xq;
   std::vector<float> xscale, xsum;
   std::vector<int32_t> xqsum;
@@ -508,7 +522,12 @@ Weights weights_of(int64_t K, const at::Tensor& data, const at::Tensor& scales,
               "gpt2s: the VNNI path takes int8, or int4 in groups of 32, and K a multiple of 32");
   TORCH_CHECK(data.is_contiguous() && (!bias.numel() || bias.numel() == n),
               "gpt2s: packed weights must be contiguous and the bias padded to N");
-  return {data.const_data_ptr(), float_ptr(scales), float_ptr(bias), n, format, group, isa};
+  TORCH_CHECK(format != INT4 || scales.scalar_type() == at::kHalf,
+              "gpt2s: int4 scales must be float16");
+  TORCH_CHECK(format != INT8 || scales.scalar_type() == at::kFloat,
+              "gpt2s: int8 scales must be float32");
+  return {data.const_data_ptr(), scales.numel() ? scales.const_data_ptr() : nullptr,
+          float_ptr(bias), n, format, group, isa};
 }
 
 // y = x @ W^T (+ bias) for x (M, K) float32 and W packed as above with N outputs (N a multiple

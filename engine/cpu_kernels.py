@@ -38,7 +38,7 @@ class Packed:
 
     format: str
     data: torch.Tensor  # float32/bfloat16/int8: (N/16, K, 16); int4: uint8 (N/16, K/2, 16)
-    scales: torch.Tensor  # int8: (N,); int4: (K/group, N); float formats: empty
+    scales: torch.Tensor  # int8: (N,); int4: float16 (N/16, K/group, 16), by block; floats: empty
     out_features: int  # N before padding to a multiple of 16
     in_features: int
     group: int = 0
@@ -56,7 +56,7 @@ def pack(weight: torch.Tensor, fmt: str, group: int = INT4_GROUP,
          layout: str = "blocked") -> Packed:
     """A (N, K) float weight -> its packed form (N padded with zero rows to a multiple of 16).
     int8: symmetric per output, scale = max|w| / 127; int4: symmetric per output and group of
-    `group` inputs, scale = max|w| / 7, values -7..7 stored + 8. layout: 'blocked' for the
+    `group` inputs, scale = max|w| / 7 (in float16), values -7..7 stored + 8. layout: 'blocked' for the
     float32-activation paths, 'vnni' (int8, int4 in groups of 32) for avx512_vnni."""
     if fmt not in FORMATS:
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -78,10 +78,15 @@ def pack(weight: torch.Tensor, fmt: str, group: int = INT4_GROUP,
     if k % group or group % 2:
         raise ValueError(f"int4 needs an even group that divides the {k} inputs, not {group}")
     groups = w.view(w.size(0), k // group, group)
-    scales = (groups.abs().amax(dim=2) / 7).clamp(min=1e-12)  # (Np, K/group)
-    q = (torch.round(groups / scales[..., None]).clamp(-7, 7) + 8).to(torch.uint8).view(-1, k)
+    # (Np, K/group), held in float16 as llama.cpp's q4_0 blocks hold theirs (1e-7: above
+    # float16's smallest step, so an all-zero group divides by a nonzero scale)
+    scales = (groups.abs().amax(dim=2) / 7).clamp(min=1e-7).half()
+    q = torch.round(groups / scales.float()[..., None]).clamp(-7, 7) + 8
+    q = q.to(torch.uint8).view(-1, k)
     data = vnni_int4(q) if layout == "vnni" else blocked(q[:, 0::2] | (q[:, 1::2] << 4))
-    return Packed(fmt, data, scales.t().contiguous(), n, k, group, layout)
+    # each block's scales together, in the order its kernel reads them
+    by_block = scales.view(-1, BLOCK, k // group).transpose(1, 2).contiguous()
+    return Packed(fmt, data, by_block, n, k, group, layout)
 
 
 def blocked(w: torch.Tensor) -> torch.Tensor:
@@ -119,7 +124,8 @@ def unpack(packed: Packed) -> torch.Tensor:
         else:
             q = data.float()
     if packed.format == "int4":
-        w = q * packed.scales.t().repeat_interleave(packed.group, dim=1)  # (Np, K)
+        scales = packed.scales.float().transpose(1, 2).reshape(rows, -1)  # (Np, K/group)
+        w = q * scales.repeat_interleave(packed.group, dim=1)  # (Np, K)
     elif packed.format == "int8":
         w = q * packed.scales[:, None]
     else:
@@ -147,7 +153,7 @@ def cpu_isas() -> list[str]:
     from engine.runtime import cpu_info
     flags = set(cpu_info().get("flags", "").split())
     isas = ["portable"]
-    if {"avx2", "fma"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags:
         isas.append("avx2")
         if {"avx512f", "avx512bw", "avx512vl"} <= flags:
             isas.append("avx512")

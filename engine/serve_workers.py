@@ -71,7 +71,7 @@ def prepare_on_device(model, cfg: Config, device: torch.device, sparse_mode: str
     """generate.py's preparation: the weights' format (sample.weights), the weight layout, then
     a pruned model's sparse kernels where they timed faster here (engine/sparse.py), said in
     the log."""
-    if cfg.sample.weights != "float32":
+    if cfg.sample.weights != "torch":
         log(f"weights={weights.convert(model, cfg.sample.weights, device)}")
     set_weight_layout(model, cfg.sample.weight_layout, cfg.sample.huge_pages)
     if note := sparse.prepare_for_inference(model, sparse_mode, device, rows):

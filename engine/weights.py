@@ -1,7 +1,8 @@
 """Weight formats for inference (sample.weights): every Linear of the blocks and the LM head held
 as float32, bfloat16, int8 or int4 and multiplied by float32 activations through the compiled
-kernels of engine/cpu_kernels.py; `auto` times the formats on this machine and keeps the fastest
-of those within 0.5% of float32's perplexity (float32, bfloat16, int8: int4 is asked for by name).
+kernels of engine/cpu_kernels.py; `torch` leaves the model as loaded (torch's own products);
+`auto` times the choices on this machine and keeps the fastest of those within 0.5% of float32's
+perplexity (torch, float32, bfloat16, int8: int4 is asked for by name).
 
     note = convert(model, "int8", torch.device("cpu"))   # in place; -> the banner's note
 """
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 from config import ConfigError
 from engine import cpu_kernels
 
-FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
-AUTO_CANDIDATES = ("float32", "bfloat16", "int8")  # within 0.5% perplexity of float32 (int4: 3%)
+FORMATS = ("auto", "torch", "float32", "bfloat16", "int8", "int4")
+# within 0.5% of float32's perplexity (int4: 3%), measured by python bench.py --decode
+AUTO_CANDIDATES = ("torch", "float32", "bfloat16", "int8")
 KERNEL_ROWS = 128  # up to this many rows a call runs the kernels (faster than unpacking the
 # weight for a dense product up to ~256 rows here); more (a long prompt): the dense product
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -75,53 +77,54 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def convert(model: nn.Module, fmt: str, device: torch.device) -> str:
-    """sample.weights: repack the model's Linears in place -> the banner's note. float32 leaves
-    the model as it is (MKL's products, the decode weight layout); auto times the candidates."""
+    """sample.weights: repack the model's Linears in place -> the banner's note. torch leaves
+    the model as it is (torch's products: MKL and the decode weight layout on a CPU); auto
+    times the candidates."""
     if fmt not in FORMATS:
         raise ConfigError(f"sample.weights={fmt!r} is not one of {', '.join(FORMATS)}")
     if isinstance(model.lm_head, PackedLinear):
         return model.lm_head.format + " (packed already)"
     dtype = model.transformer.wpe.weight.dtype
     if device.type != "cpu" or dtype != torch.float32:
-        if fmt in ("auto", "float32"):
-            return "float32" if device.type == "cpu" else "as loaded (the kernels are CPU only)"
+        if fmt in ("auto", "torch"):
+            return f"torch (as loaded{', the kernels are CPU only' if fmt == 'auto' else ''})"
         raise ConfigError(f"sample.weights={fmt} runs on a CPU with a float32 model, not on "
-                          f"{device.type} with {dtype} weights; use --weights=float32 (or "
-                          "auto) there")
+                          f"{device.type} with {dtype} weights; use --weights=torch (or auto) "
+                          "there")
     built, why = cpu_kernels.status()
     note = ""
     if fmt == "auto":
         fmt, note = choose(model, built, why)
-    elif not built and fmt != "float32":
-        note = f" ({why}: slower than float32 here)"
-    if fmt == "float32":
-        return "float32" + note
+    elif not built and fmt != "torch":
+        note = f" ({why}: slower than torch's float32 here)"
+    if fmt == "torch":
+        return "torch (as loaded)" + note
     for parent, attr, linear in linears(model):
         if not isinstance(linear, PackedLinear):  # auto packed them already
             setattr(parent, attr, PackedLinear(linear, fmt))
-    # the embedding is read a row a token: bf16 halves its memory for nothing measurable
-    model.transformer.wte.weight.data = model.transformer.wte.weight.data.to(torch.bfloat16)
+    if fmt != "float32":  # the embedding is read a row a token: bf16 halves its memory
+        model.transformer.wte.weight.data = model.transformer.wte.weight.data.to(torch.bfloat16)
     return f"{fmt}{note} ({weight_bytes(model) / 2**20:.0f} MiB)"
 
 
 def choose(model: nn.Module, built: bool, why: str) -> tuple[str, str]:
     """auto: the fastest of AUTO_CANDIDATES decoding this model here, each timed over a few
-    cached steps after a short prompt (float32 as generate.py runs it: its weight layout and
+    cached steps after a short prompt (torch as generate.py runs it: its weight layout and
     sliced products); the chosen packing is kept."""
     if not built:
-        return "float32", f" (auto: {why})"
+        return "torch", f" (auto: {why})"
     from engine.sampling import set_matvec, set_weight_layout  # they import this module
     set_weight_layout(model, "auto", huge_pages=True)
     set_matvec(model, "auto")
     found = linears(model)
-    times, packs = {"float32": step_seconds(model)}, {}
+    times, packs = {"torch": step_seconds(model)}, {}
     for fmt in AUTO_CANDIDATES[1:]:
         packs[fmt] = [PackedLinear(linear, fmt) for _, _, linear in found]
         swap(found, packs[fmt])
         times[fmt] = step_seconds(model)
         swap(found, [linear for _, _, linear in found])
     best = min(times, key=times.get)
-    if best != "float32":
+    if best != "torch":
         swap(found, packs[best])
     timed = ", ".join(f"{f} {t * 1e3:.1f} ms" for f, t in times.items())
     return best, f" (auto: the fastest decode step here of {timed})"

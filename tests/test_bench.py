@@ -268,22 +268,25 @@ def test_decode_benchmark_rows_ceilings_and_quality(char_dataset, tmp_path, monk
         "returncode": 0})())  # "llama_cpp imports"
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"\0" * 4096)
-    assert bench_decode.main([f"--checkpoint={ckpt}", "--formats=float32,int8,int4",
+    assert bench_decode.main([f"--checkpoint={ckpt}", "--formats=torch,float32,int8,int4",
                               "--new-tokens=6", "--rounds=2", "--hf=false", f"--gguf={gguf}",
                               f"--quality={ckpt}", "--eval-batches=2", "--agreement-tokens=8",
                               f"--results={tmp_path}", "--name=t", "--threads=1"]) == 0
     report = json.loads((tmp_path / "decode_t.json").read_text())
     rows = report["speed"]["rows"]
-    assert list(rows) == ["ours float32", "ours int8", "ours int4", "llama.cpp model"]
+    assert list(rows) == ["ours torch", "ours float32", "ours int8", "ours int4",
+                          "llama.cpp model"]
+    assert rows["ours torch"]["bytes"] < rows["ours float32"]["bytes"]  # + the head's copy
     assert rows["ours float32"]["bytes"] > rows["ours int8"]["bytes"] > rows["ours int4"]["bytes"]
     assert rows["llama.cpp model"]["bytes"] == 4096
     for row in rows.values():
         assert len(row["seconds"]) == 2 and row["tok_per_s"] > 0
         assert row["ceiling"] == pytest.approx(row["bandwidth"] / row["bytes"])
-    assert rows["ours float32"]["same_tokens"] == 6  # the first row is the reference
+    assert rows["ours torch"]["same_tokens"] == 6  # the first row is the reference
     quality = {q["format"]: q for q in report["quality"]}
-    assert quality["float32"]["change"] == 0 and quality["float32"]["same_tokens"] == 8
-    assert quality["int4"]["perplexity"] != quality["float32"]["perplexity"]
+    assert quality["torch"]["change"] == 0 and quality["torch"]["same_tokens"] == 8
+    assert abs(quality["float32"]["change"]) < 1e-5  # the same weights, summed in other orders
+    assert quality["int4"]["perplexity"] != quality["torch"]["perplexity"]
     assert "| llama.cpp | model |" in (tmp_path / "decode_t.md").read_text()
 
 
