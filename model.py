@@ -423,8 +423,9 @@ class GPT(nn.Module):
                 logits_at: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> (logits (B, T, vocab), loss). With a kv_cache the tokens sit at
-        input_pos (T,) (default 0..T-1); the caller keeps those below block_size. logits_at (K,):
-        the LM head only at these indices into T -> logits (B, K, vocab) (a prefill's last).
+        input_pos (T,) (default 0..T-1); the caller keeps those below block_size. logits_at (K,)
+        or (B, K), each row's own: the LM head only at these indices into T -> logits
+        (B, K, vocab) (a prefill's last).
         With targets and model.loss=chunked the logits never exist: (None, loss)."""
         if logits_at is not None and targets is not None:
             raise ValueError("logits_at is for inference: pass targets or logits_at, not both")
@@ -441,8 +442,9 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None and self.config.loss == "chunked":  # padded rows left out
             return None, chunked_cross_entropy(x, self.lm_head.weight[:self.vocab_size], targets)
-        if logits_at is not None:
-            x = x[:, logits_at]  # (B, K, C)
+        if logits_at is not None:  # (K,): the same for every row; (B, K): each row's own
+            x = x[:, logits_at] if logits_at.dim() == 1 else x.gather(
+                1, logits_at[..., None].expand(-1, -1, x.size(-1)))  # (B, K, C)
         logits = self.lm_head(x)[..., :self.vocab_size]  # (B, T, vocab): padded rows never win
         loss = None
         if targets is not None:

@@ -16,6 +16,7 @@ on what else is in the batch, and the same seed gives the same text.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import collections
 import contextlib
 import secrets
@@ -66,10 +67,16 @@ class SlotCache:
             mask = (self.positions[:n] <= input_pos.view(rows, 1))[:, None, None, :]
         return cache[0, :, :, :n], cache[1, :, :, :n], mask
 
-    def store_row(self, row: int, prefilled: KVCache, length: int) -> None:
-        """Copy positions 0..length-1 of a batch-1 cache (a prefill's) into `row`."""
+    def store_row(self, row: int, prefilled: KVCache, length: int, source: int = 0) -> None:
+        """Copy positions 0..length-1 of row `source` of a prefill's cache into `row`."""
         for mine, theirs in zip(self.kv, prefilled.kv):
-            mine[:, row, :, :length].copy_(theirs[:, 0, :, :length])
+            mine[:, row, :, :length].copy_(theirs[:, source, :, :length])
+
+
+def prefill_cache(model: GPT, rows: int, length: int) -> KVCache:
+    """A cache of `rows` rows and `length` positions: the scratch of one batched prefill."""
+    p = model.transformer.wpe.weight
+    return KVCache(dataclasses.replace(model.config, block_size=length), rows, p.device, p.dtype)
 
 
 @dataclass
@@ -240,13 +247,18 @@ class BatchEngine:
         decoding = [s for s in self.running if s is not None and s.pos is not None]
         if decoding:
             self._decode(decoding)
-        waiting = sorted((s for s in self.running if s is not None and s.pos is None),
-                         key=lambda s: s is not self.prefilling)
         budget = self.chunk or float("inf")
-        for seq in waiting:
-            if budget <= 0:
-                break
-            budget -= self._prefill(seq, budget)
+        if self.prefilling is not None:  # it holds the scratch cache: finish it first
+            budget -= self._prefill(self.prefilling, budget)
+        fresh = [s for s in self.running if s is not None and s.pos is None
+                 and s is not self.prefilling]
+        while fresh and budget > 0 and self.prefilling is None:
+            group = self._group(fresh, budget)
+            if len(group) > 1:
+                budget -= self._prefill_group(group)
+            else:  # alone (as generate.py reads it), in chunks when longer than the budget
+                budget -= self._prefill(fresh[0], budget)
+            fresh = fresh[len(group) or 1:]
 
     def _admit(self) -> None:
         """Drop cancelled sequences; move queued ones into free slots (lowest first)."""
@@ -281,6 +293,39 @@ class BatchEngine:
         seq.pos, seq.read = seq.read, 0
         self._advance(seq, logits[:, -1, :])
         return n
+
+    def _group(self, fresh: list[Sequence], budget: float) -> list[Sequence]:
+        """The first of `fresh` that fit in one batched prefill of at most `budget` rows
+        (sequences x the longest context); eager code only (compiled code would see new
+        shapes)."""
+        if self.static:
+            return fresh[:1]
+        group, longest = [], 0
+        for seq in fresh:
+            longest = max(longest, len(seq.tokens) - seq.start)
+            if (len(group) + 1) * longest > budget:
+                break
+            group.append(seq)
+        return group
+
+    def _prefill_group(self, group: list[Sequence]) -> int:
+        """Read several whole context windows in one forward, right-padded to the longest
+        (padding sits after each row's last token, so no real token attends to it), each
+        row's logits at its own last token -> the rows read."""
+        contexts = [seq.tokens[seq.start:] for seq in group]
+        longest = max(map(len, contexts))
+        ids = torch.tensor([c + [0] * (longest - len(c)) for c in contexts], device=self.device)
+        last = torch.tensor([[len(c) - 1] for c in contexts], device=self.device)
+        cache = prefill_cache(self.raw_model, len(group), longest)
+        cache.filled = longest
+        with self.autocast():
+            logits = self.model(ids, kv_cache=cache, input_pos=torch.arange(
+                longest, device=self.device), logits_at=last)[0]  # (rows, 1, vocab)
+        for i, (seq, context) in enumerate(zip(group, contexts)):
+            self.cache.store_row(seq.slot, cache, len(context), i)
+            seq.pos = len(context)
+            self._advance(seq, logits[i:i + 1, -1, :])
+        return len(group) * longest
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Each seq's last token at its own position, all in one (rows, 1) batch."""

@@ -134,6 +134,25 @@ def test_long_prompts_are_read_in_chunks_between_decode_steps(tmp_path):
                                  p.seed or 0), prompt
 
 
+def test_new_prompts_are_read_together_in_one_forward(tmp_path):
+    """Prompts that arrive together and fit the chunk are prefilled as one right-padded batch
+    (each row's logits at its own last token): one forward, and each text still what
+    generate.py gives it alone."""
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    requests = [("ab", SamplingParams(max_tokens=8, temperature=0)),
+                ("hello world", SamplingParams(max_tokens=8, temperature=0)),
+                ("c", SamplingParams(max_tokens=8, temperature=0.9, seed=2))]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    got = run_engine(model, requests, slots=3, prefill_chunk=64)
+    hook.remove()
+    assert shapes[0] == (3, len("hello world"))  # the three prompts in one forward
+    assert all(shape[1] == 1 for shape in shapes[1:])  # then decode steps only
+    for (prompt, p), text in zip(requests, got):
+        assert text == reference(model, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p,
+                                 p.seed or 0), prompt
+
+
 def test_a_pruned_checkpoint_is_served_with_sparse_kernels_and_the_same_text(tmp_path):
     """serve loads as generate.py does: a pruned model's Linears go sparse (--sparse), and the
     batched greedy text is what the dense model gives each request alone."""
