@@ -6,7 +6,8 @@ with a position per slot. New sequences join at the next step, finished ones lea
     engine.submit([Sequence(prompt_ids, params, on_event)])   # events: text, done, error
 
 Each step, every running sequence does one forward: the ones with a cache row decode together
-(one batched step, each row at its own position), then new or re-windowed ones are prefilled
+(one batched step, each row at its own position; packed weights: each block one compiled call;
+a sequence alone: generate.py's GPT.decode_one), then new or re-windowed ones are prefilled
 alone (the same `sampling.prefill` as generate.py), up to prefill_chunk prompt tokens a step (a
 long prompt is read over several steps, so the running streams wait for one chunk, never for
 the whole prompt), and copied into their row. Sampling is
@@ -24,13 +25,14 @@ import sys
 import threading
 import time
 import traceback
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from engine import memory, weights
-from engine.sampling import prefill, sample_next
+from engine.sampling import lean_decoding, prefill, sample_next
 from model import GPT, KVCache
 
 
@@ -335,9 +337,17 @@ class BatchEngine:
         for s in seqs:
             tokens[s.slot, 0], positions[s.slot, 0] = s.tokens[-1], s.pos
         self.cache.rows, self.cache.filled = rows, max(s.pos for s in seqs) + 1
-        if self.model is self.raw_model and weights.fused(self.raw_model):  # one call a block
+        row = {s.slot: s.slot for s in seqs}  # each seq's row of the logits
+        eager = self.model is self.raw_model
+        if eager and weights.fused(self.raw_model):  # one call a block
             logits = weights.decode_rows(self.raw_model, tokens, self.cache.kv,
                                          positions.view(rows))[:, -1, :]  # (rows, V)
+        elif eager and len(seqs) == 1 and lean_decoding(self.raw_model, self.device):
+            s = seqs[0]  # alone: generate.py's GPT.decode_one on the slot's row of the cache
+            alone = types.SimpleNamespace(kv=[kv[:, s.slot:s.slot + 1] for kv in self.cache.kv])
+            logits = self.raw_model.decode_one(tokens[s.slot:s.slot + 1].to(self.device), alone,
+                                               s.pos)[:, -1, :]
+            row = {s.slot: 0}
         else:
             with self.autocast():
                 logits = self.model(tokens.to(self.device), kv_cache=self.cache,
@@ -346,12 +356,12 @@ class BatchEngine:
             s.pos += 1
         greedy = [s for s in seqs if s.params.temperature == 0]
         if greedy:  # argmax per row, as sample_next does at temperature 0: one call for all
-            picks = logits[[s.slot for s in greedy]].float().argmax(dim=-1).tolist()
+            picks = logits[[row[s.slot] for s in greedy]].float().argmax(dim=-1).tolist()
             for s, token in zip(greedy, picks):
                 self._append(s, token)
         for s in seqs:
             if s.params.temperature > 0:
-                self._advance(s, logits[s.slot:s.slot + 1])
+                self._advance(s, logits[row[s.slot]:row[s.slot] + 1])
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
