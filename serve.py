@@ -3,14 +3,17 @@
     python serve.py --checkpoint out/shakespeare_char            # http://127.0.0.1:8000
     python serve.py --init-from gpt2 --slots 16 --workers 2 --port 8080
     python serve.py --compile true --quantize int8                # warmed (compiled) before healthy
+    GPT2S_API_KEY=secret python serve.py --host 0.0.0.0            # /v1 needs the key
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "ROMEO:", "max_tokens": 64, "temperature": 0}'
 
-Endpoints: POST /v1/completions (stream: server-sent events), GET /v1/models, GET /health.
-How it works, and what it measured: docs/serve.md.
+Endpoints: POST /v1/completions (stream: server-sent events), GET /v1/models, GET /health,
+GET /metrics (Prometheus). How it works, and what it measured: docs/serve.md.
 """
 import gc
 import importlib.util
+import ipaddress
+import os
 import sys
 from dataclasses import dataclass
 
@@ -21,6 +24,8 @@ from engine import checkpoint, runtime, sparse
 from engine.sampling import huge_pages_for, weight_layout_for
 from engine.serve_workers import Supervisor, WorkerSpec, load_for_serving, log
 from engine.tokenizer import TokenizerError
+
+API_KEY_ENV = "GPT2S_API_KEY"  # the key from the environment, so it need not show in `ps`
 
 
 @dataclass
@@ -50,6 +55,13 @@ class ServeOptions:
     sparse: str = opt("auto", "a pruned checkpoint (prune.py): auto = sparse kernels for the "
                       "weight shapes a timing probe at --slots rows finds faster here | sparse | "
                       "dense (its weights with zeros)", sparse.MODES)
+    api_key: str = opt("", "every /v1 request must send 'Authorization: Bearer KEY' (else 401; "
+                       "/health and /metrics stay open); default: $GPT2S_API_KEY, '' = none")
+    allow_no_key: bool = opt(False, "serve a --host other than loopback without an API key "
+                             "(else refused at start)")
+    max_body_bytes: int = opt(1 << 20, "the largest request body in bytes, else 413 before it is "
+                              "read whole; 1 MiB holds a 1024-token prompt of GPT-2's longest "
+                              "tokens as JSON (384 KiB); 0 = no limit")
 
 
 def check_options(o: ServeOptions) -> None:
@@ -62,15 +74,33 @@ def check_options(o: ServeOptions) -> None:
                     ("max_prompt_tokens", ">= 0", o.max_prompt_tokens >= 0),
                     ("idle_release_s", ">= 0", o.idle_release_s >= 0),
                     ("threads", ">= 0", o.threads >= 0),
-                    ("retry_after_s", ">= 0", o.retry_after_s >= 0))
+                    ("retry_after_s", ">= 0", o.retry_after_s >= 0),
+                    ("max_body_bytes", ">= 0", o.max_body_bytes >= 0))
                 if not ok]
     if problems:
         raise ConfigError("invalid options: " + "; ".join(problems))
+    if not api_key(o) and not o.allow_no_key and not is_loopback(o.host):
+        raise ConfigError(f"--host {o.host} is reachable from other machines but no API key is "
+                          f"set; pass --api-key KEY (or set {API_KEY_ENV}), or --allow-no-key "
+                          "true to serve without one")
+
+
+def api_key(o: ServeOptions) -> str:
+    """--api-key, else $GPT2S_API_KEY; '' = none."""
+    return o.api_key or os.environ.get(API_KEY_ENV, "")
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def check_server_packages() -> None:
     """Before any model is loaded: the HTTP side's libraries (pyproject.toml's serve group)."""
-    missing = [name for name in ("fastapi", "pydantic", "uvicorn", "httpx")
+    missing = [name for name in ("fastapi", "pydantic", "uvicorn", "httpx", "prometheus_client")
                if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"serve.py needs {', '.join(missing)}: pip install {' '.join(missing)}"
@@ -84,7 +114,8 @@ def serve(cfg, o: ServeOptions) -> int:
                       max_prompt_tokens=o.max_prompt_tokens, warmup=o.warmup,
                       idle_release_s=o.idle_release_s, share_weights=o.share_weights,
                       retry_after_s=o.retry_after_s, access_log=o.access_log, threads=o.threads,
-                      init_from=o.init_from, model_name=o.model_name, sparse=o.sparse)
+                      init_from=o.init_from, model_name=o.model_name, sparse=o.sparse,
+                      api_key=api_key(o), max_body_bytes=o.max_body_bytes)
     device = runtime.resolve_device(cfg.system.device)  # a device this machine lacks fails here
     torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serve_workers.py)
     loaded = load_for_serving(cfg, o.init_from, o.model_name, device, o.sparse,

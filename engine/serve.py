@@ -3,14 +3,18 @@
     POST /v1/completions   prompt, max_tokens, temperature, top_p, top_k (extension), seed, stop,
                            n, stream (server-sent events ending in `data: [DONE]`), usage
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
+    GET  /metrics          Prometheus' text format, summed over the workers (engine/serve_workers)
 
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: bad requests 400,
-an unknown model 404, a full queue 503 with Retry-After.
+With an API key, every /v1 route needs `Authorization: Bearer KEY` (else 401); /health and
+/metrics stay open. Every error has OpenAI's shape, {"error": {"message", "type", "param",
+"code"}}: bad requests 400, no or a wrong key 401, an unknown model or route 404, a wrong method
+405, a body over the cap 413, a full queue 503 with Retry-After.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import secrets
@@ -20,16 +24,24 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest, multiprocess)
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException  # 404, 405 are these
+from starlette.routing import Match
 
 from engine.serve_batch import BatchEngine, QueueFull, SamplingParams, Sequence
 from engine.tokenizer import TokenizerError
 
 UNSUPPORTED = {"echo": False, "logprobs": None, "best_of": None, "suffix": None,
                "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+WARM_UP_CLIENT = ("warm-up", 0)  # the client address of the in-process warm-up: not counted
+# 5 ms .. 60 s: a small model's token on a CPU up to a long completion of GPT-2 on 1 core
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+                   60.0)
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +100,51 @@ class ApiError(Exception):
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class Metrics:
+    """One worker's Prometheus metrics. With PROMETHEUS_MULTIPROC_DIR set (serve.py's
+    supervisor sets it before forking), each worker writes its values to files there and
+    exposition() reports the sum over every worker, whichever one answers."""
+
+    def __init__(self, slots: int):
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=None)
+
+        def gauge(name: str, doc: str) -> Gauge:  # livesum: the workers alive now, added up
+            return Gauge(name, doc, multiprocess_mode="livesum", registry=None)
+
+        self.requests = Counter("gpt2s_requests", "HTTP requests by route and status (a full "
+                                "queue: 503)", ["route", "status"], registry=None)
+        self.prompt_tokens = Counter("gpt2s_prompt_tokens", "prompt tokens of the accepted "
+                                     "completion requests", registry=None)
+        self.completion_tokens = Counter("gpt2s_completion_tokens", "tokens generated (also "
+                                         "those of cancelled completions)", registry=None)
+        self.time_to_first_token = histogram("gpt2s_time_to_first_token_seconds", "from a "
+                                             "request's submission to its first token")
+        self.inter_token_latency = histogram("gpt2s_inter_token_latency_seconds", "a "
+                                             "completion's mean time between its tokens")
+        self.e2e_latency = histogram("gpt2s_e2e_request_latency_seconds", "from a request's "
+                                     "submission to its last token")
+        self.queue_depth = gauge("gpt2s_queue_depth", "sequences waiting for a decode slot")
+        self.busy_slots = gauge("gpt2s_busy_slots", "decode slots generating a sequence")
+        self.slots = gauge("gpt2s_slots", "decode slots")
+        self.slots.set(slots)
+
+    def refresh(self, engine: BatchEngine) -> None:
+        """The gauges from the engine's counts now."""
+        stats = engine.stats()
+        self.busy_slots.set(stats["active"])
+        self.queue_depth.set(stats["queued"])
+
+    def exposition(self) -> bytes:
+        registry = CollectorRegistry()
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            multiprocess.MultiProcessCollector(registry)
+        else:  # one process (an app made in-process): this object's own values
+            for metric in vars(self).values():
+                registry.register(metric)
+        return generate_latest(registry)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -183,18 +240,32 @@ def sse(payload: Any) -> str:
 
 
 class Completion:
-    """One request's sequences in the engine, their events gathered on the event loop."""
+    """One request's sequences in the engine, their events gathered on the event loop, and
+    timed for the metrics (None: not counted, the warm-up)."""
 
     def __init__(self, engine: BatchEngine, body: CompletionRequest, prompts: list[list[int]],
-                 served: ServedModel, stop_token: int | None):
-        self.engine, self.served = engine, served
+                 served: ServedModel, stop_token: int | None, metrics: Metrics | None = None):
+        self.engine, self.served, self.metrics = engine, served, metrics
         self.events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self.seqs = make_sequences(body, prompts, stop_token, lambda j, event: loop.
-                                   call_soon_threadsafe(self.events.put_nowait, (j, event)))
+        self.seqs = make_sequences(body, prompts, stop_token,
+                                   lambda j, event: self._arrived(loop, j, event))
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.completion_tokens = 0
         self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        self.started = time.perf_counter()
+        self.first_at: list[float | None] = [None] * len(self.seqs)  # per choice
+        self.done_at: list[float | None] = [None] * len(self.seqs)
+        self.recorded = False
+
+    def _arrived(self, loop: asyncio.AbstractEventLoop, j: int, event: tuple) -> None:
+        """In the engine's thread: the event's time, then the event to the event loop."""
+        now = time.perf_counter()
+        if self.first_at[j] is None:
+            self.first_at[j] = now
+        if event[0] == "done":
+            self.done_at[j] = now
+        loop.call_soon_threadsafe(self.events.put_nowait, (j, event))
 
     def submit(self) -> None:
         try:
@@ -203,11 +274,31 @@ class Completion:
             raise ApiError(503, f"the server is at capacity ({e}); retry after "
                            f"{self.served.retry_after_s}s", kind="server_overloaded",
                            headers={"Retry-After": str(self.served.retry_after_s)}) from None
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
-    def cancel(self) -> None:
+    def close(self) -> None:
+        """The request is over (answered, failed or its client gone): cancel what still runs,
+        and record it."""
         for seq in self.seqs:
             if not seq.done:
                 self.engine.cancel(seq)
+        self.record()
+
+    def record(self) -> None:
+        """Once: the tokens generated, the time to the first token of any choice, to the last
+        of every choice (if all finished), and each finished choice's mean time per token."""
+        if self.metrics is None or self.recorded:
+            return
+        self.recorded, m = True, self.metrics
+        m.completion_tokens.inc(sum(seq.generated for seq in self.seqs))
+        if firsts := [t for t in self.first_at if t is not None]:
+            m.time_to_first_token.observe(min(firsts) - self.started)
+        if all(t is not None for t in self.done_at):
+            m.e2e_latency.observe(max(self.done_at) - self.started)
+        for seq, first, done in zip(self.seqs, self.first_at, self.done_at):
+            if done is not None and seq.generated > 1:
+                m.inter_token_latency.observe((done - first) / (seq.generated - 1))
 
     async def batches(self) -> AsyncIterator[list[tuple[int, tuple]]]:
         """Lists of (choice index, event), everything that has arrived, until every sequence
@@ -223,6 +314,8 @@ class Completion:
                 if event[0] == "done":
                     left -= 1
                     self.completion_tokens += event[2]
+            if not left:  # recorded before the client has the last of it
+                self.record()
             yield batch
 
     async def events_until_done(self) -> AsyncIterator[tuple[int, tuple]]:
@@ -264,7 +357,7 @@ async def complete(request: Request, job: Completion) -> dict:
             else:
                 reasons[j] = event[1]
     finally:
-        job.cancel()
+        job.close()
     return job.chunk([choice(j, texts[j], reasons[j]) for j in range(len(texts))], usage=True)
 
 
@@ -296,11 +389,12 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
     except ApiError as e:
         yield sse({"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
     finally:
-        job.cancel()
+        job.close()
 
 
 async def completion(request: Request, body: CompletionRequest, engine: BatchEngine,
-                     served: ServedModel, tokenizer, stop_token: int | None):
+                     served: ServedModel, tokenizer, stop_token: int | None,
+                     metrics: Metrics | None):
     """POST /v1/completions: checked, queued, then streamed or answered whole."""
     if not engine.ready.is_set():
         raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
@@ -312,7 +406,8 @@ async def completion(request: Request, body: CompletionRequest, engine: BatchEng
         raise ApiError(400, f"this request asks for {len(prompts) * body.n} completions "
                        f"(prompts x n) but the server holds at most "
                        f"{engine.slots + engine.max_queue}", "n")
-    job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, stop_token)
+    job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, stop_token,
+                     metrics)
     job.submit()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -321,10 +416,11 @@ async def completion(request: Request, body: CompletionRequest, engine: BatchEng
     return await complete(request, job)
 
 
-async def when_ready(app: FastAPI, engine: BatchEngine,
-                     on_ready: Callable[[], None] | None) -> None:
+async def when_ready(app: FastAPI, engine: BatchEngine, on_ready: Callable[[], None] | None,
+                     api_key: str = "") -> None:
     """Once the engine has warmed up, warm the HTTP path too (a plain and a streamed request
-    through the app, in-process), then report healthy; a failed warm-up ends the process."""
+    through the app, in-process, not counted in the metrics), then report healthy; a failed
+    warm-up ends the process."""
     while not engine.ready.is_set():
         if not engine.thread.is_alive():
             print("serve: the engine failed during warm-up (see above)", file=sys.stderr,
@@ -332,8 +428,10 @@ async def when_ready(app: FastAPI, engine: BatchEngine,
             os._exit(1)
         await asyncio.sleep(0.05)
     if engine.warmup:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://warm-up") as client:
+        transport = httpx.ASGITransport(app=app, client=WARM_UP_CLIENT)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://warm-up",
+                                     headers=headers) as client:
             for stream in (False, True):
                 body = {"prompt": [0], "max_tokens": 2, "stream": stream}
                 (await client.post("/v1/completions", json=body)).raise_for_status()
@@ -342,21 +440,152 @@ async def when_ready(app: FastAPI, engine: BatchEngine,
         on_ready()
 
 
+def is_warm_up(scope: dict) -> bool:
+    return tuple(scope.get("client") or ()) == WARM_UP_CLIENT
+
+
+def header(scope: dict, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key == name), None)
+
+
+def key_error(authorization: bytes | None, api_key: str) -> ApiError | None:
+    """None if `Authorization: Bearer <api_key>` (compared in constant time), else the 401."""
+    scheme, _, token = (authorization or b"").partition(b" ")
+    if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode()):
+        return None
+    where = "the key this server was started with (--api-key or $GPT2S_API_KEY)"
+    message = (f"no API key: send the header 'Authorization: Bearer KEY' with {where}"
+               if authorization is None else
+               f"the API key is not valid: send 'Authorization: Bearer KEY' with {where}")
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def body_too_large(max_bytes: int) -> str:
+    return (f"the request body is over this server's limit of {max_bytes:,} bytes; send a "
+            f"shorter one, or start the server with a larger --max-body-bytes")
+
+
+def route_of(routes: list, scope: dict) -> str:
+    """The route's template (/v1/models/{name}) for the metrics' labels, or 'unmatched'."""
+    for route in routes:
+        if route.matches(scope)[0] != Match.NONE:
+            return route.path
+    return "unmatched"
+
+
+class Gate:
+    """ASGI middleware in front of the app: counts each request by route and status, answers
+    401 to a /v1 request without the API key, and 413 to a body over max_body_bytes (0: no
+    limit): at once from Content-Length, else counted as it arrives, before it is read whole."""
+
+    def __init__(self, app, routes: list, metrics: Metrics, api_key: str, max_body_bytes: int):
+        self.app, self.routes, self.metrics = app, routes, metrics
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        counted = is_warm_up(scope)  # True: counted already, or never (the warm-up)
+
+        async def send_counted(message: dict) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:  # before the body
+                counted = True
+                self.count(scope, message["status"])
+            await send(message)
+
+        try:
+            if (refusal := self.refusal(scope)) is not None:
+                return await refusal.response()(scope, receive, send_counted)
+            await self.app(scope, self.limited(receive), send_counted)
+        finally:
+            if not counted:  # an exception before any response: the 500
+                self.count(scope, 500)
+
+    def count(self, scope: dict, status: int) -> None:
+        self.metrics.requests.labels(route_of(self.routes, scope), str(status)).inc()
+
+    def refusal(self, scope: dict) -> ApiError | None:
+        path = scope["path"]
+        if self.api_key and (path == "/v1" or path.startswith("/v1/")) and (
+                error := key_error(header(scope, b"authorization"), self.api_key)) is not None:
+            return error
+        length = header(scope, b"content-length")
+        if length is not None and length.isdigit() and self.over(int(length)):
+            return ApiError(413, body_too_large(self.max_body_bytes))
+        return None
+
+    def over(self, size: int) -> bool:
+        return 0 < self.max_body_bytes < size
+
+    def limited(self, receive):
+        """receive, raising 413 once the body's bytes so far pass the cap (a chunked body).
+        FastAPI's HTTPException: its body parsing passes that through to the handler (any
+        other exception would become a 400)."""
+        seen = 0
+
+        async def receive_limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if self.over(seen):
+                raise HTTPException(413, body_too_large(self.max_body_bytes))
+            return message
+
+        return receive_limited
+
+
+def http_error_message(request: Request, e: StarletteHTTPException, routes: list) -> str:
+    """Starlette's and FastAPI's own errors (unknown route, wrong method, a body that cannot be
+    parsed) -> a sentence that says what to send instead."""
+    if e.status_code == 404:
+        known = ", ".join(f"{' '.join(sorted(r.methods))} {r.path}" for r in routes
+                          if getattr(r, "include_in_schema", False))
+        return f"there is no route {request.url.path}; this server has {known}"
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "another method")
+        return f"{request.url.path} does not take {request.method}; use {allowed}"
+    cause = e.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return "the request body is not valid UTF-8 JSON: send a JSON object encoded in UTF-8"
+    if isinstance(cause, RecursionError):
+        return ("the request body's JSON is nested too deeply to parse: send a JSON object "
+                "whose values are at most lists of lists, as POST /v1/completions takes")
+    if cause is not None:
+        return (f"the request body could not be parsed ({type(cause).__name__}): send a JSON "
+                "object encoded in UTF-8")
+    return str(e.detail)
+
+
+async def refresh_gauges(metrics: Metrics, engine: BatchEngine, every_s: float = 0.25) -> None:
+    """The worker's gauges, kept current for whichever worker answers /metrics."""
+    while True:
+        metrics.refresh(engine)
+        await asyncio.sleep(every_s)
+
+
 def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine (warm-up first) and stops it."""
+               on_ready: Callable[[], None] | None = None, api_key: str = "",
+               max_body_bytes: int = 0) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine (warm-up first) and stops it.
+    api_key '' = none; max_body_bytes 0 = no limit."""
     stop_token = getattr(tokenizer, "eot_id", None)
+    metrics = Metrics(engine.slots)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        watcher = asyncio.ensure_future(when_ready(app, engine, on_ready))
+        watcher = asyncio.ensure_future(when_ready(app, engine, on_ready, api_key))
+        refresher = asyncio.ensure_future(refresh_gauges(metrics, engine))
         yield
         watcher.cancel()
+        refresher.cancel()
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
     app = FastAPI(title="gpt2-scratch serve", lifespan=lifespan)
     app.state.healthy = False
+    app.add_middleware(Gate, routes=app.routes, metrics=metrics, api_key=api_key,
+                       max_body_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -367,9 +596,21 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
         message, field = validation_message(list(e.errors()))
         return ApiError(400, message, field).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return ApiError(e.status_code, http_error_message(request, e, app.routes), kind=kind,
+                        headers=e.headers).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        return ApiError(500, "the server failed on this request (its log has the traceback)",
+                        kind="server_error").response()
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await completion(request, body, engine, served, tokenizer, stop_token)
+        return await completion(request, body, engine, served, tokenizer, stop_token,
+                                None if is_warm_up(request.scope) else metrics)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -381,6 +622,11 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
             raise ApiError(404, f"model {name!r} is not served here; this server serves "
                            f"{served.name!r}", "model", code="model_not_found")
         return model_card(served)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        metrics.refresh(engine)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -7,6 +7,10 @@ memory), restarts a worker that dies, and on SIGTERM lets the workers finish wha
 Each worker runs uvicorn on the inherited socket with its own BatchEngine (its slots, its queue,
 its share of the cores). The supervisor never runs a multi-threaded torch op before forking:
 a forked child of a process whose OpenMP pool has started hangs at its first parallel op.
+
+Metrics: the supervisor points PROMETHEUS_MULTIPROC_DIR at a fresh folder before forking (and
+removes it at exit), so every worker writes its counters there and /metrics, from any worker,
+adds them up; a dead worker's gauges are dropped (its counters stay in the sums).
 """
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ import contextlib
 import ctypes
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,6 +38,7 @@ from engine.tokenizer import from_meta
 
 RESTARTS_PER_MINUTE = 5  # more crashes than this in a minute: stop, something is wrong
 STOP_GRACE_S = 600.0  # after SIGTERM, running requests get this long before workers are killed
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode: its folder
 
 
 def log(text: str) -> None:
@@ -107,6 +114,8 @@ class WorkerSpec:
     init_from: str = ""
     model_name: str = ""
     sparse: str = "auto"  # a pruned model: engine/sparse.prepare_for_inference's mode
+    api_key: str = field(default="", repr=False)  # '' = none; never printed
+    max_body_bytes: int = 0  # 0: no limit
     extra: dict = field(default_factory=dict)
 
     def threads_per_worker(self) -> int:
@@ -155,7 +164,8 @@ def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, rea
     served = ServedModel(loaded.name, block, raw_model.config.vocab_size,
                          spec.max_prompt_tokens or block, spec.max_tokens, spec.retry_after_s)
     app = create_app(engine, served, loaded.tokenizer, on_ready=lambda: os.write(
-        ready_fd, f"{engine.warmup_seconds:.2f}\n".encode()))
+        ready_fd, f"{engine.warmup_seconds:.2f}\n".encode()), api_key=spec.api_key,
+        max_body_bytes=spec.max_body_bytes)
     config = uvicorn.Config(app, log_level="warning", access_log=spec.access_log,
                             lifespan="on", timeout_graceful_shutdown=None)
     uvicorn.Server(config).run(sockets=[sock])
@@ -196,10 +206,13 @@ class Supervisor:
         host, port = self.sock.getsockname()[:2]
         log(f"listening on http://{host}:{port} (workers {spec.workers} x "
             f"{spec.threads_per_worker()} threads, {spec.slots} slots and a {spec.max_queue} "
-            f"queue each, weights {'shared' if spec.share_weights else 'one copy per worker'})")
-        for index in range(spec.workers):
-            self._spawn(index)
-        return self._watch()
+            f"queue each, weights {'shared' if spec.share_weights else 'one copy per worker'}; "
+            f"/v1 {'needs the API key' if spec.api_key else 'is open: no API key'})")
+        with metrics_folder() as folder:
+            log(f"metrics of every worker in {folder}")
+            for index in range(spec.workers):
+                self._spawn(index)
+            return self._watch()
 
     def _on_signal(self, sig: int, frame) -> None:
         self.signalled = True
@@ -259,6 +272,8 @@ class Supervisor:
                 return code
             w = self.workers.pop(pid)
             os.close(w.ready_fd)
+            from prometheus_client import multiprocess  # only now: see metrics_folder
+            multiprocess.mark_process_dead(pid)  # its gauges leave the sums
             if self.stop_at is not None:
                 continue
             how = (f"signal {signal.Signals(-os.waitstatus_to_exitcode(status)).name}"
@@ -288,6 +303,24 @@ class Supervisor:
         for pid in self.workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def metrics_folder():
+    """A fresh folder for prometheus_client's multiprocess mode, in the environment that the
+    workers inherit; removed, and the environment restored, at the end. prometheus_client picks
+    its mode when first imported, so nothing here imports it before this."""
+    before = os.environ.get(MULTIPROC_ENV)
+    folder = tempfile.mkdtemp(prefix="gpt2s-metrics-")
+    os.environ[MULTIPROC_ENV] = folder
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if before is None:
+            os.environ.pop(MULTIPROC_ENV, None)
+        else:
+            os.environ[MULTIPROC_ENV] = before
 
 
 def pss_bytes(pid: int) -> int:

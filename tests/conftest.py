@@ -9,6 +9,8 @@ the per-test timeout and the strict settings are in pyproject.toml.
 """
 from __future__ import annotations
 
+import os
+
 import sys
 from pathlib import Path
 
@@ -35,6 +37,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_api_key_from_the_shell():
+    """A GPT2S_API_KEY in the shell running the tests would guard every server they start; the
+    tests that want a key set it themselves."""
+    saved = os.environ.pop("GPT2S_API_KEY", None)
+    yield
+    if saved is not None:
+        os.environ["GPT2S_API_KEY"] = saved
 
 
 @pytest.fixture(scope="session")
