@@ -151,13 +151,17 @@ def llama_rows(o: BenchDecodeOptions, threads: int, prompt: list[int]) -> dict[s
     """label -> LlamaRow for each --gguf file; none where llama_cpp does not import."""
     files = [p.strip() for p in o.gguf.split(",") if p.strip()]
     python = o.llama_python or sys.executable
-    if files and subprocess.run([python, "-c", "import llama_cpp"],
-                                capture_output=True).returncode != 0:
+    if files and not llama_imports(python):
         print(f"  llama.cpp rows skipped: llama_cpp does not import in {python} (give "
               "--llama-python)", flush=True)
         return {}
     return {f"llama.cpp {Path(p).stem}": LlamaRow(p, python, threads, prompt,
                                                   o.llama_extra_buffers) for p in files}
+
+
+def llama_imports(python: str) -> bool:
+    """Whether llama-cpp-python imports in that Python."""
+    return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
 
 
 def take_turns(runs: dict, new: int, rounds: int) -> dict[str, dict]:

@@ -209,8 +209,8 @@ def status() -> tuple[bool, str]:
             print(f"building the CPU decode kernels ({cxx}, once) ...", file=sys.stderr, flush=True)
             proc = subprocess.run(build_command(cxx, SOURCE, built), capture_output=True,
                                   text=True)
-            if proc.returncode != 0:
-                last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+            if proc.returncode != 0 or not built.exists():
+                last = proc.stderr.strip().splitlines()[-1:] or ["no library written"]
                 return False, f"building the CPU kernels failed ({last[0][:200]}): plain torch"
             os.replace(built, library)  # atomic: a concurrent build finds a whole file
     torch.ops.load_library(str(library))

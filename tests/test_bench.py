@@ -264,8 +264,7 @@ def test_decode_benchmark_rows_ceilings_and_quality(char_dataset, tmp_path, monk
     fake = tmp_path / "fake_llama.py"
     fake.write_text(FAKE_LLAMA)
     monkeypatch.setattr(bench_decode, "LLAMA_WORKER", fake)  # the protocol, without llama.cpp
-    monkeypatch.setattr(bench_decode.subprocess, "run", lambda *a, **k: type("R", (), {
-        "returncode": 0})())  # "llama_cpp imports"
+    monkeypatch.setattr(bench_decode, "llama_imports", lambda python: True)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"\0" * 4096)
     assert bench_decode.main([f"--checkpoint={ckpt}", "--formats=torch,float32,int8,int4",
