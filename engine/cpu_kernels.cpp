@@ -17,8 +17,13 @@
 // [N/16][K/8][16][4], the first 4 k in the low nibbles and the next 4 in the high ones. What
 // the offsets add (128 or 8 times the block's sum of the rounded activations) is taken off.
 //
-// Four paths behind one op, chosen by `isa`: 0 portable C++, 1 AVX2 + FMA, 2 AVX-512 (F, BW,
-// VL), 3 AVX-512 VNNI (int8, int4 in the VNNI layout). The vector paths are compiled with target
+// The pairs layout (bfloat16 on AVX-512 BF16): [N/16][K/2][16][2], two k of each output side
+// by side, so vdpbf16ps multiplies 32 weights by a broadcast pair of activations (rounded to
+// bfloat16, to nearest even) and adds both products into float32 lanes: half the instructions
+// of unpacking to float32, and no unpacking.
+//
+// Five paths behind one op, chosen by `isa`: 0 portable C++, 1 AVX2 + FMA, 2 AVX-512 (F, BW,
+// VL), 3 AVX-512 VNNI (int8, int4 in the VNNI layout), 4 AVX-512 BF16 (bfloat16, pairs layout). The vector paths are compiled with target
 // attributes, so the library runs on any x86-64 and the caller picks what this CPU supports.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -59,6 +64,8 @@ struct Problem {
   const int8_t* xq = nullptr;   // (M, K)
   const float* xscale = nullptr;  // (M, K / 32)
   const int32_t* xqsum = nullptr;  // (M, K / 32)
+  // the BF16 path: x rounded to bfloat16, two k as one 32-bit word
+  const uint32_t* xpairs = nullptr;  // (M, K / 2)
 };
 
 constexpr int64_t QBLOCK = 32;  // inputs per activation scale on the VNNI path
@@ -80,6 +87,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* scal
       scale[m * (K / QBLOCK) + j] = s;
       sum[m * (K / QBLOCK) + j] = total;
     }
+  }
+}
+
+// x (M, K) -> bfloat16, rounded to nearest even as torch rounds (finite x), in pairs of k
+void bf16_pairs(const float* x, int64_t count, uint32_t* pairs) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(pairs);
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    out[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
   }
 }
 
@@ -462,6 +479,52 @@ VNNI void blocks_vnni(const Problem& p, int64_t begin, int64_t end) {
     }
   }
 }
+// ---- AVX-512 BF16: bfloat16 weights (pairs layout) times bfloat16 activations, vdpbf16ps ---
+#define BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+template <int MB>
+BF16DOT void block_bf16dot(const Problem& p, int64_t b, int64_t m0) {
+  constexpr int C = MB == 1 ? 4 : (MB <= 3 ? 2 : 1);  // independent chains per row
+  const int64_t pairs = p.K / 2, n = b * BLOCK;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + b * p.K * BLOCK;  // K/2 x 32 values
+  const uint32_t* x = p.xpairs + m0 * pairs;
+  __m512 acc[MB][C];
+  for (int i = 0; i < MB; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < pairs; t += C) {  // K is a multiple of 8: pairs of C
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* at = w + (t + c) * 2 * BLOCK;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH, _MM_HINT_T0);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(at);
+      for (int i = 0; i < MB; ++i)
+        acc[i][c] = _mm512_dpbf16_ps(acc[i][c], wv,
+                                     (__m512bh)_mm512_set1_epi32(x[i * pairs + t + c]));
+    }
+  }
+  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + n) : _mm512_setzero_ps();
+  for (int i = 0; i < MB; ++i) {
+    __m512 sum = acc[i][0];
+    for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, acc[i][c]);
+    _mm512_storeu_ps(p.y + (m0 + i) * p.N + n, _mm512_add_ps(sum, bias));
+  }
+}
+
+BF16DOT void blocks_bf16dot(const Problem& p, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
+    int64_t m = 0;
+    for (; m + 8 <= p.M; m += 8) block_bf16dot<8>(p, b, m);
+    switch (p.M - m) {
+      case 7: block_bf16dot<7>(p, b, m); break;
+      case 6: block_bf16dot<6>(p, b, m); break;
+      case 5: block_bf16dot<5>(p, b, m); break;
+      case 4: block_bf16dot<4>(p, b, m); break;
+      case 3: block_bf16dot<3>(p, b, m); break;
+      case 2: block_bf16dot<2>(p, b, m); break;
+      case 1: block_bf16dot<1>(p, b, m); break;
+      default: break;
+    }
+  }
+}
 #endif  // GPT2S_X86
 
 // One packed Linear as the kernels read it.
@@ -481,7 +544,12 @@ void product(const float* x, int64_t M, int64_t K, const Weights& w, float* y) {
   std::vector<int8_t> xq;
   std::vector<float> xscale, xsum;
   std::vector<int32_t> xqsum;
-  if (w.isa == 3) {
+  std::vector<uint32_t> xpairs;
+  if (w.isa == 4) {
+    xpairs.resize(M * K / 2);
+    bf16_pairs(x, M * K, xpairs.data());
+    p.xpairs = xpairs.data();
+  } else if (w.isa == 3) {
     xq.resize(M * K);
     xscale.resize(M * K / QBLOCK);
     xqsum.resize(M * K / QBLOCK);
@@ -496,6 +564,7 @@ void product(const float* x, int64_t M, int64_t K, const Weights& w, float* y) {
   }
   auto run = [&](int64_t begin, int64_t end) {
 #ifdef GPT2S_X86
+    if (w.isa == 4) return blocks_bf16dot(p, begin, end);
     if (w.isa == 3) return blocks_vnni(p, begin, end);
     if (w.isa == 2) return blocks_avx512(p, begin, end);
     if (w.isa == 1) return blocks_avx2(p, begin, end);
@@ -520,6 +589,8 @@ Weights weights_of(int64_t K, const at::Tensor& data, const at::Tensor& scales,
   TORCH_CHECK(isa != 3 || ((format == INT8 || (format == INT4 && group == QBLOCK)) &&
                            K % QBLOCK == 0),
               "gpt2s: the VNNI path takes int8, or int4 in groups of 32, and K a multiple of 32");
+  TORCH_CHECK(isa != 4 || format == BF16, "gpt2s: the BF16 path takes bfloat16 weights");
+  TORCH_CHECK(isa >= 0 && isa <= 4, "gpt2s: unknown kernel path ", isa);
   TORCH_CHECK(data.is_contiguous() && (!bias.numel() || bias.numel() == n),
               "gpt2s: packed weights must be contiguous and the bias padded to N");
   TORCH_CHECK(format != INT4 || scales.scalar_type() == at::kHalf,

@@ -27,8 +27,9 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
 BLOCK = 16  # outputs per block of the packed layout
 INT4_GROUP = 32  # inputs sharing one int4 scale
-ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
-LAYOUTS = ("blocked", "vnni")  # vnni: int8 and int4 for the avx512_vnni path only
+ISAS = ("portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
+# the layout each path reads: vnni (int8, int4) and pairs (bfloat16) are their paths' own
+LAYOUT_OF = {"avx512_vnni": "vnni", "avx512_bf16": "pairs"}
 QBLOCK = 32  # inputs per activation scale on the vnni path (and its int4 group)
 
 
@@ -37,7 +38,8 @@ class Packed:
     """One Linear's weight in a decode format: data in the blocked layout, scales, shape."""
 
     format: str
-    data: torch.Tensor  # float32/bfloat16/int8: (N/16, K, 16); int4: uint8 (N/16, K/2, 16)
+    data: torch.Tensor  # float32/bfloat16/int8: (N/16, K, 16); int4: uint8 (N/16, K/2, 16);
+    # bfloat16 pairs: (N/16, K/2, 16, 2)
     scales: torch.Tensor  # int8: (N,); int4: float16 (N/16, K/group, 16), by block; floats: empty
     out_features: int  # N before padding to a multiple of 16
     in_features: int
@@ -56,8 +58,11 @@ def pack(weight: torch.Tensor, fmt: str, group: int = INT4_GROUP,
          layout: str = "blocked") -> Packed:
     """A (N, K) float weight -> its packed form (N padded with zero rows to a multiple of 16).
     int8: symmetric per output, scale = max|w| / 127; int4: symmetric per output and group of
-    `group` inputs, scale = max|w| / 7 (in float16), values -7..7 stored + 8. layout: 'blocked' for the
-    float32-activation paths, 'vnni' (int8, int4 in groups of 32) for avx512_vnni."""
+    `group` inputs, scale = max|w| / 7 (in float16), values -7..7 stored + 8. layout: 'blocked'
+    for the float32-activation paths, 'vnni' (int8, int4 in groups of 32) for avx512_vnni,
+    'pairs' (bfloat16) for avx512_bf16."""
+    if layout == "pairs" and (fmt != "bfloat16" or weight.size(1) % 2):
+        raise ValueError("the pairs layout takes bfloat16 weights with an even number of inputs")
     if fmt not in FORMATS:
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
     if layout == "vnni" and (fmt not in ("int8", "int4") or weight.size(1) % QBLOCK
@@ -68,8 +73,9 @@ def pack(weight: torch.Tensor, fmt: str, group: int = INT4_GROUP,
     n, k = w.shape
     w = F.pad(w, (0, 0, 0, -n % BLOCK))  # (Np, K)
     if fmt in ("float32", "bfloat16"):
-        data = blocked(w.to(torch.bfloat16) if fmt == "bfloat16" else w)
-        return Packed(fmt, data, torch.empty(0), n, k)
+        w = w.to(torch.bfloat16) if fmt == "bfloat16" else w
+        data = pairs(w) if layout == "pairs" else blocked(w)
+        return Packed(fmt, data, torch.empty(0), n, k, layout=layout)
     if fmt == "int8":
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
         q = torch.round(w / scales[:, None]).clamp(-127, 127)
@@ -94,6 +100,11 @@ def blocked(w: torch.Tensor) -> torch.Tensor:
     return w.view(-1, BLOCK, w.size(1)).transpose(1, 2).contiguous()
 
 
+def pairs(w: torch.Tensor) -> torch.Tensor:
+    """(Np, K) -> (Np/16, K/2, 16, 2): per block of 16 outputs, each two inputs side by side."""
+    return w.view(-1, BLOCK, w.size(1) // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 def vnni_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 values (Np, K) -> uint8 (Np/16, K/4, 16, 4), stored + 128: four inputs per lane."""
     u = (q + 128).to(torch.uint8).view(-1, BLOCK, q.size(1) // 4, 4)
@@ -110,6 +121,8 @@ def vnni_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack(packed: Packed) -> torch.Tensor:
     """The (N, K) float32 weight the packed form stands for (what every path multiplies by)."""
     rows, k = packed.padded, packed.in_features
+    if packed.layout == "pairs":
+        return packed.data.permute(0, 2, 1, 3).reshape(rows, k).float()[:packed.out_features]
     if packed.layout == "vnni":  # (Np/16, K/4 or K/8, 16, 4) -> the values (Np, K)
         data = packed.data.permute(0, 2, 1, 3).reshape(rows, -1)
         if packed.format == "int8":
@@ -142,9 +155,12 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch: the same product from the unpacked weight (and, for the vnni layout, the
-    activations rounded as that path rounds them)."""
-    x = rounded_activations(x) if packed.layout == "vnni" else x.float()
+    """Plain torch: the same product from the unpacked weight (and, for the vnni and pairs
+    layouts, the activations rounded as those paths round them: int8 per block, bfloat16)."""
+    if packed.layout == "vnni":
+        x = rounded_activations(x)
+    else:
+        x = x.bfloat16().float() if packed.layout == "pairs" else x.float()
     return F.linear(x, unpack(packed), bias)
 
 
@@ -159,16 +175,21 @@ def cpu_isas() -> list[str]:
             isas.append("avx512")
             if "avx512_vnni" in flags:
                 isas.append("avx512_vnni")
+            if "avx512_bf16" in flags:
+                isas.append("avx512_bf16")
     return isas
 
 
 def best_path(fmt: str) -> tuple[str, str]:
     """(kernel path, layout) for a weight format on this CPU: the vnni path for int8 and int4
-    where the CPU has it, else the widest float32-activation path."""
+    and the bf16 path for bfloat16 where the CPU has them, else the widest float32-activation
+    path."""
     isas = cpu_isas()
     if fmt in ("int8", "int4") and "avx512_vnni" in isas:
         return "avx512_vnni", "vnni"
-    return next(i for i in reversed(isas) if i != "avx512_vnni"), "blocked"
+    if fmt == "bfloat16" and "avx512_bf16" in isas:
+        return "avx512_bf16", "pairs"
+    return next(i for i in reversed(isas) if i not in LAYOUT_OF), "blocked"
 
 
 def cache_dir() -> Path:
@@ -228,7 +249,8 @@ def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None,
     if not status()[0] or isa == "torch":
         return reference(x, packed, None if bias is None else bias[:packed.out_features])
     if isa is None:
-        isa = "avx512_vnni" if packed.layout == "vnni" else best_path("float32")[0]
+        own = {layout: path for path, layout in LAYOUT_OF.items()}
+        isa = own.get(packed.layout) or best_path("float32")[0]
     rows = x.reshape(-1, packed.in_features).float().contiguous()
     if bias is not None and bias.numel() != packed.padded:
         bias = F.pad(bias.float(), (0, packed.padded - bias.numel()))

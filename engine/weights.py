@@ -38,7 +38,7 @@ class PackedLinear(nn.Module):
             isa, layout = cpu_kernels.best_path(fmt) if cpu_kernels.status()[0] else \
                 ("torch", "blocked")
         else:
-            layout = "vnni" if isa == "avx512_vnni" else "blocked"
+            layout = cpu_kernels.LAYOUT_OF.get(isa, "blocked")
         packed = cpu_kernels.pack(linear.weight, fmt, layout=layout)
         self.format, self.group, self.isa, self.layout = fmt, packed.group, isa, layout
         self.register_buffer("data", packed.data)

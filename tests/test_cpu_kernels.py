@@ -1,5 +1,5 @@
 """The CPU decode kernels (engine/cpu_kernels.py): packing each weight format, every kernel path
-this CPU runs (portable C++, AVX2, AVX-512) against plain torch on the unpacked weight, the
+this CPU runs (portable C++, AVX2, AVX-512, VNNI, BF16) against plain torch on the unpacked weight, the
 fallback without a compiler, and PackedLinear (engine/weights.py) inside a model."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine import cpu_kernels, weights
 
 PATHS = cpu_kernels.cpu_isas()
-FLOAT_PATHS = [isa for isa in PATHS if isa != "avx512_vnni"]  # the blocked layout's paths
+FLOAT_PATHS = [isa for isa in PATHS if isa not in cpu_kernels.LAYOUT_OF]  # the blocked layout's
 
 
 def test_packing_keeps_each_format_to_its_rounding():
@@ -82,6 +82,36 @@ def test_the_vnni_path_gives_the_reference_of_rounded_activations(built, fmt, ro
     torch.testing.assert_close(got, cpu_kernels.reference(x, packed, bias), rtol=1e-5, atol=1e-5)
     exact = F.linear(x, cpu_kernels.unpack(packed), bias)
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+BF16 = pytest.mark.skipif("avx512_bf16" not in PATHS, reason="needs a CPU with AVX-512 BF16")
+
+
+@BF16
+@pytest.mark.parametrize("rows", [1, 2, 8, 11])
+def test_the_bf16_path_gives_the_reference_of_bf16_activations(built, rows):
+    """vdpbf16ps multiplies the activations rounded to bfloat16: the reference on those, to
+    float32 rounding; and within bfloat16's rounding of the float32-activation product."""
+    torch.manual_seed(rows)
+    w, bias = torch.randn(40, 96) * 0.05, torch.randn(40)
+    packed = cpu_kernels.pack(w, "bfloat16", layout="pairs")
+    assert packed.data.shape == (3, 48, 16, 2)
+    assert torch.equal(cpu_kernels.unpack(packed),
+                       cpu_kernels.unpack(cpu_kernels.pack(w, "bfloat16")))
+    x = torch.randn(rows, 96)
+    for b in (bias, None):
+        got = cpu_kernels.matmul(x, packed, b)  # the pairs layout's own path by default
+        want = F.linear(x.bfloat16().float(), cpu_kernels.unpack(packed), b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, cpu_kernels.reference(x, packed, b), rtol=1e-5,
+                                   atol=1e-5)
+    exact = F.linear(x, cpu_kernels.unpack(packed))  # b is None last
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_the_pairs_layout_is_bfloat16_only():
+    with pytest.raises(ValueError, match="pairs layout takes bfloat16"):
+        cpu_kernels.pack(torch.randn(16, 32), "int8", layout="pairs")
 
 
 def test_leading_dimensions_are_kept(built):
