@@ -8,7 +8,8 @@
          -d '{"prompt": "ROMEO:", "max_tokens": 64, "temperature": 0}'
 
 Endpoints: POST /v1/completions (stream: server-sent events), GET /v1/models, GET /health,
-GET /metrics (Prometheus). How it works, and what it measured: docs/serve.md.
+GET /metrics (Prometheus), GET / (a playground page in the browser). How it works, and what it
+measured: docs/serve.md.
 """
 import gc
 import importlib.util

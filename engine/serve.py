@@ -3,9 +3,10 @@
     POST /v1/completions   prompt, max_tokens, temperature, top_p, top_k (extension), seed, stop,
                            n, stream (server-sent events ending in `data: [DONE]`), usage
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
+    GET  /                 the playground page (engine/playground.py): prompt, controls, stream
     GET  /metrics          Prometheus' text format, summed over the workers (engine/serve_workers)
 
-With an API key, every /v1 route needs `Authorization: Bearer KEY` (else 401); /health and
+With an API key, every /v1 route needs `Authorization: Bearer KEY` (else 401); /, /health and
 /metrics stay open. Every error has OpenAI's shape, {"error": {"message", "type", "param",
 "code"}}: bad requests 400, no or a wrong key 401, an unknown model or route 404, a wrong method
 405, a body over the cap 413, a full queue 503 with Retry-After.
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException  # 404, 405 are these
 from starlette.routing import Match
 
+from engine.playground import Playground
 from engine.serve_batch import BatchEngine, QueueFull, SamplingParams, Sequence
 from engine.tokenizer import TokenizerError
 
@@ -606,6 +608,12 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
     async def crashed(request: Request, e: Exception) -> JSONResponse:
         return ApiError(500, "the server failed on this request (its log has the traceback)",
                         kind="server_error").response()
+
+    playground = Playground(served.name, bool(api_key), served.max_tokens)
+
+    @app.get("/")
+    async def page() -> Response:  # open without the key: the page's own requests send it
+        return playground.response()
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
