@@ -102,6 +102,7 @@ def convert(model: nn.Module, fmt: str, device: torch.device) -> str:
     for parent, attr, linear in linears(model):
         if not isinstance(linear, PackedLinear):  # auto packed them already
             setattr(parent, attr, PackedLinear(linear, fmt))
+    model._decode_blocks = None
     if fmt != "float32":  # the embedding is read a row a token: bf16 halves its memory
         model.transformer.wte.weight.data = model.transformer.wte.weight.data.to(torch.bfloat16)
     return f"{fmt}{note} ({weight_bytes(model) / 2**20:.0f} MiB)"
@@ -120,20 +121,23 @@ def choose(model: nn.Module, built: bool, why: str) -> tuple[str, str]:
     times, packs = {"torch": step_seconds(model)}, {}
     for fmt in AUTO_CANDIDATES[1:]:
         packs[fmt] = [PackedLinear(linear, fmt) for _, _, linear in found]
-        swap(found, packs[fmt])
+        swap(model, found, packs[fmt])
         times[fmt] = step_seconds(model)
-        swap(found, [linear for _, _, linear in found])
+        swap(model, found, [linear for _, _, linear in found])
     best = min(times, key=times.get)
     if best != "torch":
-        swap(found, packs[best])
+        swap(model, found, packs[best])
     timed = ", ".join(f"{f} {t * 1e3:.1f} ms" for f, t in times.items())
     return best, f" (auto: the fastest decode step here of {timed})"
 
 
-def swap(found: list[tuple[nn.Module, str, nn.Linear]], modules: list[nn.Module]) -> None:
-    """Put modules in the places of linears() (`found`), in order."""
+def swap(model: nn.Module, found: list[tuple[nn.Module, str, nn.Linear]],
+         modules: list[nn.Module]) -> None:
+    """Put modules in the places of linears() (`found`), in order; the decode blocks' arguments
+    are made again from them at the next step."""
     for (parent, attr, _), module in zip(found, modules):
         setattr(parent, attr, module)
+    model._decode_blocks = None
 
 
 @torch.no_grad()

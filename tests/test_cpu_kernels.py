@@ -218,3 +218,31 @@ def test_generate_with_each_weight_format(tmp_path, capsys):
     assert texts["float32"] == texts["torch"]
     assert generate.main([*args, "--weights=int8", "--quantize=int8"]) == 2
     assert "both choose the weights' format; pass one of them" in capsys.readouterr().err
+
+
+def test_auto_decodes_with_the_format_it_picked(built, monkeypatch):
+    """auto times each format by decoding with it: the blocks' arguments made for the first
+    one timed must not outlive it (they did: every format was timed, and then decoded, with
+    float32's weights)."""
+    from engine.sampling import prefill
+    times = iter([3.0, 2.0, 5.0, 1.0])  # torch, float32, bfloat16, int8: int8 wins
+    real = weights.step_seconds
+
+    def timed(model):
+        real(model, steps=2)  # decodes: makes the blocks' arguments for what is packed now
+        return next(times)
+
+    monkeypatch.setattr(weights, "step_seconds", timed)
+    torch.manual_seed(2)
+    model = packed_model("float32")
+    for parent, attr, packed in weights.linears(model):  # back to plain Linears
+        linear = torch.nn.Linear(packed.in_features, packed.out_features)
+        setattr(parent, attr, linear)
+    note = weights.convert(model, "auto", torch.device("cpu"))
+    assert note.startswith("int8"), note
+    assert weights.block_arguments(model)[0][6] == cpu_kernels.FORMATS["int8"]
+    tokens = torch.randint(0, 50, (1, 6))
+    cache = model.new_kv_cache(1)
+    prefill(model, tokens[:, :5], cache)
+    got = weights.decode_rows(model, tokens[:, 5:], cache.kv, torch.tensor([5]))
+    torch.testing.assert_close(got[0, 0], model(tokens)[0][0, 5], rtol=1e-4, atol=1e-5)
