@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -535,6 +536,43 @@ struct Weights {
   int64_t n, format, group, isa;  // n: outputs, a multiple of 16
 };
 
+// run(begin, end) over 0..count among torch's threads: each owns a contiguous share and takes
+// it in chunks from the front; one done early takes chunks from the back of the share with the
+// most left, so a thread the host delays (a busy machine, a noisy neighbour) holds up the call
+// by one chunk, not by its whole share
+template <typename Run>
+void in_shares(int64_t count, const Run& run) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  if (threads <= 1 || at::in_parallel_region()) return run(0, count);
+  struct Share { int64_t front, back; };
+  std::vector<Share> shares(threads);
+  for (int64_t t = 0; t < threads; ++t)
+    shares[t] = {count * t / threads, count * (t + 1) / threads};
+  const int64_t chunk = std::max<int64_t>(1, count / (threads * 8));
+  std::mutex mutex;
+  auto next = [&](int64_t own, int64_t& from, int64_t& to) {
+    std::lock_guard<std::mutex> hold(mutex);
+    Share& mine = shares[own];
+    if (mine.front < mine.back) {
+      from = mine.front;
+      to = mine.front = std::min(mine.back, from + chunk);
+      return true;
+    }
+    Share* most = &shares[0];
+    for (Share& s : shares)
+      if (s.back - s.front > most->back - most->front) most = &s;
+    if (most->back <= most->front) return false;
+    to = most->back;
+    from = most->back = std::max(most->front, to - chunk);
+    return true;
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    int64_t from = 0, to = 0;
+    for (int64_t own = begin; own < end; ++own)
+      while (next(own, from, to)) run(from, to);
+  });
+}
+
 // y (M, n) = x (M, K) @ W^T (+ bias): the blocks of outputs shared among torch's threads
 void product(const float* x, int64_t M, int64_t K, const Weights& w, float* y) {
   const bool half = w.format == INT4;
@@ -571,7 +609,7 @@ void product(const float* x, int64_t M, int64_t K, const Weights& w, float* y) {
 #endif
     blocks_portable(p, begin, end);
   };
-  at::parallel_for(0, w.n / BLOCK, 1, run);
+  in_shares(w.n / BLOCK, run);
 }
 
 const float* float_ptr(const at::Tensor& t) {

@@ -246,3 +246,20 @@ def test_auto_decodes_with_the_format_it_picked(built, monkeypatch):
     prefill(model, tokens[:, :5], cache)
     got = weights.decode_rows(model, tokens[:, 5:], cache.kv, torch.tensor([5]))
     torch.testing.assert_close(got[0, 0], model(tokens)[0][0, 5], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_every_output_block_is_computed_once_whatever_the_threads(built, threads):
+    """The threads take the output blocks in chunks and steal from each other's shares: with
+    more threads than cores (5 on 2: some are delayed, so others steal), each block once."""
+    torch.manual_seed(threads)
+    w = torch.randn(16 * 37 - 5, 64) * 0.05  # 37 blocks: shares and chunks of unequal sizes
+    packed, x = cpu_kernels.pack(w, "float32"), torch.randn(3, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(20):
+            got = cpu_kernels.matmul(x, packed)
+            torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
