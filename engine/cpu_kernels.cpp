@@ -728,23 +728,25 @@ void attend_head(const float* q, const float* keys, const float* values, int64_t
   }
 }
 
-// qkv (B, 3C) -> y (B, C): each row's key and value written at its position in the cache
-// (2, rows, nh, T, hs), then its query against positions 0..pos
-void attend(const float* qkv, float* kv, const int64_t* pos, int64_t B, int64_t rows,
-            int64_t nh, int64_t T, int64_t hs, float* y) {
+// qkv (B, 3C) -> y (B, C) for B tokens, token b in cache row row[b] at position pos[b]: every
+// token's key and value written at its place in the cache (2, rows, nh, T, hs) first, then its
+// query against positions 0..pos[b] of its row (so the tokens of one prompt, in order, attend
+// to each other causally)
+void attend(const float* qkv, float* kv, const int64_t* row, const int64_t* pos, int64_t B,
+            int64_t rows, int64_t nh, int64_t T, int64_t hs, float* y) {
   const int64_t C = nh * hs, plane = rows * nh * T * hs;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < nh; ++h) {
-      float* k = kv + ((b * nh + h) * T + pos[b]) * hs;
+      float* k = kv + ((row[b] * nh + h) * T + pos[b]) * hs;
       std::memcpy(k, qkv + b * 3 * C + C + h * hs, hs * sizeof(float));
       std::memcpy(k + plane, qkv + b * 3 * C + 2 * C + h * hs, hs * sizeof(float));
     }
   const float scale = 1.f / std::sqrt(static_cast<float>(hs));
-  at::parallel_for(0, B * nh, 1, [&](int64_t begin, int64_t end) {
+  in_shares(B * nh, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> p;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / nh, h = bh % nh, n = pos[b] + 1;
-      const float* keys = kv + (b * nh + h) * T * hs;
+      const float* keys = kv + (row[b] * nh + h) * T * hs;
       p.resize(n);
       attend_head(qkv + b * 3 * C + h * hs, keys, keys + plane, n, hs, scale, p.data(),
                   y + b * C + h * hs);
@@ -752,28 +754,47 @@ void attend(const float* qkv, float* kv, const int64_t* pos, int64_t B, int64_t 
   });
 }
 
-// x (B, C) -> x after the block. kv: this block's cache (2, rows, nh, T, hs), rows >= B;
-// positions (B,); ln: (weight, bias) of ln_1 and ln_2 (a bias may be empty); the four
-// Linears c_attn, attn.c_proj, c_fc, mlp.c_proj packed in one format.
-at::Tensor decode_block(const at::Tensor& x, at::Tensor kv, const at::Tensor& positions,
-                        at::TensorList ln, double eps, at::TensorList data,
-                        at::TensorList scales, at::TensorList bias, at::IntArrayRef n,
-                        int64_t format, int64_t group, int64_t isa, int64_t n_head,
-                        int64_t gelu_kind) {
+// row-wise f over B rows among the threads, when they are enough work to share
+template <typename F>
+void for_rows(int64_t B, int64_t width, const F& f) {
+  constexpr int64_t WORTH_SHARING = 65536;  // elements: below this, one thread is quicker
+  if (B * width < WORTH_SHARING) {
+    for (int64_t b = 0; b < B; ++b) f(b);
+    return;
+  }
+  in_shares(B, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) f(b);
+  });
+}
+
+// x (B, C) -> x after the block, for B tokens: token b in cache row rows[b] at positions[b].
+// kv: this block's cache (2, rows, nh, T, hs); ln: (weight, bias) of ln_1 and ln_2 (a bias may
+// be empty); the four Linears c_attn, attn.c_proj, c_fc, mlp.c_proj packed in one format.
+at::Tensor decode_block(const at::Tensor& x, at::Tensor kv, const at::Tensor& rows,
+                        const at::Tensor& positions, at::TensorList ln, double eps,
+                        at::TensorList data, at::TensorList scales, at::TensorList bias,
+                        at::IntArrayRef n, int64_t format, int64_t group, int64_t isa,
+                        int64_t n_head, int64_t gelu_kind) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decode_block: x must be a contiguous float32 (B, C) matrix");
   TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == at::kFloat && kv.is_contiguous() &&
-                  kv.size(0) == 2 && kv.size(1) >= x.size(0) && kv.size(2) == n_head,
+                  kv.size(0) == 2 && kv.size(2) == n_head,
               "decode_block: the cache must be a contiguous float32 (2, rows, nh, T, hs)");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
-              "decode_block: one int64 position per row");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0) &&
+                  rows.scalar_type() == at::kLong && rows.numel() == x.size(0) &&
+                  positions.is_contiguous() && rows.is_contiguous(),
+              "decode_block: one int64 cache row and position per token");
   TORCH_CHECK(ln.size() == 4 && data.size() == 4 && scales.size() == 4 && bias.size() == 4 &&
                   n.size() == 4, "decode_block: four Linears and two LayerNorms");
   const int64_t B = x.size(0), C = x.size(1), T = kv.size(3), hs = kv.size(4);
   const int64_t* pos = static_cast<const int64_t*>(positions.const_data_ptr());
-  for (int64_t b = 0; b < B; ++b)
+  const int64_t* row = static_cast<const int64_t*>(rows.const_data_ptr());
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(pos[b] >= 0 && pos[b] < T, "decode_block: position ", pos[b], " outside 0..",
                 T - 1);
+    TORCH_CHECK(row[b] >= 0 && row[b] < kv.size(1), "decode_block: cache row ", row[b],
+                " outside 0..", kv.size(1) - 1);
+  }
   const int64_t inputs[4] = {C, C, C, n[2]};
   Weights w[4];
   for (int i = 0; i < 4; ++i)
@@ -784,24 +805,25 @@ at::Tensor decode_block(const at::Tensor& x, at::Tensor kv, const at::Tensor& po
   std::vector<float> normed(B * C), wide(B * std::max(n[0], n[2])), y(B * C), proj(B * n[1]);
   const float* ln1_w = float_ptr(ln[0]); const float* ln1_b = float_ptr(ln[1]);
   const float* ln2_w = float_ptr(ln[2]); const float* ln2_b = float_ptr(ln[3]);
-  for (int64_t b = 0; b < B; ++b)
+  for_rows(B, C, [&](int64_t b) {
     layer_norm(h + b * C, C, ln1_w, ln1_b, eps, normed.data() + b * C);
-  std::vector<float> qkv(B * n[0]);
-  product(normed.data(), B, C, w[0], qkv.data());
-  std::vector<float> packed_qkv(B * 3 * C);  // the first 3C outputs of each row
+  });
+  product(normed.data(), B, C, w[0], wide.data());
+  std::vector<float> qkv(B * 3 * C);  // the first 3C outputs of each row
   for (int64_t b = 0; b < B; ++b)
-    std::memcpy(packed_qkv.data() + b * 3 * C, qkv.data() + b * n[0], 3 * C * sizeof(float));
-  attend(packed_qkv.data(), kv.data_ptr<float>(), pos, B, kv.size(1), n_head, T, hs, y.data());
+    std::memcpy(qkv.data() + b * 3 * C, wide.data() + b * n[0], 3 * C * sizeof(float));
+  attend(qkv.data(), kv.data_ptr<float>(), row, pos, B, kv.size(1), n_head, T, hs, y.data());
   product(y.data(), B, C, w[1], proj.data());
-  for (int64_t b = 0; b < B; ++b)
+  for_rows(B, C, [&](int64_t b) {
     for (int64_t i = 0; i < C; ++i) h[b * C + i] += proj[b * n[1] + i];
-  for (int64_t b = 0; b < B; ++b)
     layer_norm(h + b * C, C, ln2_w, ln2_b, eps, normed.data() + b * C);
+  });
   product(normed.data(), B, C, w[2], wide.data());
-  gelu(wide.data(), B * n[2], gelu_kind);
+  for_rows(B, n[2], [&](int64_t b) { gelu(wide.data() + b * n[2], n[2], gelu_kind); });
   product(wide.data(), B, n[2], w[3], proj.data());
-  for (int64_t b = 0; b < B; ++b)
+  for_rows(B, C, [&](int64_t b) {
     for (int64_t i = 0; i < C; ++i) h[b * C + i] += proj[b * n[3] + i];
+  });
   return out;
 }
 
@@ -810,9 +832,9 @@ at::Tensor decode_block(const at::Tensor& x, at::Tensor kv, const at::Tensor& po
 TORCH_LIBRARY(gpt2s, m) {
   m.def("weight_matmul(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n, int format, "
         "int group, int isa) -> Tensor");
-  m.def("decode_block(Tensor x, Tensor(a!) kv, Tensor positions, Tensor[] ln, float eps, "
-        "Tensor[] data, Tensor[] scales, Tensor[] bias, int[] n, int format, int group, int isa, "
-        "int n_head, int gelu) -> Tensor");
+  m.def("decode_block(Tensor x, Tensor(a!) kv, Tensor rows, Tensor positions, Tensor[] ln, "
+        "float eps, Tensor[] data, Tensor[] scales, Tensor[] bias, int[] n, int format, "
+        "int group, int isa, int n_head, int gelu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt2s, CPU, m) {

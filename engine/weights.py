@@ -197,9 +197,26 @@ def decode_rows(model: nn.Module, idx: torch.Tensor, kv: list[torch.Tensor],
     """GPT.forward for one token per row, idx (B, 1), each at its own position (B,), with the
     blocks' caches kv (2, rows, nh, T, hs) each: every block one compiled call -> logits
     (B, 1, vocab)."""
-    t, (B, C) = model.transformer, (idx.size(0), model.config.n_embd)
-    x = (F.embedding(idx.view(B), t.wte.weight).float() + t.wpe.weight[positions]).contiguous()
+    B = idx.size(0)
+    logits = forward_tokens(model, idx.view(B), kv, torch.arange(B), positions.view(B))
+    return logits[:, None]
+
+
+@torch.no_grad()
+def forward_tokens(model: nn.Module, tokens: torch.Tensor, kv: list[torch.Tensor],
+                   rows: torch.Tensor, positions: torch.Tensor,
+                   logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    """GPT.forward for a ragged batch: token i (of tokens (N,)) goes into cache row rows[i] at
+    positions[i], keys and values written into kv (the blocks' caches, (2, rows, nh, T, hs)
+    each); a row's tokens in order attend to each other causally, as a prompt's do. Decoding
+    rows and chunks of prompts share one call a block -> logits (len(logits_at), vocab) of the
+    tokens logits_at picks (default: all)."""
+    t, C = model.transformer, model.config.n_embd
+    rows, positions = rows.long().contiguous(), positions.long().contiguous()
+    x = (F.embedding(tokens, t.wte.weight).float() + t.wpe.weight[positions]).contiguous()
     for cache, args in zip(kv, block_arguments(model)):
-        x = torch.ops.gpt2s.decode_block(x, cache, positions, *args)  # (B, C)
+        x = torch.ops.gpt2s.decode_block(x, cache, rows, positions, *args)  # (N, C)
+    if logits_at is not None:
+        x = x[logits_at]
     x = F.layer_norm(x, (C,), t.ln_f.weight, t.ln_f.bias, t.ln_f.eps)
-    return model.lm_head(x)[:, None, :model.vocab_size]
+    return model.lm_head(x)[:, :model.vocab_size]

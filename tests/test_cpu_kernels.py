@@ -263,3 +263,25 @@ def test_every_output_block_is_computed_once_whatever_the_threads(built, threads
             torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_one_call_decodes_some_rows_and_reads_a_prompt_into_another(built, fmt):
+    """forward_tokens: a decoding row's next token and a new prompt's 7 tokens (its own cache
+    row, read causally in the same call) -> forward()'s logits at each token asked for."""
+    from engine.sampling import prefill
+    torch.manual_seed(3)
+    model = packed_model(fmt)
+    running, fresh = torch.randint(0, 50, (1, 6)), torch.randint(0, 50, (1, 7))
+    cache = model.new_kv_cache(1)
+    prefill(model, running[:, :5], cache)
+    kv = [torch.cat([c, torch.zeros_like(c), torch.zeros_like(c)], dim=1) for c in cache.kv]
+    tokens = torch.cat([running[0, 5:], fresh[0]])  # row 0 at 5; row 2 at 0..6
+    rows = torch.tensor([0] + [2] * 7)
+    positions = torch.tensor([5, 0, 1, 2, 3, 4, 5, 6])
+    got = weights.forward_tokens(model, tokens, kv, rows, positions, torch.tensor([0, 3, 7]))
+    want_running, want_fresh = model(running)[0][0], model(fresh)[0][0]
+    torch.testing.assert_close(got[0], want_running[5], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], want_fresh[2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2], want_fresh[6], rtol=1e-4, atol=1e-5)
+    assert all(torch.count_nonzero(k[:, 1]) == 0 for k in kv)  # row 1 untouched
