@@ -372,7 +372,9 @@ class BatchEngine:
         """Record a sampled token, send its text, and finish seq if it is done."""
         seq.tokens.append(token)
         seq.generated += 1
-        if token == seq.params.stop_token:
+        if token == seq.params.stop_token:  # the text held back is not a stop string's start
+            if rest := seq.text.finish():
+                seq.on_event(("text", rest))
             return self._finish(seq, "stop")
         text, stopped = seq.text.push(token)
         if text:
