@@ -216,7 +216,7 @@ def test_stop_token_sends_the_text_held_back_for_a_possible_stop_string(tmp_path
     engine.start()
     engine.submit([Sequence(CharTokenizer(CHARS).encode("what?"), params, events.append)])
     engine.stop()
-    assert first != second and events == [("text", first), ("done", "stop", 2)]
+    assert first != second and events == [("text", first, []), ("done", "stop", 2)]
 
 
 def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
