@@ -398,7 +398,7 @@ def test_n_choices_with_a_seed_are_reproducible(served):
     ({"prompt": "ab\u00e9"}, 400, "outside this"),
     ({"prompt": [[1, 999]]}, 400, "token ids outside"),
     ({"prompt": "ab", "stop": ""}, 400, "stop must be"),
-    ({"prompt": "ab", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"prompt": "ab", "best_of": 2}, 400, "best_of is not supported"),
     ({"prompt": "ab", "n": 9}, 400, "server holds at most 8"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
 ])
