@@ -10,7 +10,7 @@ A log-probability is the model's own distribution at that position: log_softmax 
 logits in float32, before temperature, top-k or top-p (what OpenAI reports, and vLLM by
 default), so a score does not depend on how the token was sampled. A token's string is its
 bytes as UTF-8; a token that is part of a character (GPT-2's byte-level BPE splits some) is
-written `bytes:\\xe2\\x80`, as OpenAI writes it.
+written `bytes:` and its bytes as `\\xNN` (OpenAI's convention): `bytes:\\xe2\\x80`.
 """
 from __future__ import annotations
 

@@ -425,7 +425,7 @@ class BatchEngine:
         seq.generated += 1
         begins = len(seq.text.text)
         if token == seq.params.stop_token:  # the text held back is not a stop string's start
-            self._score(seq, token, logits, begins, begins)  # scored, as OpenAI, not in the text
+            self._score(seq, token, logits, begins, begins)  # a score per token; not in the text
             self._send(seq, seq.text.finish(), last=True)
             return self._finish(seq, "stop")
         text, stopped = seq.text.push(token)
@@ -452,9 +452,10 @@ class BatchEngine:
     def _send(self, seq: Sequence, text: str, last: bool = False) -> None:
         """Send text, with the scored tokens whose text is now all sent. last: the completion
         ends here: also those whose text it cuts (a stop string); those after the cut go."""
-        sent, pending = seq.text.sent, seq.pending
-        ready = [t for t in pending if t.end <= sent or (last and t.offset < sent)]
-        seq.pending = [] if last else [t for t in pending if t.end > sent]
+        ready, pending, sent = [], seq.pending, seq.text.sent
+        if pending:  # only with params.logprobs
+            ready = [t for t in pending if t.end <= sent or (last and t.offset < sent)]
+            seq.pending = [] if last else [t for t in pending if t.end > sent]
         if text or ready:
             seq.on_event(("text", text, ready))
 

@@ -78,8 +78,8 @@ def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch):
 
 
 def test_the_stop_token_is_scored_but_not_in_the_text(tmp_path):
-    """As OpenAI: the <|endoftext|> that ends a completion is in its logprobs, at the text's
-    end (a harness reading a continuation's scores counts on one score per token)."""
+    """The <|endoftext|> that ends a completion is in its logprobs, at the text's end (a
+    harness reading a continuation's scores counts on one score per generated token)."""
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     first, second = reference(model, "what?", 2)
     params = SamplingParams(max_tokens=10, temperature=0, stop_token=CHARS.index(second),
