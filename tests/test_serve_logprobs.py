@@ -32,11 +32,11 @@ def _one_thread():
 
 
 def engine_events(model: GPT, requests: list[tuple[list[int], SamplingParams]],
-                  prefill_chunk: int = 0) -> list[list[tuple]]:
+                  prefill_chunk: int = 0, static: bool = False) -> list[list[tuple]]:
     """Each request's events through one BatchEngine (char tokenizer), all submitted at once."""
     events: list[list[tuple]] = [[] for _ in requests]
     engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=3,
-                         max_queue=4, warmup=False, prefill_chunk=prefill_chunk)
+                         max_queue=4, warmup=False, prefill_chunk=prefill_chunk, static=static)
     seqs = [Sequence(ids, params, events[i].append) for i, (ids, params) in enumerate(requests)]
     engine.start()
     engine.submit(seqs)
@@ -51,10 +51,12 @@ def forward_logprobs(model: GPT, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[0].float(), dim=-1)
 
 
-def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch):
+@pytest.mark.parametrize("static", [False, True])
+def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch, static):
     """At most 3 positions' logits a forward (PROMPT_LOGITS lowered): a 25-token prompt is
     scored in pieces, each token as the whole forward scores it, while another request runs
-    alongside; both texts are what generate.py gives alone."""
+    alongside; both texts are what generate.py gives alone. static: the compiled path's
+    shapes (every slot, the whole cache)."""
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     monkeypatch.setattr(logprobs, "PROMPT_LOGITS", 3 * model.config.vocab_size)
     rows = []
@@ -63,7 +65,8 @@ def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch):
     prompt = CharTokenizer(CHARS).encode("what a long prompt it is!")
     scored = SamplingParams(max_tokens=6, temperature=0, logprobs=2, echo=True)
     plain = SamplingParams(max_tokens=20, temperature=0)
-    events = engine_events(model, [(prompt, scored), (prompt[:2], plain)], prefill_chunk=8)
+    events = engine_events(model, [(prompt, scored), (prompt[:2], plain)], prefill_chunk=8,
+                           static=static)
     hook.remove()
     assert max(rows) == 3 and rows.count(3) >= 24 // 3
     kind, scores = events[0][0]
