@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_serve import (CHARS, WAIT_S, Server, post, reference, tiny_checkpoint)
+from test_serve import CHARS, WAIT_S, Server, post, reference, tiny_checkpoint
 
 from config import Config
 from engine import checkpoint, hellaswag, logprobs, sources
