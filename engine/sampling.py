@@ -130,11 +130,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, bucket: int = 0,
-            start: int = 0) -> tuple[torch.Tensor, int]:
+            start: int = 0, every_position: bool = False) -> tuple[torch.Tensor, int]:
     """Write ids (B, L) into the cache at start..start+L-1 (after 0..start-1, written by earlier
     calls: a prompt read in chunks) -> (the last position's logits (B, 1, vocab), start + L).
     bucket > 0 right-pads to a multiple of it (within block_size, masked): few compiled shapes.
-    The LM head runs at the last real position only."""
+    The LM head runs at the last real position only; every_position: at each of the L (logits
+    (B, L, vocab): a prompt scored token by token)."""
     length = ids.size(1)
     room = model.config.block_size - start
     padded = min(room, -(-length // bucket) * bucket) if bucket > 0 else length
@@ -143,7 +144,7 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, bucket: int = 0,
     ids = F.pad(ids, (0, padded - length)).clone(memory_format=torch.contiguous_format)
     input_pos = torch.arange(start, start + padded, device=ids.device)
     cache.filled = start + padded
-    last = torch.arange(length - 1, length, device=ids.device)
+    last = torch.arange(0 if every_position else length - 1, length, device=ids.device)
     return model(ids, kv_cache=cache, input_pos=input_pos, logits_at=last)[0], start + length
 
 

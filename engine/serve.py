@@ -1,7 +1,8 @@
 """serve.py's HTTP side: an OpenAI-compatible API (FastAPI) over the continuous-batching engine.
 
     POST /v1/completions   prompt, max_tokens, temperature, top_p, top_k (extension), seed, stop,
-                           n, stream (server-sent events ending in `data: [DONE]`), usage
+                           n, stream (server-sent events ending in `data: [DONE]`), usage,
+                           logprobs (0-5) and echo (engine/logprobs.py)
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
     GET  /                 the playground page (engine/playground.py): prompt, controls, stream
     GET  /metrics          Prometheus' text format, summed over the workers (engine/serve_workers)
@@ -35,12 +36,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException  # 404, 405 are these
 from starlette.routing import Match
 
+from engine import logprobs
+from engine.logprobs import MAX_LOGPROBS, Scored
 from engine.playground import Playground
 from engine.serve_batch import BatchEngine, QueueFull, SamplingParams, Sequence
 from engine.tokenizer import TokenizerError
 
-UNSUPPORTED = {"echo": False, "logprobs": None, "best_of": None, "suffix": None,
-               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+UNSUPPORTED = {"best_of": None, "suffix": None, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "logit_bias": None}
 WARM_UP_CLIENT = ("warm-up", 0)  # the client address of the in-process warm-up: not counted
 # 5 ms .. 60 s: a small model's token on a CPU up to a long completion of GPT-2 on 1 core
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
@@ -58,7 +61,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored, nothing generated
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # extension: 0 = off
@@ -70,7 +73,7 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False  # extension: GPT-2 goes on past <|endoftext|>
     user: str | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)  # at most MAX_LOGPROBS (check_request)
     best_of: int | None = None
     suffix: str | None = None
     presence_penalty: float = 0.0
@@ -183,6 +186,10 @@ def check_request(body: CompletionRequest, served: ServedModel) -> None:
     if body.model is not None and body.model != served.name:
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                        f"{served.name!r} (GET /v1/models)", "model", code="model_not_found")
+    if body.logprobs is not None and body.logprobs > MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs={body.logprobs} is more alternatives than this server "
+                       f"returns; ask for 0 to {MAX_LOGPROBS} (as OpenAI's completions)",
+                       "logprobs")
     if body.max_tokens > served.max_tokens:
         raise ApiError(400, f"max_tokens={body.max_tokens} is over this server's limit of "
                        f"{served.max_tokens}; ask for fewer, or start the server with "
@@ -217,6 +224,10 @@ def encode_prompts(body: CompletionRequest, tokenizer, served: ServedModel) -> l
             raise ApiError(400, f"{which} has {len(ids)} tokens but this server takes at most "
                            f"{served.max_prompt_tokens} (the model's context is "
                            f"{served.block_size}); send a shorter prompt", "prompt")
+        if body.echo and body.logprobs is not None and len(ids) > served.block_size:
+            raise ApiError(400, f"{which} has {len(ids)} tokens, but echo with logprobs scores "
+                           f"a prompt whole in the model's context of {served.block_size}; "
+                           "send a shorter prompt", "prompt")
         out.append(ids)
     return out
 
@@ -233,7 +244,8 @@ def make_sequences(body: CompletionRequest, prompts: list[list[int]], stop_token
             params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
                                     top_k=body.top_k, top_p=body.top_p, stop=stops,
                                     seed=None if body.seed is None else body.seed + j,
-                                    stop_token=None if body.ignore_eos else stop_token)
+                                    stop_token=None if body.ignore_eos else stop_token,
+                                    logprobs=body.logprobs, echo=body.echo)
             seqs.append(Sequence(ids, params, lambda event, j=j: on_event(j, event)))
     return seqs
 
@@ -247,8 +259,10 @@ class Completion:
     timed for the metrics (None: not counted, the warm-up)."""
 
     def __init__(self, engine: BatchEngine, body: CompletionRequest, prompts: list[list[int]],
-                 served: ServedModel, stop_token: int | None, metrics: Metrics | None = None):
+                 served: ServedModel, tokenizer, stop_token: int | None,
+                 metrics: Metrics | None = None):
         self.engine, self.served, self.metrics = engine, served, metrics
+        self.tokenizer, self.logprobs = tokenizer, body.logprobs is not None
         self.events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.seqs = make_sequences(body, prompts, stop_token,
@@ -260,11 +274,12 @@ class Completion:
         self.first_at: list[float | None] = [None] * len(self.seqs)  # per choice
         self.done_at: list[float | None] = [None] * len(self.seqs)
         self.recorded = False
+        self.echoed = [0] * len(self.seqs)  # each choice's echoed prompt: its length in text
 
     def _arrived(self, loop: asyncio.AbstractEventLoop, j: int, event: tuple) -> None:
         """In the engine's thread: the event's time, then the event to the event loop."""
         now = time.perf_counter()
-        if self.first_at[j] is None:
+        if self.first_at[j] is None and event[0] != "prompt":
             self.first_at[j] = now
         if event[0] == "done":
             self.done_at[j] = now
@@ -326,6 +341,24 @@ class Completion:
             for item in batch:
                 yield item
 
+    def piece(self, j: int, event: tuple) -> tuple[str, list[Scored]]:
+        """Choice j's "prompt" (echo) or "text" event -> its text and scored tokens, their
+        text_offset set within the choice's whole text (the echoed prompt first)."""
+        if event[0] == "prompt":
+            text, offsets = logprobs.decoded(self.tokenizer, self.seqs[j].prompt)
+            self.echoed[j] = len(text)
+            for scored, offset in zip(event[1], offsets):
+                scored.offset = offset
+            return text, event[1]
+        for scored in event[2]:
+            scored.offset += self.echoed[j]
+        return event[1], event[2]
+
+    def choice(self, j: int, text: str, scored: list[Scored], reason: str | None) -> dict:
+        """Choice j of a chunk or of the answer; its logprobs in OpenAI's shape, if asked."""
+        shaped = logprobs.openai_logprobs(self.tokenizer, scored) if self.logprobs else None
+        return {"index": j, "text": text, "logprobs": shaped, "finish_reason": reason}
+
     def chunk(self, choices: list[dict], usage: bool = False) -> dict:
         out = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.served.name, "choices": choices}
@@ -336,13 +369,10 @@ class Completion:
         return out
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
 async def complete(request: Request, job: Completion) -> dict:
     """The whole completion as one JSON body; a client that goes away cancels it."""
     texts, reasons = [""] * len(job.seqs), [None] * len(job.seqs)
+    scored: list[list[Scored]] = [[] for _ in job.seqs]
     events = job.events_until_done()
     try:
         while True:
@@ -355,37 +385,45 @@ async def complete(request: Request, job: Completion) -> dict:
             if (item := waiter.result()) is None:
                 break
             j, event = item
-            if event[0] == "text":
-                texts[j] += event[1]
-            else:
+            if event[0] == "done":
                 reasons[j] = event[1]
+            else:
+                text, tokens = job.piece(j, event)
+                texts[j] += text
+                scored[j] += tokens
     finally:
         job.close()
-    return job.chunk([choice(j, texts[j], reasons[j]) for j in range(len(texts))], usage=True)
+    return job.chunk([job.choice(j, texts[j], scored[j], reasons[j])
+                      for j in range(len(texts))], usage=True)
 
 
-def merged(batch: list[tuple[int, tuple]]) -> list[list]:
-    """Events -> [choice, text, finish_reason] chunks, a choice's adjacent texts joined."""
+def merged(job: Completion, batch: list[tuple[int, tuple]]) -> list[list]:
+    """Events -> [choice, text, scored tokens, finish_reason] chunks, a choice's adjacent
+    pieces joined."""
     out: list[list] = []
     for j, event in batch:
-        if event[0] != "text":
-            out.append([j, "", event[1]])
-        elif out and out[-1][0] == j and out[-1][2] is None:
-            out[-1][1] += event[1]
+        if event[0] == "done":
+            out.append([j, "", [], event[1]])
+            continue
+        text, scored = job.piece(j, event)
+        if out and out[-1][0] == j and out[-1][3] is None:
+            out[-1][1] += text
+            out[-1][2] += scored
         else:
-            out.append([j, event[1], None])
+            out.append([j, text, scored, None])
     return out
 
 
 async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per piece of text (what arrived since the last), one with
-    each finish_reason, usage if asked, then [DONE]. Cancelled (the client went away): the
-    sequences leave their slots."""
+    """Server-sent events: a chunk per piece of text (what arrived since the last; with
+    logprobs, those of the tokens whose text it completes), one with each finish_reason, usage
+    if asked, then [DONE]. Cancelled (the client went away): the sequences leave their
+    slots."""
     try:
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null until the last
         async for batch in job.batches():  # a client that reads slower gets longer chunks
-            yield "".join(sse({**job.chunk([choice(j, text, reason)]), **usage})
-                          for j, text, reason in merged(batch))
+            yield "".join(sse({**job.chunk([job.choice(*piece)]), **usage})
+                          for piece in merged(job, batch))
         if include_usage:
             yield sse(job.chunk([], usage=True))
         yield sse("[DONE]")
@@ -409,8 +447,8 @@ async def completion(request: Request, body: CompletionRequest, engine: BatchEng
         raise ApiError(400, f"this request asks for {len(prompts) * body.n} completions "
                        f"(prompts x n) but the server holds at most "
                        f"{engine.slots + engine.max_queue}", "n")
-    job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, stop_token,
-                     metrics)
+    job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, tokenizer,
+                     stop_token, metrics)
     job.submit()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -13,6 +13,11 @@ long prompt is read over several steps, so the running streams wait for one chun
 the whole prompt), and copied into their row. Sampling is
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
+
+Log-probabilities (engine/logprobs.py) cost only the sequences that ask: params.logprobs scores
+each generated token from the logits it was sampled from; with params.echo too, the prompt is
+read alone by the uncompiled model with logits at every position, a bounded piece at a time
+(logprobs.prompt_rows), and each prompt token is scored from the position before it.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from typing import Callable
 
 import torch
 
-from engine import memory, weights
+from engine import logprobs, memory, weights
+from engine.logprobs import Scored
 from engine.sampling import lean_decoding, prefill, sample_next
 from model import GPT, KVCache
 
@@ -90,6 +96,8 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()
     stop_token: int | None = None  # GPT-2's <|endoftext|>: finish there (not in the text)
+    logprobs: int | None = None  # score each generated token, with this many alternatives
+    echo: bool = False  # hand the prompt back first (with logprobs: each token scored)
 
 
 class TextStream:
@@ -97,8 +105,7 @@ class TextStream:
     across token boundaries. Text that might be the start of a stop string is held back."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
-        as_bytes = getattr(tokenizer, "decode_bytes", None)
-        self.to_bytes = as_bytes or (lambda ids: tokenizer.decode(ids).encode())
+        self.to_bytes = logprobs.token_bytes(tokenizer)
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stop, self.text, self.sent = stop, "", 0
 
@@ -122,7 +129,10 @@ class TextStream:
         return out
 
 
-Event = tuple  # ("text", str) | ("done", finish_reason, completion_tokens) | ("error", message)
+# ("text", str, [Scored]: the tokens whose text it completes) | ("prompt", [Scored]: with echo,
+# before any text; scored with logprobs, else empty) | ("done", finish_reason,
+# completion_tokens) | ("error", message)
+Event = tuple
 
 
 @dataclass(eq=False)
@@ -140,6 +150,8 @@ class Sequence:
     read: int = 0  # context tokens prefilled so far (into the engine's scratch cache)
     cancelled: bool = False
     done: bool = False
+    pending: list[Scored] = field(default_factory=list)  # scored, its text not all sent yet
+    prompt_scores: list[Scored] = field(default_factory=list)  # echo with logprobs
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -147,6 +159,10 @@ class Sequence:
         self.seed = seed
         self.generator: torch.Generator | None = None
         self.text: TextStream | None = None
+
+    def scores_prompt(self) -> bool:
+        """Whether its first read scores every prompt token (echo with logprobs)."""
+        return self.params.echo and self.params.logprobs is not None and self.generated == 0
 
 
 class BatchEngine:
@@ -281,20 +297,52 @@ class BatchEngine:
 
     def _prefill(self, seq: Sequence, budget: float) -> int:
         """Read up to `budget` more tokens of seq's context window alone (as generate.py does);
-        once it is all read, copy it into the slot's row and sample -> the tokens read."""
+        once it is all read, copy it into the slot's row and sample -> the tokens read. A
+        scored prompt is read by the uncompiled model (no new compiled shapes), at most
+        logprobs.prompt_rows tokens a forward."""
         context = seq.tokens[seq.start:]
         n = int(min(len(context) - seq.read, budget))
+        scoring = seq.scores_prompt()
+        if scoring:
+            n = min(n, logprobs.prompt_rows(self.raw_model.config.vocab_size))
         ids = torch.tensor([context[seq.read:seq.read + n]], dtype=torch.long, device=self.device)
         with self.autocast():
-            logits, seq.read = prefill(self.model, ids, self.scratch, self.bucket, seq.read)
+            if scoring:  # logits (1, n, vocab)
+                logits, end = prefill(self.raw_model, ids, self.scratch, 0, seq.read,
+                                       every_position=True)
+                self._score_prompt(seq, context, seq.read, logits[0])
+                seq.read = end
+            else:
+                logits, seq.read = prefill(self.model, ids, self.scratch, self.bucket, seq.read)
         if seq.read < len(context):
             self.prefilling = seq
             return n
         self.prefilling = None
         self.cache.store_row(seq.slot, self.scratch, seq.read)
         seq.pos, seq.read = seq.read, 0
-        self._advance(seq, logits[:, -1, :])
+        self._prefilled(seq, logits[:, -1, :])
         return n
+
+    def _score_prompt(self, seq: Sequence, context: list[int], start: int,
+                      logits: torch.Tensor) -> None:
+        """Score the prompt tokens that the logits (n, vocab) at positions start..start+n-1
+        predict (the last position's predicts the first generated token: not scored here)."""
+        if start == 0:
+            seq.prompt_scores.append(Scored(context[0], None))
+        targets = context[start + 1:start + 1 + logits.size(0)]
+        if targets:
+            seq.prompt_scores += logprobs.score(logits[:len(targets)], targets,
+                                                seq.params.logprobs)
+
+    def _prefilled(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """seq's context is in its row: the prompt back first if asked, then the first token
+        from logits (1, vocab); max_tokens 0 asks for none."""
+        if seq.params.echo and seq.generated == 0:
+            seq.on_event(("prompt", seq.prompt_scores))
+            seq.prompt_scores = []
+        if seq.params.max_tokens == 0:
+            return self._finish(seq, "length")
+        self._advance(seq, logits)
 
     def _group(self, fresh: list[Sequence], budget: float) -> list[Sequence]:
         """The first of `fresh` that fit in one batched prefill of at most `budget` rows
@@ -304,6 +352,8 @@ class BatchEngine:
             return fresh[:1]
         group, longest = [], 0
         for seq in fresh:
+            if seq.scores_prompt():  # read alone (_prefill), its logits at every position
+                break
             longest = max(longest, len(seq.tokens) - seq.start)
             if (len(group) + 1) * longest > budget:
                 break
@@ -326,7 +376,7 @@ class BatchEngine:
         for i, (seq, context) in enumerate(zip(group, contexts)):
             self.cache.store_row(seq.slot, cache, len(context), i)
             seq.pos = len(context)
-            self._advance(seq, logits[i:i + 1, -1, :])
+            self._prefilled(seq, logits[i:i + 1, -1, :])
         return len(group) * longest
 
     def _decode(self, seqs: list[Sequence]) -> None:
@@ -358,7 +408,7 @@ class BatchEngine:
         if greedy:  # argmax per row, as sample_next does at temperature 0: one call for all
             picks = logits[[row[s.slot] for s in greedy]].float().argmax(dim=-1).tolist()
             for s, token in zip(greedy, picks):
-                self._append(s, token)
+                self._append(s, token, logits[row[s.slot]:row[s.slot] + 1])
         for s in seqs:
             if s.params.temperature > 0:
                 self._advance(s, logits[row[s.slot]:row[s.slot] + 1])
@@ -366,25 +416,48 @@ class BatchEngine:
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
         token = sample_next(logits, p.temperature, p.top_k, p.top_p, seq.generator)
-        self._append(seq, int(token))
+        self._append(seq, int(token), logits)
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        """Record a sampled token, send its text, and finish seq if it is done."""
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
+        """Record a token sampled from logits (1, vocab), send its text (and its score if
+        asked), and finish seq if it is done."""
         seq.tokens.append(token)
         seq.generated += 1
-        if token == seq.params.stop_token:
+        begins = len(seq.text.text)
+        if token == seq.params.stop_token:  # the text held back is not a stop string's start
+            self._score(seq, token, logits, begins, begins)  # a score per token; not in the text
+            self._send(seq, seq.text.finish(), last=True)
             return self._finish(seq, "stop")
         text, stopped = seq.text.push(token)
-        if text:
-            seq.on_event(("text", text))
+        # a token that is part of a character goes out with the character
+        self._score(seq, token, logits, begins, max(len(seq.text.text), begins + 1))
         if stopped:
+            self._send(seq, text, last=True)
             return self._finish(seq, "stop")
         if seq.generated >= seq.params.max_tokens:
-            if rest := seq.text.finish():
-                seq.on_event(("text", rest))
+            self._send(seq, text + seq.text.finish(), last=True)
             return self._finish(seq, "length")
+        self._send(seq, text)
         if len(seq.tokens) - seq.start > self.block_size:  # keep the newest half, re-read it
             seq.start, seq.pos = len(seq.tokens) - (self.block_size - self.block_size // 2), None
+
+    def _score(self, seq: Sequence, token: int, logits: torch.Tensor, begins: int,
+               ends: int) -> None:
+        """With params.logprobs: token's score, held until its text (begins..ends) is sent."""
+        if seq.params.logprobs is not None:
+            scored = logprobs.score(logits, [token], seq.params.logprobs)[0]
+            scored.offset, scored.end = begins, ends
+            seq.pending.append(scored)
+
+    def _send(self, seq: Sequence, text: str, last: bool = False) -> None:
+        """Send text, with the scored tokens whose text is now all sent. last: the completion
+        ends here: also those whose text it cuts (a stop string); those after the cut go."""
+        ready, pending, sent = [], seq.pending, seq.text.sent
+        if pending:  # only with params.logprobs
+            ready = [t for t in pending if t.end <= sent or (last and t.offset < sent)]
+            seq.pending = [] if last else [t for t in pending if t.end > sent]
+        if text or ready:
+            seq.on_event(("text", text, ready))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         with self.lock:

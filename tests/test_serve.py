@@ -203,6 +203,22 @@ def test_stop_token_finishes_without_its_text(tmp_path):
     assert events == [("done", "stop", 1)]
 
 
+def test_stop_token_sends_the_text_held_back_for_a_possible_stop_string(tmp_path):
+    """The first character may begin the stop string, so it waits; the stop token that follows
+    ends the completion, and the character is sent before the end."""
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    first, second = reference(model, "what?", 2)  # two different characters
+    events = []
+    engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=1,
+                         max_queue=1, warmup=False)
+    params = SamplingParams(max_tokens=10, temperature=0, stop=(first + "!?",),
+                            stop_token=CHARS.index(second))
+    engine.start()
+    engine.submit([Sequence(CharTokenizer(CHARS).encode("what?"), params, events.append)])
+    engine.stop()
+    assert first != second and events == [("text", first, []), ("done", "stop", 2)]
+
+
 def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(serve_batch.memory, "release_cached",
@@ -382,7 +398,7 @@ def test_n_choices_with_a_seed_are_reproducible(served):
     ({"prompt": "ab\u00e9"}, 400, "outside this"),
     ({"prompt": [[1, 999]]}, 400, "token ids outside"),
     ({"prompt": "ab", "stop": ""}, 400, "stop must be"),
-    ({"prompt": "ab", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"prompt": "ab", "best_of": 2}, 400, "best_of is not supported"),
     ({"prompt": "ab", "n": 9}, 400, "server holds at most 8"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
 ])
