@@ -292,8 +292,10 @@ def inductor_cache_per_isa() -> str:
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen and os.path.abspath(chosen) != default_cache_dir():  # the user's (or ours, set)
         return chosen
-    isa = cpu_vec_isa.pick_vec_isa()  # falsy where none: scalar C++
-    isa = "_".join(str(isa).split()) if isa else "scalar"  # 'avx512 avx512_vnni amx_tile'
+    isa = cpu_vec_isa.pick_vec_isa()  # InvalidVecISA where none: scalar C++
+    # by its type, not its truth: an ISA object is falsy where this CPU lacks it
+    scalar = isinstance(isa, cpu_vec_isa.InvalidVecISA)
+    isa = "scalar" if scalar else "_".join(str(isa).split())  # 'avx512 avx512_vnni amx_tile'
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"isa_{isa}")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
