@@ -10,7 +10,9 @@ Each step, every running sequence does one forward: the ones with a cache row de
 a sequence alone: generate.py's GPT.decode_one), then new or re-windowed ones are prefilled
 alone (the same `sampling.prefill` as generate.py), up to prefill_chunk prompt tokens a step (a
 long prompt is read over several steps, so the running streams wait for one chunk, never for
-the whole prompt), and copied into their row. Sampling is
+the whole prompt), and copied into their row. With packed weights (--weights float32, bfloat16,
+int8, int4) a step is one forward instead: the decoding rows' tokens and the prompt tokens read
+this step, each straight into its slot's row (weights.forward_tokens). Sampling is
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
 
@@ -40,6 +42,11 @@ from engine import logprobs, memory, weights
 from engine.logprobs import Scored
 from engine.sampling import lean_decoding, prefill, sample_next
 from model import GPT, KVCache
+
+
+# prompt tokens a packed step reads when no sequence is decoding (nothing waits on it): larger
+# products use the cores better than prefill_chunk's, and long prompts start sooner
+READ_ALONE = 1024
 
 
 class QueueFull(RuntimeError):
@@ -260,8 +267,10 @@ class BatchEngine:
     def step(self) -> None:
         """A batched decode of every sequence with a cache row, then prefills of up to
         self.chunk prompt tokens in all (0: every waiting prompt whole), the one part-read
-        first (it holds the scratch cache)."""
+        first (it holds the scratch cache). Packed weights: both in one forward (_step_tokens)."""
         self._admit()
+        if self.model is self.raw_model and weights.fused(self.raw_model):
+            return self._step_tokens()
         decoding = [s for s in self.running if s is not None and s.pos is not None]
         if decoding:
             self._decode(decoding)
@@ -277,6 +286,47 @@ class BatchEngine:
             else:  # alone (as generate.py reads it), in chunks when longer than the budget
                 budget -= self._prefill(fresh[0], budget)
             fresh = fresh[len(group) or 1:]
+
+    def _step_tokens(self) -> None:
+        """One forward (weights.forward_tokens): each decoding sequence's next token in its
+        row, and up to self.chunk prompt tokens of the sequences reading their context, in slot
+        order, straight into their rows (with nothing decoding, up to READ_ALONE: no stream
+        waits); logits only where a token is sampled or a prompt token scored."""
+        running = [s for s in self.running if s is not None]
+        decoding = [s for s in running if s.pos is not None]
+        tokens = [s.tokens[-1] for s in decoding]
+        rows, positions = [s.slot for s in decoding], [s.pos for s in decoding]
+        logits_at, reads = list(range(len(decoding))), []
+        budget = self.chunk or READ_ALONE
+        if not decoding:
+            budget = max(budget, READ_ALONE)
+        for seq in (s for s in running if s.pos is None):
+            context = seq.tokens[seq.start:]
+            n = min(len(context) - seq.read, budget)
+            if seq.scores_prompt():
+                n = min(n, logprobs.prompt_rows(self.raw_model.config.vocab_size))
+            if n <= 0:
+                break
+            first = len(tokens)
+            tokens += context[seq.read:seq.read + n]
+            rows += [seq.slot] * n
+            positions += range(seq.read, seq.read + n)
+            scored, done = seq.scores_prompt(), seq.read + n == len(context)
+            at = range(first, first + n) if scored else range(first + n - 1, first + n)
+            reads.append((seq, context, seq.read, n, len(logits_at), scored, done))
+            logits_at += at if scored or done else []
+            seq.read += n
+            budget -= n
+        logits = weights.forward_tokens(self.raw_model, torch.tensor(tokens), self.cache.kv,
+                                        torch.tensor(rows), torch.tensor(positions),
+                                        torch.tensor(logits_at))
+        for seq, context, start, n, at, scored, done in reads:
+            if scored:
+                self._score_prompt(seq, context, start, logits[at:at + n])
+            if done:
+                seq.pos, seq.read = len(context), 0
+                self._prefilled(seq, logits[at + (n - 1 if scored else 0)][None])
+        self._sample(decoding, logits, {s.slot: i for i, s in enumerate(decoding)})
 
     def _admit(self) -> None:
         """Drop cancelled sequences; move queued ones into free slots (lowest first)."""
@@ -402,6 +452,11 @@ class BatchEngine:
             with self.autocast():
                 logits = self.model(tokens.to(self.device), kv_cache=self.cache,
                                     input_pos=positions.to(self.device))[0][:, -1, :]
+        self._sample(seqs, logits, row)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, row: dict[int, int]) -> None:
+        """Each seq's next token from its row of the logits (row: slot -> row), its position
+        one further."""
         for s in seqs:
             s.pos += 1
         greedy = [s for s in seqs if s.params.temperature == 0]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from config import Config
-from engine import checkpoint, prune, serve_batch, serve_workers, sources
+from engine import checkpoint, prune, serve_batch, serve_workers, sources, weights
 from engine.sampling import generate_tokens, set_weight_layout
 from engine.serve_batch import BatchEngine, SamplingParams, Sequence, TextStream
 from engine.tokenizer import CharTokenizer
@@ -129,6 +129,38 @@ def test_long_prompts_are_read_in_chunks_between_decode_steps(tmp_path):
     hook.remove()
     assert max(sum(step) for step in read) <= 4
     assert sum(len(step) > 0 for step in read) >= 25 // 4 + 24 // 4  # the long ones in chunks
+    for (prompt, p), text in zip(requests, got):
+        assert text == reference(model, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p,
+                                 p.seed or 0), prompt
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_packed_weights_decode_and_read_prompts_in_one_forward_a_step(tmp_path, monkeypatch,
+                                                                       fmt):
+    """--weights FORMAT: each step is one forward_tokens call, the decoding rows' tokens and at
+    most prefill_chunk prompt tokens (all of a prompt when nothing decodes); the texts are what
+    generate.py gives each request alone on the same packed weights (past the context too)."""
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    weights.convert(model, fmt, torch.device("cpu"))
+    if not weights.fused(model):
+        pytest.skip("the compiled kernels are not built here")
+    requests = [("ab", SamplingParams(max_tokens=45, temperature=0)),
+                ("hello world, this is long", SamplingParams(max_tokens=12, temperature=0)),
+                ("what a long prompt it is", SamplingParams(max_tokens=9, temperature=0.7,
+                                                           seed=5)),
+                ("c", SamplingParams(max_tokens=30, temperature=1.0, seed=7))]
+    calls, forward_tokens = [], weights.forward_tokens
+
+    def counted(model, tokens, kv, rows, positions, logits_at=None):
+        calls.append((len(tokens), len(set(rows.tolist()))))
+        return forward_tokens(model, tokens, kv, rows, positions, logits_at)
+
+    monkeypatch.setattr(weights, "forward_tokens", counted)
+    got = run_engine(model, requests, slots=3, prefill_chunk=4)
+    assert calls[0] == (len("ab") + len("hello world, this is long") + len("what a long "
+                                                                           "prompt it is"), 3)
+    assert all(tokens <= 3 + 4 for tokens, _ in calls[1:])  # 3 decoding rows + one chunk
+    monkeypatch.setattr(weights, "forward_tokens", forward_tokens)
     for (prompt, p), text in zip(requests, got):
         assert text == reference(model, prompt, p.max_tokens, p.temperature, p.top_k, p.top_p,
                                  p.seed or 0), prompt

@@ -15,7 +15,7 @@ import torch
 from test_serve import CHARS, WAIT_S, Server, post, reference, tiny_checkpoint
 
 from config import Config
-from engine import checkpoint, hellaswag, logprobs, sources
+from engine import checkpoint, hellaswag, logprobs, sources, weights
 from engine.sampling import generate_tokens, set_weight_layout
 from engine.serve_batch import BatchEngine, SamplingParams, Sequence
 from engine.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -51,13 +51,18 @@ def forward_logprobs(model: GPT, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch, static):
+@pytest.mark.parametrize("static,packed", [(False, False), (True, False), (False, True)])
+def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch, static, packed):
     """At most 3 positions' logits a forward (PROMPT_LOGITS lowered): a 25-token prompt is
     scored in pieces, each token as the whole forward scores it, while another request runs
     alongside; both texts are what generate.py gives alone. static: the compiled path's
-    shapes (every slot, the whole cache)."""
+    shapes (every slot, the whole cache); packed: float32 packed weights, whose one forward a
+    step also has the other request's row of logits."""
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    if packed:
+        weights.convert(model, "float32", torch.device("cpu"))
+        if not weights.fused(model):
+            pytest.skip("the compiled kernels are not built here")
     monkeypatch.setattr(logprobs, "PROMPT_LOGITS", 3 * model.config.vocab_size)
     rows = []
     hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(
@@ -68,7 +73,7 @@ def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch, static
     events = engine_events(model, [(prompt, scored), (prompt[:2], plain)], prefill_chunk=8,
                            static=static)
     hook.remove()
-    assert max(rows) == 3 and rows.count(3) >= 24 // 3
+    assert max(rows) == 3 + packed and rows.count(3 + packed) >= 24 // 3 - 1
     kind, scores = events[0][0]
     assert kind == "prompt" and [s.token for s in scores] == prompt
     assert scores[0].logprob is None
