@@ -1,12 +1,14 @@
 """The serving benchmark behind `python bench.py --serve`: a bounded load on 127.0.0.1 against
 serve.py, continuous batching (--slots 16) beside the same load served one request at a time
 (--slots 1), at concurrency 1, 4 and 16; the first request's time to first token; the memory
-(PSS) of 1, 2 and 4 workers sharing the weights against one copy per worker.
+(PSS) of 1, 2 and 4 workers sharing the weights against one copy per worker; what reading
+context-length prompts costs the running streams, per sample.prefill_chunk (part prefill).
 Output: RESULTS/serve_NAME.{json,md}.
 
     python -m engine.bench_serve --checkpoint out/shakespeare_char --threads 1 --rounds 3 \\
         --parts load,workers                       # bench_results/serve_cpu.{md,json}
     python -m engine.bench_serve --gpt2-shaped --parts memory --name cpu_gpt2
+    python -m engine.bench_serve --gpt2-shaped --parts prefill --weights bfloat16 --name prefill
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ PROMPT_CHARS = (8, 32, 96)  # the fixed mix: request i takes PROMPT_CHARS[i % 3]
 OUTPUT_TOKENS = (16, 64, 128)  # ... and OUTPUT_TOKENS[(i // 3) % 3]
 GPT2_OUTPUT_TOKENS = (8, 16, 32)
 START_S = 600  # bound on a server's start-up (a compile on a busy CPU is slow)
+QUIET_CHUNKS = 16  # prefill: text chunks per stream, all running, before the first long prompt
+STREAM_TOKENS = 100_000  # prefill: the streams' max_tokens; they are cut off once measured
+LONG_MARGIN = 4  # prefill: a long prompt is block_size - LONG_MARGIN tokens
 
 
 @dataclass
@@ -58,7 +63,12 @@ class BenchServeOptions:
     fixed_tokens: int = opt(64, "formats: tokens every request generates")
     parts: str = opt("load,workers,memory", "what to measure: load (throughput, latency, "
                      "first request), workers (1 vs 2 splitting the cores), memory (PSS), "
-                     "formats (our weight formats beside --outside servers)")
+                     "formats (our weight formats beside --outside servers), prefill (running "
+                     "streams' token gaps while context-length prompts are read)")
+    chunks: str = opt("0,128", "prefill: the sample.prefill_chunk settings compared, a server "
+                      "each (0 = every waiting prompt whole in one step)")
+    streams: int = opt(8, "prefill: streams decoding while the long prompts arrive")
+    long_prompts: int = opt(4, "prefill: context-length prompts sent one after another")
     name: str = opt("cpu", "results go to RESULTS/serve_NAME.{md,json}")
     results: str = opt("bench_results", "the results directory")
 
@@ -119,8 +129,10 @@ def workload(n: int, gpt2: bool) -> list[dict]:
     return jobs
 
 
-async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
-    """Stream one completion -> ttft, latency (s), tokens; error: the reason."""
+async def one_request(client: httpx.AsyncClient, body: dict,
+                      arrivals: list[float] | None = None) -> dict:
+    """Stream one completion -> ttft, latency (s), tokens; error: the reason. `arrivals`, if
+    given, gets the time.perf_counter() (a monotonic clock) of each chunk that carries text."""
     t0 = time.perf_counter()
     ttft, tokens, done = None, 0, False
     try:
@@ -134,8 +146,11 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
                     done = True
                     break
                 chunk = json.loads(line[6:])
-                if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                    ttft = time.perf_counter() - t0
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    ttft = now - t0 if ttft is None else ttft
+                    if arrivals is not None:
+                        arrivals.append(now)
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
@@ -280,6 +295,8 @@ def markdown(report: dict) -> str:
                                                        "latency p50 ms", "errors"], rows)]
     if report.get("formats"):
         parts += ["", *formats_markdown(report["formats"])]
+    if report.get("prefill"):
+        parts += ["", *prefill_markdown(report["prefill"])]
     if report.get("memory"):
         mem = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
                 f"{r['pss_total_mib']:.0f}"] for r in report["memory"]]
@@ -413,6 +430,119 @@ def formats_markdown(f: dict) -> list[str]:
             markdown_table(header, rows)]
 
 
+def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    """A prompt of `length` token ids spread over the vocabulary (any tokenizer takes it)."""
+    return [(seed * 7919 + 31 * i) % vocab for i in range(length)]
+
+
+async def wait_chunks(arrivals: list[list[float]], streams: list[asyncio.Task],
+                      targets: list[int]) -> float:
+    """Wait until stream i has had targets[i] text chunks -> the time then. A stream that has
+    ended is an error: it would leave the window it was to measure."""
+    while True:
+        if ended := [task.result() for task in streams if task.done()]:
+            raise RuntimeError(f"a stream ended before it was measured: {ended[0]}")
+        if all(len(times) >= n for times, n in zip(arrivals, targets)):
+            return time.perf_counter()
+        await asyncio.sleep(0.01)
+
+
+def gap_figures(window: str, gaps: list[float]) -> dict:
+    ms = [1e3 * gap for gap in gaps]
+    return {f"{window}_gaps": len(ms), f"{window}_gap_p50_ms": statistics.median(ms),
+            f"{window}_gap_p99_ms": percentile(ms, .99), f"{window}_gap_max_ms": max(ms)}
+
+
+async def prefill_round(url: str, shape: dict, o: BenchServeOptions) -> dict:
+    """--streams greedy streams, once all running, get QUIET_CHUNKS more text chunks each, then
+    --long-prompts prompts of the context minus LONG_MARGIN tokens (1 token asked) go one after
+    another -> the gaps between the streams' chunks before them (quiet) and overlapping the
+    time they took (reading), and the long prompts' time to their token (send to [DONE])."""
+    block, vocab = shape["block_size"], shape["vocab_size"]
+    body = {"temperature": 0, "max_tokens": STREAM_TOKENS, "stream": True, "ignore_eos": True}
+    arrivals: list[list[float]] = [[] for _ in range(o.streams)]
+    limits = httpx.Limits(max_connections=o.streams + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        streams = [asyncio.create_task(one_request(
+            client, {**body, "prompt": token_prompt(8, vocab, i)}, times))
+            for i, times in enumerate(arrivals)]
+        try:
+            running = await wait_chunks(arrivals, streams, [1] * o.streams)
+            start = await wait_chunks(arrivals, streams, [len(times) + QUIET_CHUNKS
+                                                          for times in arrivals])
+            longs = [await one_request(client, {**body, "max_tokens": 1, "prompt": token_prompt(
+                block - LONG_MARGIN, vocab, 1000 + k)}) for k in range(o.long_prompts)]
+            end = time.perf_counter()  # then each stream's gap that spans the end, too
+            await wait_chunks(arrivals, streams, [len(times) + 1 for times in arrivals])
+        finally:
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+    if errors := [r["error"] for r in longs if "error" in r]:
+        raise RuntimeError(f"long prompts failed: {errors}")
+    gaps = [(a, b) for times in arrivals for a, b in zip(times, times[1:])]
+    return {**gap_figures("quiet", [b - a for a, b in gaps if a >= running and b <= start]),
+            **gap_figures("reading", [b - a for a, b in gaps if b > start and a < end]),
+            "long_ttft_p50_ms": 1e3 * statistics.median(r["latency"] for r in longs),
+            "long_requests": len(longs), "reading_s": end - start}
+
+
+def prefill_part(o: BenchServeOptions, ckpt: Path, base: list[str], chunks: list[int]) -> dict:
+    """Per round, our server once per prefill chunk setting, one up at a time (two would share
+    the cores), each measured by prefill_round; medians over the rounds."""
+    shape, weights = model_shape(ckpt), o.weights.split(",")[0].strip()
+    rounds: dict[str, list[dict]] = {str(chunk): [] for chunk in chunks}
+    asyncio.run(warm_client())
+    for _ in range(o.rounds):
+        for chunk in chunks:
+            server = Server([*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
+                             f"--weights={weights}", f"--sample.prefill_chunk={chunk}",
+                             f"--max-tokens-limit={STREAM_TOKENS}"])
+            try:
+                rounds[str(chunk)].append(asyncio.run(prefill_round(server.url, shape, o)))
+            finally:
+                server.stop()
+            m = rounds[str(chunk)][-1]
+            print(f"  prefill chunk {chunk:>4}: gap p99 {m['quiet_gap_p99_ms']:.0f} ms quiet, "
+                  f"{m['reading_gap_p99_ms']:.0f} ms reading; long TTFT p50 "
+                  f"{m['long_ttft_p50_ms']:.0f} ms", flush=True)
+    return {"chunks": chunks, "streams": o.streams, "long_prompts": o.long_prompts,
+            "prompt_tokens": shape["block_size"] - LONG_MARGIN, "weights": weights,
+            "slots": o.slots, "rounds_run": o.rounds, "rounds": rounds,
+            "runs": {chunk: median_run(runs) for chunk, runs in rounds.items()}}
+
+
+PREFILL_COLUMNS = {"quiet gap p50 ms": "quiet_gap_p50_ms", "quiet gap p99 ms": "quiet_gap_p99_ms",
+                   "reading gap p50 ms": "reading_gap_p50_ms",
+                   "reading gap p99 ms": "reading_gap_p99_ms",
+                   "reading gap max ms": "reading_gap_max_ms",
+                   "long prompt TTFT p50 ms": "long_ttft_p50_ms"}
+
+
+def prefill_markdown(p: dict) -> list[str]:
+    runs = {c: p["runs"][str(c)] for c in p["chunks"]}
+    rows = [[f"{c} (whole prompts)" if c == 0 else f"{c} tokens a step",
+             *(f"{m[key]:.0f}" for key in PREFILL_COLUMNS.values()),
+             f"{m['quiet_gaps']:.0f} / {m['reading_gaps']:.0f}"] for c, m in runs.items()]
+    lines = [f"Prefill: {p['streams']} greedy streams (8-token prompts) decode on our server "
+             f"(--weights {p['weights']}, --slots {p['slots']}); after {QUIET_CHUNKS} text "
+             f"chunks each (quiet), {p['long_prompts']} prompts of {p['prompt_tokens']} tokens "
+             "(the context) asking 1 token go one after another (reading: the gaps that overlap "
+             "that time). A gap: the time between two text chunks of one stream, at the client; "
+             "long prompt TTFT: send to its token. One server at a time; medians of "
+             f"{p['rounds_run']} rounds.", "",
+             markdown_table(["prefill chunk", *PREFILL_COLUMNS, "gaps (quiet / reading)"], rows)]
+    if len(runs) > 1:
+        (a, before), (b, after) = list(runs.items())[0], list(runs.items())[-1]
+        lines += ["", f"While the long prompts are read, a running stream waits "
+                  f"{after['reading_gap_p99_ms']:.0f} ms (p99) for its next token with prefill "
+                  f"chunk {b}, against {before['reading_gap_p99_ms']:.0f} ms with chunk {a} "
+                  f"(quiet: {before['quiet_gap_p99_ms']:.0f} ms); a long prompt's token takes "
+                  f"{after['long_ttft_p50_ms']:.0f} ms against "
+                  f"{before['long_ttft_p50_ms']:.0f} ms (p50)."]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # servers stopped on the way out
@@ -420,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         o = load_options(argv, BenchServeOptions, "engine/bench_serve.py", __doc__)
         levels = [int(c) for c in o.concurrency.split(",") if c.strip()]
         counts = [int(c) for c in o.memory_workers.split(",") if c.strip()]
+        chunks = [int(c) for c in o.chunks.split(",") if c.strip()]
         ckpt = None if o.gpt2_shaped else checkpoint.resolve(o.checkpoint)
     except (ConfigError, ValueError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -438,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             report["workers"] = workers_rows(ckpt, [1, 2], common, o, levels)
         if "formats" in o.parts:
             report["formats"] = formats_part(o, ckpt, base, levels)
+        if "prefill" in o.parts:
+            report["prefill"] = prefill_part(o, ckpt, base, chunks)
         if "memory" in o.parts and counts:
             report["memory"] = memory_rows(ckpt, counts, ["--device=cpu"], o.gpt2_shaped)
     out = Path(o.results)
@@ -448,8 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def model_shape(ckpt: Path) -> dict:
+    """The checkpoint's model section (its config.json)."""
+    return json.loads((ckpt / "config.json").read_text())["model"]
+
+
 def model_line(ckpt: Path) -> str:
-    m = json.loads((ckpt / "config.json").read_text())["model"]
+    m = model_shape(ckpt)
     return (f"{m['n_layer']} layers x {m['n_embd']}, {m['n_head']} heads, block {m['block_size']},"
             f" vocab {m['vocab_size']}, attention {m['attention']}")
 

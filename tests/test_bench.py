@@ -244,6 +244,34 @@ def test_serve_flag_hands_over_to_the_serving_benchmark(tmp_path, capsys):
     assert err.startswith("error: ") and str(missing) in err  # bench_serve's own check
 
 
+def test_serve_prefill_part_reports_gaps_for_each_chunk_setting(tmp_path):
+    from config import Config
+    from engine import checkpoint
+    from model import GPT
+    from tests.conftest import tiny_model_config
+    cfg = Config()
+    cfg.model = tiny_model_config(n_embd=32, block_size=32, vocab_size=26)
+    meta = {"tokenizer": {"kind": "char", "chars": [chr(ord("a") + i) for i in range(26)]}}
+    ckpt = checkpoint.save(tmp_path / "run", 1, GPT(cfg.model), cfg, meta)
+    assert bench.main(["--serve", f"--checkpoint={ckpt}", "--parts=prefill", "--chunks=0,8",
+                       "--rounds=1", "--streams=2", "--long-prompts=1", "--slots=4",
+                       "--threads=1", f"--results={tmp_path}", "--name=t"]) == 0
+    prefill = json.loads((tmp_path / "serve_t.json").read_text())["prefill"]
+    assert prefill["chunks"] == [0, 8] and list(prefill["runs"]) == ["0", "8"]
+    assert (prefill["streams"], prefill["long_prompts"], prefill["prompt_tokens"]) == (2, 1, 28)
+    for m in prefill["runs"].values():
+        assert m["long_requests"] == 1 and m["long_ttft_p50_ms"] > 0 and m["reading_s"] > 0
+        assert m["quiet_gaps"] >= 2 * 15  # 16 chunks each after all were running
+        assert m["reading_gaps"] >= 2  # each stream's gap that spans the end, at least
+        for window in ("quiet", "reading"):
+            p50, p99, top = (m[f"{window}_gap_{q}_ms"] for q in ("p50", "p99", "max"))
+            assert 0 < p50 <= p99 <= top
+    md = (tmp_path / "serve_t.md").read_text()
+    assert "| prefill chunk | quiet gap p50 ms |" in md
+    assert "| 0 (whole prompts) |" in md and "| 8 tokens a step |" in md
+    assert "with prefill chunk 8, against" in md
+
+
 FAKE_LLAMA = '''
 import json, sys
 print(json.dumps({"ready": "fake"}), flush=True)
