@@ -758,7 +758,9 @@ void attend(const float* qkv, float* kv, const int64_t* row, const int64_t* pos,
 // row-wise f over B rows among the threads, when they are enough work to share
 template <typename F>
 void for_rows(int64_t B, int64_t width, const F& f) {
-  constexpr int64_t WORTH_SHARING = 65536;  // elements: below this, one thread is quicker
+  // elements: below this, one thread is quicker (16 rows' GELU, 49k, shared: a batch-16 bf16
+  // decode step 21.2 -> 19.0 ms on the Zen 4 EPYC; a row alone, 3k, stays on one)
+  constexpr int64_t WORTH_SHARING = 8192;
   if (B * width < WORTH_SHARING) {
     for (int64_t b = 0; b < B; ++b) f(b);
     return;
