@@ -382,8 +382,8 @@ def served_model(url: str) -> str:
 
 def formats_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
     """Our server once per weight format (--slots each) beside the --outside servers, all up
-    at once and taking turns at each level in each round, on one load: --requests greedy
-    requests of --fixed-tokens tokens each."""
+    at once and taking turns at each level in each round (each round starting one server
+    later), on one load: --requests greedy requests of --fixed-tokens tokens each."""
     outside = dict(item.split("=", 1) for item in o.outside.split(",") if item.strip())
     jobs = [{**job, "max_tokens": o.fixed_tokens} for job in workload(o.requests, o.gpt2_shaped)]
     ours: dict[str, Server] = {}
@@ -395,11 +395,13 @@ def formats_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list
         urls = {**{label: s.url for label, s in ours.items()}, **outside}
         models = {label: served_model(url) for label, url in urls.items()}
         rounds: dict[str, list[dict]] = {label: [] for label in urls}
-        for _ in range(o.rounds):
+        for r in range(o.rounds):
             for label in urls:
                 rounds[label].append({})
+            turns = list(urls.items())
+            turns = turns[r % len(turns):] + turns[:r % len(turns)]  # each round, one later
             for level in levels:
-                for label, url in urls.items():
+                for label, url in turns:
                     t0 = time.perf_counter()
                     results = asyncio.run(run_load(url, [{**j, "model": models[label]}
                                                          for j in jobs], level))

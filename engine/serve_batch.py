@@ -297,12 +297,12 @@ class BatchEngine:
         tokens = [s.tokens[-1] for s in decoding]
         rows, positions = [s.slot for s in decoding], [s.pos for s in decoding]
         logits_at, reads = list(range(len(decoding))), []
-        budget = self.chunk or READ_ALONE
+        budget = self.chunk or float("inf")  # 0: each prompt whole
         if not decoding:
             budget = max(budget, READ_ALONE)
         for seq in (s for s in running if s.pos is None):
             context = seq.tokens[seq.start:]
-            n = min(len(context) - seq.read, budget)
+            n = int(min(len(context) - seq.read, budget))
             if seq.scores_prompt():
                 n = min(n, logprobs.prompt_rows(self.raw_model.config.vocab_size))
             if n <= 0:
