@@ -352,13 +352,18 @@ class Server:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    ckpt = tiny_checkpoint(tmp / "run")
+def start_server(tmp: Path, ckpt: Path) -> Server:
+    """A server on ckpt, with the same weights in-process as .model (the reference)."""
     server = Server(ckpt, tmp / "serve.log")
     server.model = sources.load_model(str(ckpt), Config())[0].eval()
     set_weight_layout(server.model, "auto")  # as generate.py (and serve.py) store them
+    return server
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    server = start_server(tmp, tiny_checkpoint(tmp / "run"))
     yield server
     server.stop()
 

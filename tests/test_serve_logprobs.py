@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 import torch
-from test_serve import CHARS, WAIT_S, Server, post, reference, tiny_checkpoint
+from test_serve import CHARS, WAIT_S, post, reference, start_server, tiny_checkpoint
 
 from config import Config
 from engine import checkpoint, hellaswag, logprobs, sources, weights
-from engine.sampling import generate_tokens, set_weight_layout
+from engine.sampling import generate_tokens
 from engine.serve_batch import BatchEngine, SamplingParams, Sequence
 from engine.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, ModelConfig
@@ -144,10 +144,7 @@ def bpe_checkpoint(out_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve_logprobs")
-    ckpt = bpe_checkpoint(tmp / "run")
-    server = Server(ckpt, tmp / "serve.log")
-    server.model = sources.load_model(str(ckpt), Config())[0].eval()
-    set_weight_layout(server.model, "auto")  # as serve.py stores them
+    server = start_server(tmp, bpe_checkpoint(tmp / "run"))
     server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused",
                                   max_retries=0, timeout=WAIT_S)
     yield server
