@@ -18,7 +18,7 @@ from config import Config, ConfigError, load_config, opt
 from engine import checkpoint, runtime, sources, sparse, techniques, weights
 from engine.sampling import (generate_tokens, huge_pages_for, lean_decoding, set_matvec,
                              set_weight_layout, warm_up)
-from engine.tokenizer import TokenizerError, from_meta
+from data.tokenizer import TokenizerError, from_meta
 
 
 class StreamPrinter:

@@ -1,4 +1,4 @@
-"""Prune a model's block Linear weights by magnitude (engine/prune.py) into a new checkpoint that
+"""Prune a model's block Linear weights by magnitude (engine/pruning.py) into a new checkpoint that
 holds its masks; finetuning it keeps the zeros, and generate.py can run it with sparse kernels.
 
     python prune.py --checkpoint out/shakespeare_char --sparsity 0.75 --out out/pruned75
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from config import Config, ConfigError, load_options, opt
-from engine import checkpoint, prune, sources, sparse
+from engine import checkpoint, pruning, sources, sparse
 
 
 @dataclass
@@ -28,7 +28,7 @@ class PruneOptions:
                           "2:4 is 0.5")
     pattern: str = opt("unstructured", "unstructured: the smallest magnitudes of each matrix | "
                        "2:4: 2 of every 4 weights along the input dimension kept "
-                       f"[{' | '.join(prune.PATTERNS)}]")
+                       f"[{' | '.join(pruning.PATTERNS)}]")
     out: str = opt("", "new directory for the pruned checkpoint (a run directory: train.py "
                    "--init_from=OUT finetunes it)")
     sweep: str = opt("", "measure instead: a comma list of sparsities and 2:4 (0.5,0.75,0.9,2:4)"
@@ -48,18 +48,18 @@ def prune_checkpoint(o: PruneOptions) -> Path:
         raise ConfigError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                           "needed: python prune.py --checkpoint RUN_OR_CKPT --sparsity 0.5 "
                           "--out NEW_DIR")
-    prune.check_request(o.sparsity, o.pattern)  # before the loading
+    pruning.check_request(o.sparsity, o.pattern)  # before the loading
     checkpoint.check_out_dir(o.out, "--out")
     if (latest := checkpoint.latest_checkpoint(o.out)) is not None:
         raise ConfigError(f"--out {o.out} already holds a checkpoint ({latest.name}); pass a new "
                           "directory")
     model, cfg, meta, label = sources.load_model(o.checkpoint, Config(), "cpu")
-    prune.prune(model, o.sparsity, o.pattern)
+    pruning.prune(model, o.sparsity, o.pattern)
     cfg.train.out_dir, cfg.train.init_from = o.out, "scratch"
     info = {key: meta[key] for key in ("tokenizer", "dataset", "tokens_seen") if key in meta}
     info["pruned"] = {"from": label, "sparsity": o.sparsity, "pattern": o.pattern}
     path = checkpoint.save(o.out, meta.get("step", 0), model, cfg, info, out_flag="--out")
-    print(f"{label} ({o.pattern}, sparsity {o.sparsity}) -> {prune.describe(model)}; "
+    print(f"{label} ({o.pattern}, sparsity {o.sparsity}) -> {pruning.describe(model)}; "
           f"embeddings, head, biases and norms untouched -> {path}")
     return path
 
@@ -79,7 +79,7 @@ def finetune(start: Path, out_dir: Path, o: PruneOptions) -> dict:
     evals = [e for e in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())
              if e["kind"] == "eval"]
     model, _, _ = checkpoint.load_model(out_dir)
-    kept = prune.sparsity_of(model)
+    kept = pruning.sparsity_of(model)
     return {"val_before": evals[0]["val"], "val_after": evals[-1]["val"],
             "min_sparsity_after": min(kept.values()) if kept else None}
 
@@ -91,7 +91,7 @@ def sweep(o: PruneOptions) -> list[dict]:
         if variant != "2:4" and not variant.replace(".", "", 1).isdigit():
             raise ConfigError(f"--sweep entry {variant!r} is neither a sparsity nor 2:4; pass "
                               "e.g. --sweep 0.5,0.75,0.9,2:4")
-        prune.check_request(0.5 if variant == "2:4" else float(variant),
+        pruning.check_request(0.5 if variant == "2:4" else float(variant),
                             "2:4" if variant == "2:4" else "unstructured")
     source = checkpoint.resolve(o.checkpoint)
     rows = []

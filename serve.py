@@ -23,8 +23,8 @@ import torch
 from config import ConfigError, load_config, opt
 from engine import checkpoint, runtime, sparse
 from engine.sampling import huge_pages_for, weight_layout_for
-from engine.serve_workers import Supervisor, WorkerSpec, load_for_serving, log
-from engine.tokenizer import TokenizerError
+from engine.serving.workers import Supervisor, WorkerSpec, load_for_serving, log
+from data.tokenizer import TokenizerError
 
 API_KEY_ENV = "GPT2S_API_KEY"  # the key from the environment, so it need not show in `ps`
 
@@ -118,7 +118,7 @@ def serve(cfg, o: ServeOptions) -> int:
                       init_from=o.init_from, model_name=o.model_name, sparse=o.sparse,
                       api_key=api_key(o), max_body_bytes=o.max_body_bytes)
     device = runtime.resolve_device(cfg.system.device)  # a device this machine lacks fails here
-    torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serve_workers.py)
+    torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serving/workers.py)
     loaded = load_for_serving(cfg, o.init_from, o.model_name, device, o.sparse,
                               o.slots)  # errors before any fork
     s = cfg.sample

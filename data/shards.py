@@ -27,7 +27,7 @@ import numpy as np
 from config import ConfigError, load_options, opt
 from data.dataset import DataError, token_dtype, write_atomic, write_meta
 from data.stream import Batch, Source, open_stream, peak_rss_mib, read_batches, tokenize_in_order
-from engine.tokenizer import GPT2Tokenizer
+from data.tokenizer import GPT2Tokenizer
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from data.dataset import DataError
-from engine.tokenizer import GPT2Tokenizer
+from data.tokenizer import GPT2Tokenizer
 
 if TYPE_CHECKING:
     import datasets  # imported where used: it is slow to import and the workers never need it

@@ -31,7 +31,7 @@ import torch
 from config import Config, ConfigError, load_options, opt
 from engine import checkpoint, runtime
 from engine.benchmark import REPO_ROOT, markdown_table
-from engine.serve_workers import pss_bytes
+from engine.serving.workers import pss_bytes
 from model import GPT, ModelConfig
 
 MIB = 2**20

@@ -1,6 +1,6 @@
 """Checkpoints: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (resolved), meta.json
 and train_state.pt (optimizer, RNG, data position; loaded weights_only); a pruned model's masks
-in mask.safetensors (engine/prune.py). Staged in a hidden
+in mask.safetensors (engine/pruning.py). Staged in a hidden
 directory and renamed into place: a crash or a full disk never leaves half a one."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import config as config_mod
-from engine import prune
+from engine import pruning
 from engine.memory import size_text
 from model import GPT
 
@@ -181,7 +181,7 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
     files = {"config.json": cfg.to_json().encode(),
              "meta.json": json.dumps({"step": step, **meta}, indent=1).encode()}
     note = f"; the last complete checkpoint, {latest}, is intact" if latest else ""
-    masks = {name: mask.cpu() for name, mask in prune.masks_of(model).items()}
+    masks = {name: mask.cpu() for name, mask in pruning.masks_of(model).items()}
     needed = bytes_to_write(weights, train_state, masks, *files.values())
     with staging_dir(out, ".tmp_ckpt_", f"checkpoint {final}", needed, out_flag, note) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
@@ -254,7 +254,7 @@ def load_weights(model: GPT, ckpt: Path) -> None:
     if not (ckpt / MASK_FILE).is_file():
         return
     try:
-        prune.attach(model, load_file(str(ckpt / MASK_FILE)))
+        pruning.attach(model, load_file(str(ckpt / MASK_FILE)))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{ckpt}/{MASK_FILE} is unusable ({e}); the checkpoint is "
                               "corrupt: prune its source again with prune.py") from None

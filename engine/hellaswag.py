@@ -21,7 +21,7 @@ from config import Config, ConfigError, command_line_keys, load_config, opt
 from data.dataset import DataError
 from engine import checkpoint, runtime, sources
 from engine.runtime import Runtime
-from engine.tokenizer import GPT2Tokenizer
+from data.tokenizer import GPT2Tokenizer
 
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "data" / "hellaswag" / "hellaswag_val.jsonl"
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"

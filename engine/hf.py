@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from config import Config, ModelConfig
 from engine import checkpoint
 from engine.checkpoint import first_line
-from engine.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, load_ranks
+from data.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, load_ranks
 from model import GPT
 
 GPT2_MODEL_IDS = {name: f"openai-community/{name}"

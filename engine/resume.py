@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError
-from engine import checkpoint, prune
+from engine import checkpoint, pruning
 from engine.checkpoint import CheckpointError
 from engine.distributed import SIGNALS, Dist, full_tensor
 
@@ -113,8 +113,8 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
             device: torch.device) -> tuple[Counters, tuple | None, list[str]]:
     """With init_from=resume, `source`'s state put into this freshly built run: (counters, next
     batch or None, notes). Call it after techniques.apply (which draws random numbers). A pruned
-    source's masks are held from here on (prune.hold_zeros)."""
-    held = prune.hold_zeros(model, optimizer)
+    source's masks are held from here on (pruning.hold_zeros)."""
+    held = pruning.hold_zeros(model, optimizer)
     if cfg.train.init_from != "resume":
         return Counters(), None, held + restore_rank_rng(dist, None, cfg.system.seed, 0)
     state = checkpoint.load_train_state(source)

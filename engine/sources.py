@@ -13,7 +13,7 @@ import torch
 from config import Config, ConfigError
 from data.dataset import DataError, check_vocab, load_meta
 from engine import checkpoint, hf, quantize
-from engine.tokenizer import TokenizerError
+from data.tokenizer import TokenizerError
 from model import GPT
 
 DEFAULT_DATASET = "shakespeare_char"

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from config import ConfigError, load_options, opt
-from engine import prune
+from engine import pruning
 
 MODES = ("dense", "sparse", "auto")
 SPEEDUP_NEEDED = 1.1  # auto: sparse must beat dense by this factor (timing noise)
@@ -151,11 +151,11 @@ def prepare_for_inference(model: torch.nn.Module, mode: str, device: torch.devic
     one line saying what was chosen ('' for a model that is not pruned, left as it is)."""
     if mode not in MODES:
         raise ConfigError(f"--sparse={mode!r} is not one of {', '.join(MODES)}")
-    device, masks = torch.device(device), prune.masks_of(model)
+    device, masks = torch.device(device), pruning.masks_of(model)
     if not masks:
         return ""
     if mode == "dense":
-        return f"sparse kernels: off, dense weights with zeros ({prune.describe(model)})"
+        return f"sparse kernels: off, dense weights with zeros ({pruning.describe(model)})"
     layers = {name.removesuffix(".weight"): model.get_submodule(name.removesuffix(".weight"))
               for name in masks}
     by_shape: dict[tuple, list[str]] = {}
@@ -190,7 +190,7 @@ def prepare_for_inference(model: torch.nn.Module, mode: str, device: torch.devic
 def pruned_weight(shape: tuple[int, int], sparsity: float, pattern: str,
                   generator: torch.Generator) -> torch.Tensor:
     weight = torch.randn(shape, generator=generator) * 0.02
-    return weight * prune.magnitude_mask(weight, sparsity, pattern)
+    return weight * pruning.magnitude_mask(weight, sparsity, pattern)
 
 
 def bench_shape(shape: tuple[int, int], sparsity: float, pattern: str, rows: int,
@@ -252,11 +252,11 @@ def decode_race(sparsity: float, tokens: int, rounds: int = 3) -> list[str]:
     torch.manual_seed(0)
     base = GPT(ModelConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12,
                            n_embd=768)).eval()
-    prune.prune(base, sparsity, "unstructured")
+    pruning.prune(base, sparsity, "unstructured")
     lines, models = [], {}
     for mode in MODES:
         models[mode] = copy.deepcopy(base)
-        setattr(models[mode], prune.MASKS, prune.masks_of(base))
+        setattr(models[mode], pruning.MASKS, pruning.masks_of(base))
         set_weight_layout(models[mode], "auto", huge_pages=True)  # generate.py's defaults
         lines.append(f"{mode}: {prepare_for_inference(models[mode], mode, 'cpu')}")
     idx, speeds, out = torch.zeros((1, 16), dtype=torch.long), {m: [] for m in MODES}, {}

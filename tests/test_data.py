@@ -10,7 +10,7 @@ import torch
 from data.dataset import DataError, check_vocab, load_meta, write_dataset
 from data.loader import Batches
 from data.shakespeare_char.prepare import SOURCE
-from engine.tokenizer import CharTokenizer, TokenizerError
+from data.tokenizer import CharTokenizer, TokenizerError
 
 
 def test_char_round_trip_whole_corpus(char_dataset):

@@ -21,7 +21,7 @@ import load_gpt2_weights
 import train
 from config import ConfigError, ModelConfig, load_config
 from data.loader import DataError
-from engine.tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
+from data.tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
 
 # Odd head counts, n_positions != 1024, vocabularies that are not multiples of 64.
 SHAPES = {

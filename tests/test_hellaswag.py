@@ -12,7 +12,7 @@ from engine import hellaswag
 from config import Config
 from conftest import tiny_model_config
 from model import GPT
-from engine.tokenizer import GPT2Tokenizer
+from data.tokenizer import GPT2Tokenizer
 
 TOK = GPT2Tokenizer()
 

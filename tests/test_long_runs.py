@@ -503,7 +503,7 @@ def test_wandb_failure_is_one_clear_line(char_dataset, tmp_path, monkeypatch, ca
 
 def other_alphabet_dataset(tmp_path) -> Path:
     from data.loader import write_dataset
-    from engine.tokenizer import CharTokenizer
+    from data.tokenizer import CharTokenizer
     tok = CharTokenizer.from_text("abcdefghij \n")
     ids = tok.encode("abc defg hij\n" * 40)
     write_dataset(tmp_path / "letters", tok, ids, ids)

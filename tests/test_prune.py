@@ -1,4 +1,4 @@
-"""Pruning (engine/prune.py, prune.py) and sparse execution (engine/sparse.py): the masks' pattern
+"""Pruning (engine/pruning.py, prune.py) and sparse execution (engine/sparse.py): the masks' pattern
 and sparsity, the checkpoint's mask file, a finetune that keeps the zeros across a resume, sparse
 and dense logits alike, and the user's mistakes in one line each."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import generate
 import prune as prune_script
 import train
 from config import Config, ConfigError, load_config
-from engine import checkpoint, optim, prune, sparse
+from engine import checkpoint, optim, pruning, sparse
 from model import GPT
 from conftest import tiny_model_config, train_args
 
@@ -47,7 +47,7 @@ def trained(char_dataset, tmp_path_factory):
 def test_unstructured_prunes_the_smallest_of_each_block_matrix_only(sparsity):
     model = tiny_gpt()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    masks = prune.prune(model, sparsity, "unstructured")
+    masks = pruning.prune(model, sparsity, "unstructured")
     assert set(masks) == block_weight_names(model)
     after = model.state_dict()
     for name, weight in after.items():
@@ -63,7 +63,7 @@ def test_unstructured_prunes_the_smallest_of_each_block_matrix_only(sparsity):
 def test_two_four_keeps_the_two_largest_of_every_four_inputs():
     model = tiny_gpt()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    masks = prune.prune(model, 0.5, "2:4")
+    masks = pruning.prune(model, 0.5, "2:4")
     for name, mask in masks.items():
         groups = mask.reshape(mask.shape[0], -1, 4)  # along the input dimension
         assert bool((groups.sum(-1) == 2).all()), name
@@ -77,12 +77,12 @@ def test_two_four_keeps_the_two_largest_of_every_four_inputs():
 
 def test_masks_are_saved_with_the_checkpoint_and_checked_on_load(tmp_path):
     model = tiny_gpt()
-    masks = prune.prune(model, 0.75, "unstructured")
+    masks = pruning.prune(model, 0.75, "unstructured")
     path = checkpoint.save(tmp_path / "run", 3, model, config_of(model), {})
     stored = load_file(str(path / checkpoint.MASK_FILE))
     assert stored.keys() == masks.keys() and all(torch.equal(stored[k], masks[k]) for k in masks)
     loaded, _, _ = checkpoint.load_model(path)
-    assert all(torch.equal(prune.masks_of(loaded)[k], masks[k]) for k in masks)
+    assert all(torch.equal(pruning.masks_of(loaded)[k], masks[k]) for k in masks)
     weights = load_file(str(path / "model.safetensors"))
     name = "transformer.h.0.mlp.c_fc.weight"
     weights[name] = weights[name] + 1.0  # non-zero where the mask prunes
@@ -122,14 +122,14 @@ def test_a_finetune_keeps_the_zeros_and_resumes_bit_exact(optimizer, trained, ch
 @pytest.mark.parametrize("setup", ["fused_adamw", "muon", "bf16_masters"])
 def test_every_optimizer_keeps_the_zeros_and_sees_masked_gradients(setup):
     model = tiny_gpt()
-    masks = prune.prune(model, 0.75, "unstructured")
+    masks = pruning.prune(model, 0.75, "unstructured")
     cfg = config_of(model)
     cfg.train.weight_decay, cfg.train.fused_adamw = 0.1, setup == "fused_adamw"
     cfg.train.optimizer = "muon" if setup == "muon" else "adamw"
     if setup == "bf16_masters":
         model.to(torch.bfloat16)
     optimizer, _ = optim.make_optimizer(model, cfg, torch.device("cpu"))
-    assert prune.hold_zeros(model, optimizer)[0].startswith("pruned: 8 block matrices, 75.0%")
+    assert pruning.hold_zeros(model, optimizer)[0].startswith("pruned: 8 block matrices, 75.0%")
     params = dict(model.named_parameters())
     idx = torch.randint(0, model.config.vocab_size, (2, 8))
     bf16 = torch.autocast("cpu", torch.bfloat16, enabled=setup == "bf16_masters")
@@ -153,7 +153,7 @@ def test_every_optimizer_keeps_the_zeros_and_sees_masked_gradients(setup):
 @pytest.mark.parametrize("pattern", ["unstructured", "2:4"])
 def test_sparse_and_dense_execution_give_the_same_logits(pattern):
     model = tiny_gpt(n_embd=32).eval()
-    prune.prune(model, 0.5 if pattern == "2:4" else 0.8, pattern)
+    pruning.prune(model, 0.5 if pattern == "2:4" else 0.8, pattern)
     idx = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
         dense_logits, _ = model(idx, idx)
@@ -168,7 +168,7 @@ def test_sparse_and_dense_execution_give_the_same_logits(pattern):
 def test_auto_says_what_it_chose_and_dense_leaves_the_layers():
     model = tiny_gpt(n_embd=32).eval()
     assert sparse.prepare_for_inference(model, "auto", "cpu") == ""  # not pruned: left alone
-    prune.prune(model, 0.9, "unstructured")
+    pruning.prune(model, 0.9, "unstructured")
     note = sparse.prepare_for_inference(model, "dense", "cpu")
     assert note.startswith("sparse kernels: off, dense weights with zeros")
     assert isinstance(model.transformer.h[0].mlp.c_fc, torch.nn.Linear)
@@ -202,7 +202,7 @@ def test_two_four_runs_semi_structured_on_cuda_like_dense():
         pytest.skip(f"2:4 sparse tensor cores need Ampere or newer, not "
                     f"{torch.cuda.get_device_name()}")
     model = GPT(tiny_model_config(n_embd=128, n_head=4, block_size=64, vocab_size=128)).cuda()
-    prune.prune(model, 0.5, "2:4")
+    pruning.prune(model, 0.5, "2:4")
     idx = torch.randint(0, 128, (4, 64), device="cuda")
     with torch.no_grad():
         dense_logits, _ = model.half()(idx, idx)

@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from config import Config
-from engine import checkpoint, prune, serve_batch, serve_workers, sources, weights
+from engine import checkpoint, pruning, sources, weights
+from engine.serving import batching, workers
 from engine.sampling import generate_tokens, set_weight_layout
-from engine.serve_batch import BatchEngine, SamplingParams, Sequence, TextStream
-from engine.tokenizer import CharTokenizer
+from engine.serving.batching import BatchEngine, SamplingParams, Sequence, TextStream
+from data.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,12 +190,12 @@ def test_a_pruned_checkpoint_is_served_with_sparse_kernels_and_the_same_text(tmp
     """serve loads as generate.py does: a pruned model's Linears go sparse (--sparse), and the
     batched greedy text is what the dense model gives each request alone."""
     dense = sources.load_model(str(tiny_checkpoint(tmp_path / "dense")), Config())[0].eval()
-    prune.prune(dense, 0.75, "unstructured")
+    pruning.prune(dense, 0.75, "unstructured")
     cfg = Config()
     cfg.model = dense.config
     path = checkpoint.save(tmp_path / "pruned", 1, dense, cfg,
                            {"tokenizer": {"kind": "char", "chars": CHARS}})
-    loaded = serve_workers.load_for_serving(cfg, str(path), sparse_mode="sparse", rows=3)
+    loaded = workers.load_for_serving(cfg, str(path), sparse_mode="sparse", rows=3)
     kinds = {type(m).__name__ for m in loaded.model.modules()}
     assert "CSRLinear" in kinds and loaded.name == "pruned"
     requests = [(p, SamplingParams(max_tokens=30, temperature=0)) for p in ("ab", "what?", "c")]
@@ -214,7 +215,7 @@ def test_text_stream_holds_back_a_possible_stop_and_cuts_before_it():
 
 
 def test_text_stream_assembles_utf8_across_byte_level_tokens():
-    from engine.tokenizer import GPT2Tokenizer
+    from data.tokenizer import GPT2Tokenizer
     tok = GPT2Tokenizer()
     text = "caf\u00e9 \U0001f600 ok"
     stream = TextStream(tok, ())
@@ -253,7 +254,7 @@ def test_stop_token_sends_the_text_held_back_for_a_possible_stop_string(tmp_path
 
 def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(serve_batch.memory, "release_cached",
+    monkeypatch.setattr(batching.memory, "release_cached",
                         lambda device, enabled: calls.append(enabled) or True)
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=2,

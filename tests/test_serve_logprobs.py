@@ -15,10 +15,11 @@ import torch
 from test_serve import CHARS, WAIT_S, post, reference, start_server, tiny_checkpoint
 
 from config import Config
-from engine import checkpoint, hellaswag, logprobs, sources, weights
+from engine import checkpoint, hellaswag, sources, weights
+from engine.serving import logprobs
 from engine.sampling import generate_tokens
-from engine.serve_batch import BatchEngine, SamplingParams, Sequence
-from engine.tokenizer import CharTokenizer, GPT2Tokenizer
+from engine.serving.batching import BatchEngine, SamplingParams, Sequence
+from data.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, ModelConfig
 
 TOK = GPT2Tokenizer()

@@ -15,7 +15,7 @@ import data.shards as shards
 import data.stream as stream
 from data.loader import Batches, DataError, ShardBatches, load_meta, open_batches
 from data.shards import Source, prepare
-from engine.tokenizer import GPT2Tokenizer
+from data.tokenizer import GPT2Tokenizer
 
 SHARD, VAL = 1500, 2000  # tokens per shard, val tokens: a few shards per split
 EOT = "<|endoftext|>"

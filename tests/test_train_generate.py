@@ -96,7 +96,7 @@ def test_generate_rejects_prompt_outside_vocabulary(trained, capsys):
 def test_long_prompt_is_cropped_and_empty_prompt_starts_at_newline(trained, capsys):
     _, _, out = trained
     model, _, meta = checkpoint.load_model(out)
-    from engine.tokenizer import from_meta
+    from data.tokenizer import from_meta
     tok = from_meta(meta["tokenizer"])
     ids = generate.encode_prompt(tok, "To be or not to be " * 5, model.config.block_size)
     assert len(ids) == model.config.block_size

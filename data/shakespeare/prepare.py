@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data.dataset import DATA_DIR, write_text  # noqa: E402
-from engine.tokenizer import GPT2Tokenizer  # noqa: E402
+from data.tokenizer import GPT2Tokenizer  # noqa: E402
 
 SOURCE = DATA_DIR / "tinyshakespeare.txt"
 

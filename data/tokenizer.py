@@ -7,7 +7,7 @@ import base64
 import hashlib
 from pathlib import Path
 
-GPT2_RANKS = Path(__file__).resolve().parents[1] / "data" / "gpt2.tiktoken"
+GPT2_RANKS = Path(__file__).resolve().parent / "gpt2.tiktoken"
 # tiktoken's expected sha256 for r50k_base (the GPT-2 ranks)
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")

@@ -34,7 +34,7 @@ import torch
 from config import Config, ConfigError
 from engine import runtime, sources, sparse, techniques, weights
 from engine.sampling import set_weight_layout
-from engine.tokenizer import from_meta
+from data.tokenizer import from_meta
 
 RESTARTS_PER_MINUTE = 5  # more crashes than this in a minute: stop, something is wrong
 STOP_GRACE_S = 600.0  # after SIGTERM, running requests get this long before workers are killed
@@ -139,8 +139,8 @@ def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, rea
     """A worker process, after the fork: its engine and uvicorn on the shared socket."""
     import uvicorn
 
-    from engine.serve import ServedModel, create_app
-    from engine.serve_batch import BatchEngine
+    from engine.serving.app import ServedModel, create_app
+    from engine.serving.batching import BatchEngine
 
     die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before uvicorn: end now; uvicorn takes them

@@ -16,7 +16,7 @@ this step, each straight into its slot's row (weights.forward_tokens). Sampling 
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
 
-Log-probabilities (engine/logprobs.py) cost only the sequences that ask: params.logprobs scores
+Log-probabilities (engine/serving/logprobs.py) cost only the sequences that ask: params.logprobs scores
 each generated token from the logits it was sampled from; with params.echo too, the prompt is
 read alone by the uncompiled model with logits at every position, a bounded piece at a time
 (logprobs.prompt_rows), and each prompt token is scored from the position before it.
@@ -38,8 +38,9 @@ from typing import Callable
 
 import torch
 
-from engine import logprobs, memory, weights
-from engine.logprobs import Scored
+from engine import memory, weights
+from engine.serving import logprobs
+from engine.serving.logprobs import Scored
 from engine.sampling import lean_decoding, prefill, sample_next
 from model import GPT, KVCache
 

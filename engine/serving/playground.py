@@ -1,4 +1,4 @@
-"""serve.py's playground page at GET /: engine/playground.html (package data) filled in for
+"""serve.py's playground page at GET /: engine/serving/playground.html (package data) filled in for
 this server, served with a strict Content-Security-Policy.
 
     page = Playground(model="tiny", key_required=True, max_tokens_limit=1024)
@@ -48,7 +48,7 @@ class Playground:
     page then shows the key field), and the largest max_tokens."""
 
     def __init__(self, model: str, key_required: bool, max_tokens_limit: int):
-        template = (resources.files("engine") / PAGE).read_text(encoding="utf-8")
+        template = (resources.files("engine.serving") / PAGE).read_text(encoding="utf-8")
         values = {"model": model, "key_required": "true" if key_required else "false",
                   "max_tokens_limit": str(max_tokens_limit)}
         # the placeholders are in the body's attributes only, never in the hashed blocks

@@ -2,9 +2,9 @@
 
     POST /v1/completions   prompt, max_tokens, temperature, top_p, top_k (extension), seed, stop,
                            n, stream (server-sent events ending in `data: [DONE]`), usage,
-                           logprobs (0-5) and echo (engine/logprobs.py)
+                           logprobs (0-5) and echo (engine/serving/logprobs.py)
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
-    GET  /                 the playground page (engine/playground.py): prompt, controls, stream
+    GET  /                 the playground page (engine/serving/playground.py): prompt, controls, stream
     GET  /metrics          Prometheus' text format, summed over the workers (engine/serve_workers)
 
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (else 401); /, /health and
@@ -36,11 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException  # 404, 405 are these
 from starlette.routing import Match
 
-from engine import logprobs
-from engine.logprobs import MAX_LOGPROBS, Scored
-from engine.playground import Playground
-from engine.serve_batch import BatchEngine, QueueFull, SamplingParams, Sequence
-from engine.tokenizer import TokenizerError
+from engine.serving import logprobs
+from engine.serving.logprobs import MAX_LOGPROBS, Scored
+from engine.serving.playground import Playground
+from engine.serving.batching import BatchEngine, QueueFull, SamplingParams, Sequence
+from data.tokenizer import TokenizerError
 
 UNSUPPORTED = {"best_of": None, "suffix": None, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "logit_bias": None}
