@@ -335,6 +335,12 @@ def validate(cfg: Config) -> list[str]:
 
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (as stored in checkpoints)."""
+    model = dict(data.get("model") or {})
+    if "gelu" in model:  # a checkpoint from before model.activation and activation_impl
+        old = model.pop("gelu")
+        model.setdefault("activation", "gelu_erf" if old == "erf" else "gelu_tanh")
+        model.setdefault("activation_impl", "native" if old == "native" else "scratch")
+        data = {**data, "model": model}
     cfg, problems = Config(), []
     apply_sections(cfg, data, "stored config", problems, strict=False)
     _raise_problems(problems, "stored config")

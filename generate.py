@@ -16,7 +16,7 @@ import torch
 
 from config import Config, ConfigError, load_config, opt
 from engine import checkpoint, runtime, sources, sparse, techniques, weights
-from engine.sampling import (generate_tokens, huge_pages_for, lean_decoding, set_matvec,
+from engine.sampling import (generate_tokens, huge_pages_for, set_matvec,
                              set_weight_layout, warm_up)
 from data.tokenizer import TokenizerError, from_meta
 
@@ -88,8 +88,6 @@ def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
         warm_up(model, len(prompt_ids), s.max_new_tokens, bucket, rt.autocast)
         print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    if not (lean_decoding(model, rt.device) and rt.dtype == torch.float32):
-        matvec = "blas, each token through forward()"  # compiled, or under autocast
     step = f" (step {meta['step']})" if "step" in meta else ""
     print(f"sampling from {label}{step} on {rt.device} | weights={held} weight_layout={layout} "
           f"({s.weight_layout}) huge_pages={huge_pages_for(s.huge_pages, rt.device)[1]} "

@@ -3,6 +3,7 @@ optimizer groups; each part switches between a written-out reference and a fast 
 
     logits, loss = GPT(ModelConfig(vocab_size=65))(idx, targets)   # (B, T, vocab), float32 loss
 """
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -38,9 +39,11 @@ class ModelConfig:
     causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
                            ("buffer", "on_the_fly"))
     norm: str = opt("scratch", "LayerNorm: written out, or F.layer_norm", ("scratch", "native"))
-    gelu: str = opt("scratch", "tanh GELU: written out by hand, or F.gelu; erf: the exact GELU "
-                    "(nanoGPT's nn.GELU; about 2x faster than tanh on AVX2 CPUs)",
-                    ("scratch", "native", "erf"))
+    activation: str = opt("gelu_tanh", "the MLP's activation: GPT-2's tanh GELU, the exact (erf) "
+                          "GELU (nanoGPT's nn.GELU; about 2x faster than tanh on AVX2 CPUs), or "
+                          "relu(x)^2", ("gelu_tanh", "gelu_erf", "relu2"))
+    activation_impl: str = opt("scratch", "the activation written out by hand, or torch's kernel "
+                               "(F.gelu)", ("scratch", "native"))
     vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
                                   "(64: 50257 -> 50304); padded logits never win")
     activation_checkpointing: str = opt("none", "recompute in backward (less memory, ~1/3 more "
@@ -72,6 +75,11 @@ def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
                      "(K >= 1) or blocks:I,J,...")
 
 
+def float32(x: torch.Tensor | None) -> torch.Tensor | None:
+    """x in float32; float32 x itself (a decoded token runs ~1,000 small ops: each one counts)."""
+    return x if x is None or x.dtype == torch.float32 else x.float()
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias: the math written out (scratch), or F.layer_norm (native)."""
 
@@ -83,11 +91,10 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # precision policy: statistics and affine in float32 whatever the weights' dtype
-        w = self.weight.float()
-        b = self.bias.float() if self.bias is not None else None
-        x32 = x.float()
+        w, b, x32 = float32(self.weight), float32(self.bias), float32(x)
         if self.impl == "native":
-            return F.layer_norm(x32, w.shape, w, b, self.eps).to(x.dtype)
+            y = F.layer_norm(x32, w.shape, w, b, self.eps)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         mean = x32.mean(dim=-1, keepdim=True)
         var = (x32 - mean).pow(2).mean(dim=-1, keepdim=True)
         y = (x32 - mean) * torch.rsqrt(var + self.eps) * w
@@ -99,48 +106,157 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
 
 
-def gelu(x: torch.Tensor, impl: str) -> torch.Tensor:
-    """model.gelu: scratch (tanh, written out), native (F.gelu's tanh) or erf (exact)."""
-    if impl == "scratch":
-        return gelu_tanh(x)
-    return F.gelu(x, approximate="none" if impl == "erf" else "tanh")
+class Activation:
+    """One choice of model.activation, with what other code asks of it: its math (written out,
+    or torch's kernel), how many hidden-width tensors backward keeps (the memory estimate), its
+    name in a Hugging Face GPT2Config (the export) and its number in the CPU decode kernel."""
+
+    hf_names: tuple[str, ...] = ()  # GPT2Config.activation_function values; the first exports
+    kernel_id: int = -1  # gelu() in engine/cpu_kernels.cpp
+
+    def __call__(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def saved_tensors(self, native: bool) -> int:
+        """Tensors of the hidden layer's size (tokens, 4C) that backward keeps for it."""
+        return 1
+
+
+class GeluTanh(Activation):
+    hf_names, kernel_id = ("gelu_new", "gelu_pytorch_tanh"), 0
+
+    def __call__(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh") if native else gelu_tanh(x)
+
+    def saved_tensors(self, native: bool) -> int:
+        return 1 if native else 4  # written out: x, x^3, the tanh and its argument
+
+
+class GeluErf(Activation):
+    hf_names, kernel_id = ("gelu",), 1
+
+    def __call__(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        return F.gelu(x)  # one kernel either way: there is no shorter way to write erf
+
+
+class ReluSquared(Activation):
+    """relu(x)^2 (So et al. 2021, Primer), the modded-nanogpt speedrun's MLP."""
+
+    hf_names, kernel_id = ("relu2",), 2
+
+    def __call__(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        return F.relu(x).square()  # backward keeps relu(x) once: square's input is relu's output
+
+
+ACTIVATIONS: dict[str, Activation] = {"gelu_tanh": GeluTanh(), "gelu_erf": GeluErf(),
+                                      "relu2": ReluSquared()}
 
 
 class KVCache:
-    """Keys and values per layer, (2, B, nh, block_size, hs), written at the caller's explicit
-    positions. With `filled` unset, attention reads the whole cache under a mask of each query's
-    past: one shape for every step, as compiled code always does. A sampler sets filled = n to
-    say the T tokens it writes are the last of positions 0..n-1; eager attention then reads only
-    those n (a single token needs no mask). Stale keys beyond a query are never seen."""
+    """Keys and values per layer, (2, B, nh, S, hs) (S: block_size unless given), written at the
+    caller's explicit positions: input_pos (T,), the same for every row (a prompt, generate.py's
+    steps), or (B, T), each row its own (serve.py's slots, each sequence at its own length). A
+    call with fewer rows than the cache uses its first rows.
 
-    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype):
-        shape = (2, batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+    With `filled` unset, attention reads every position under a mask of each query's past: one
+    shape for every step, as compiled code needs. A caller that has written everything at
+    positions 0..filled-1 sets filled; eager attention then reads only those (a single token per
+    row at the last of them needs no mask: a whole read of GPT-2's 1024 slots costs ~72 MB per
+    token, and the mask ops cost more than the attention). Stale keys beyond a query are never
+    seen."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype,
+                 positions: int | None = None):
+        shape = (2, batch, cfg.n_head, positions or cfg.block_size, cfg.n_embd // cfg.n_head)
         self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.k, self.v = [kv[0] for kv in self.kv], [kv[1] for kv in self.kv]  # views
-        self.slots = torch.arange(cfg.block_size, device=device)
+        self.slots = torch.arange(shape[3], device=device)
         self.filled: int | None = None
 
     def update(self, layer: int, input_pos: torch.Tensor, kv: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store kv (2, B, nh, T, hs), keys and values, at input_pos (T,) -> the layer's keys and
-        values (B, nh, n, hs) and the (T, n) mask: each query sees keys up to it (None: all)."""
-        cache = self.kv[layer]
-        cache.index_copy_(3, input_pos, kv.to(cache.dtype))
-        if self.filled is None or torch.compiler.is_compiling():
-            return cache[0], cache[1], self.slots[None, :] <= input_pos[:, None]
-        # eager decoding reads only the written prefix: a whole 1024-slot read costs GPT-2 124M
-        # ~72 MB per token (15% of its weights), and the mask ops cost more than the attention
+        """Store kv (2, rows, nh, T, hs), keys and values, at input_pos (T,) or (rows, T) -> the
+        layer's keys and values (rows, nh, n, hs) and the mask of what each query sees, (T, n)
+        or (rows, 1, T, n) (None: everything)."""
+        rows, T = kv.size(1), kv.size(3)
+        cache = self.kv[layer][:, :rows]
+        kv = kv if kv.dtype == cache.dtype else kv.to(cache.dtype)
+        if input_pos.dim() == 1:
+            cache.index_copy_(3, input_pos, kv)
+        else:
+            cache.scatter_(3, input_pos.view(1, rows, 1, T, 1).expand_as(kv), kv)
         n = self.filled
-        mask = None if kv.size(3) == 1 else self.slots[None, :n] <= input_pos[:, None]
+        if n is None or torch.compiler.is_compiling():
+            n = cache.size(3)
+        elif T == 1 and (rows == 1 or input_pos.dim() == 1):  # each row's one query sees all n
+            return cache[0, :, :, :n], cache[1, :, :, :n], None
+        if input_pos.dim() == 1:
+            mask = self.slots[None, :n] <= input_pos[:, None]  # (T, n)
+        else:
+            mask = (self.slots[:n] <= input_pos[..., None])[:, None]  # (rows, 1, T, n)
         return cache[0, :, :, :n], cache[1, :, :, :n], mask
+
+    def rows(self, first: int, count: int = 1) -> "KVCache":
+        """A view of rows first..first+count-1 (the same storage): one slot decoding alone."""
+        view = copy.copy(self)
+        view.kv = [kv[:, first:first + count] for kv in self.kv]
+        return view
+
+    def copy_row(self, row: int, source: "KVCache", length: int, source_row: int = 0) -> None:
+        """Copy positions 0..length-1 of source's row source_row into this cache's row."""
+        for mine, theirs in zip(self.kv, source.kv):
+            mine[:, row, :, :length].copy_(theirs[:, source_row, :, :length])
+
+
+SLICED_MIN_BYTES = 1 << 20  # smaller weights are multiplied by one F.linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear, with one fast path for decoding: with slices > 1 (sampling.set_matvec), a
+    single row times a float weight of SLICED_MIN_BYTES or more, stored row- or column-major,
+    goes through sliced_matvec."""
+
+    slices = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.slices > 1 and x.numel() == self.in_features and type(w) is nn.Parameter and (
+                w.nbytes >= SLICED_MIN_BYTES and (w.is_contiguous() or w.t().is_contiguous())):
+            return sliced_matvec(x, w, self.bias, self.slices)
+        return F.linear(x, w, self.bias)
+
+
+def sliced_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  slices: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x holding one row, with the outputs cut into `slices`
+    equal blocks (the few left over done apart) that one bmm multiplies side by side, a thread
+    each. On the 2-core AMD EPYC MKL's matrix-vector product reads a weight at about one core's
+    bandwidth, as fast at two threads as at one; sliced, two threads read it 1.1-1.7x faster
+    from 1 MiB weights up, and slower below (0.3x at 64 KiB: the bmm's overhead outweighs the
+    read). weight is row-major (out, in) or column-major (its transpose contiguous)."""
+    out, width = weight.shape
+    cut = out // slices * slices
+    if weight.is_contiguous():  # each slice a block of rows, used transposed
+        blocks = weight[:cut].view(slices, cut // slices, width).transpose(1, 2)
+    else:  # each slice a block of columns of the contiguous (in, out) matrix
+        blocks = weight.t()[:, :cut].view(width, slices, cut // slices).transpose(0, 1)
+    rows = x.reshape(1, 1, width).expand(slices, 1, width)
+    if bias is None:
+        y = torch.bmm(rows, blocks)  # (slices, 1, out / slices)
+    else:
+        y = torch.baddbmm(bias[:cut].view(slices, 1, cut // slices), rows, blocks)
+    y = y.view(*x.shape[:-1], cut)
+    if cut < out:
+        rest = F.linear(x, weight[cut:], None if bias is None else bias[cut:])
+        y = torch.cat([y, rest], dim=-1)
+    return y
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_head, self.impl = layer, cfg.n_head, cfg.attention
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_dropout = nn.Dropout(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         if cfg.causal_mask == "buffer":
@@ -178,13 +294,13 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.gelu = cfg.gelu
+        self.activation, self.native = ACTIVATIONS[cfg.activation], cfg.activation_impl == "native"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_proj(gelu(self.c_fc(x), self.gelu))  # c_fc: (B, T, 4C)
+        h = self.c_proj(self.activation(self.c_fc(x), self.native))  # c_fc: (B, T, 4C)
         return self.dropout(h) if self.training else h
 
 
@@ -219,6 +335,26 @@ class Block(nn.Module):
         if part == "mlp":
             return x + checkpoint(self.mlp_branch, x, use_reentrant=False)
         return x + self.mlp_branch(x)
+
+
+def block_saved_bytes(cfg: ModelConfig, act: int) -> dict[str, int]:
+    """Bytes per token one block keeps for backward, per branch (the memory estimate, made
+    before any model exists); act: the matmul inputs' bytes per element (4, or 2 under
+    autocast)."""
+    C, T, nh = cfg.n_embd, cfg.block_size, cfg.n_head
+    ln = 4 * C if cfg.norm == "native" else 8 * C  # native: its input; scratch: x-mean and x-hat
+    if cfg.attention == "sdpa":  # q, k, v, the output, and the c_attn / c_proj inputs
+        attention = 3 * act * C + act * C
+    else:  # q, k, v, the float32 softmax output and its cast copy for att @ v
+        attention = 3 * act * C + (4 + act) * nh * T
+        attention += nh * T if cfg.dropout > 0 else 0
+    attn = ln + act * C + attention + act * C
+    native = cfg.activation_impl == "native"
+    activation = ACTIVATIONS[cfg.activation].saved_tensors(native) * 4 * C * act
+    mlp = ln + act * C + activation + 4 * act * C  # + the c_fc and c_proj inputs
+    if cfg.dropout > 0:  # one byte per element for each dropout mask
+        attn, mlp = attn + C, mlp + C
+    return {"attention": attn, "mlp": mlp}
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -326,56 +462,6 @@ def _chunked_eager(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor)
     return _chunks_outside_compile(x, weight, targets)
 
 
-def _norm(ln: LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """ln(x) for float32 x, without a module call where it is F.layer_norm."""
-    if ln.impl == "native":
-        return F.layer_norm(x, ln.weight.shape, ln.weight, ln.bias, ln.eps)
-    return ln(x)
-
-
-SLICED_MIN_BYTES = 1 << 20  # smaller weights decode_one multiplies with one F.linear
-
-
-def decode_linear(module: nn.Module, x: torch.Tensor, slices: int = 1) -> torch.Tensor:
-    """module(x) as decode_one multiplies it: without a module call for a plain (or int8-weight)
-    nn.Linear; a sparse replacement runs its own forward. slices > 1: a single row times a
-    float weight stored row- or column-major, of SLICED_MIN_BYTES or more, goes through
-    sliced_matvec."""
-    if type(module) is nn.Linear:
-        w = module.weight
-        if slices > 1 and x.numel() == w.size(1) and type(w) is nn.Parameter and (
-                w.nbytes >= SLICED_MIN_BYTES and (w.is_contiguous() or w.t().is_contiguous())):
-            return sliced_matvec(x, w, module.bias, slices)
-        return F.linear(x, w, module.bias)
-    return module(x)
-
-
-def sliced_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  slices: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x holding one row, with the outputs cut into `slices`
-    equal blocks (the few left over done apart) that one bmm multiplies side by side, a thread
-    each. On the 2-core AMD EPYC MKL's matrix-vector product reads a weight at about one core's
-    bandwidth, as fast at two threads as at one; sliced, two threads read it 1.1-1.7x faster
-    from 1 MiB weights up, and slower below (0.3x at 64 KiB: the bmm's overhead outweighs the
-    read). weight is row-major (out, in) or column-major (its transpose contiguous)."""
-    out, width = weight.shape
-    cut = out // slices * slices
-    if weight.is_contiguous():  # each slice a block of rows, used transposed
-        blocks = weight[:cut].view(slices, cut // slices, width).transpose(1, 2)
-    else:  # each slice a block of columns of the contiguous (in, out) matrix
-        blocks = weight.t()[:, :cut].view(width, slices, cut // slices).transpose(0, 1)
-    rows = x.reshape(1, 1, width).expand(slices, 1, width)
-    if bias is None:
-        y = torch.bmm(rows, blocks)  # (slices, 1, out / slices)
-    else:
-        y = torch.baddbmm(bias[:cut].view(slices, 1, cut // slices), rows, blocks)
-    y = y.view(*x.shape[:-1], cut)
-    if cut < out:
-        rest = F.linear(x, weight[cut:], None if bias is None else bias[cut:])
-        y = torch.cat([y, rest], dim=-1)
-    return y
-
-
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -392,9 +478,8 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
             ln_f=LayerNorm(cfg.n_embd, cfg.bias, cfg.layer_norm_eps, cfg.norm),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
+        self.lm_head = Linear(cfg.n_embd, self.padded_vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
-        self.matvec_slices = 1  # decode_one: > 1 runs sliced_matvec (sampling.set_matvec)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -435,8 +520,9 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of {T} tokens is longer than block_size "
                                  f"{self.config.block_size}; crop the input")
             input_pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(input_pos)
-        x = self.transformer.drop(x.float())  # precision policy: the residual stream is float32
+        x = float32(self.transformer.wte(idx) + self.transformer.wpe(input_pos))
+        if self.training:  # precision policy (above): the residual stream is float32
+            x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, kv_cache, input_pos)  # (B, T, C)
         x = self.transformer.ln_f(x)
@@ -452,39 +538,12 @@ class GPT(nn.Module):
                                    targets.reshape(-1), ignore_index=IGNORE_INDEX)
         return logits, loss
 
-    @torch.no_grad()
-    def decode_one(self, idx: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tensor:
-        """One token per row, idx (B, 1), at position pos after positions 0..pos-1 in kv_cache
-        -> its logits (B, 1, vocab): forward()'s math for eager float32 inference, written as
-        plain function calls (no module calls, no mask, no dropout), which halves the ~1,450
-        small ops a token costs there. Training, compiled code and autocast use forward().
-        self.matvec_slices > 1: a single row's products run through sliced_matvec."""
-        B, C, nh = idx.size(0), self.config.n_embd, self.config.n_head
-        t, n = self.transformer, pos + 1
-        parts = self.matvec_slices
-        x = F.embedding(idx, t.wte.weight) + t.wpe.weight[pos]  # (B, 1, C)
-        for i, block in enumerate(t.h):
-            attn, mlp = block.attn, block.mlp
-            qkv = decode_linear(attn.c_attn, _norm(block.ln_1, x), parts)
-            qkv = qkv.view(B, 1, 3, nh, C // nh).permute(2, 0, 3, 1, 4)  # (3, B, nh, 1, hs)
-            cache = kv_cache.kv[i]
-            cache[:, :, :, pos:n] = qkv[1:]
-            q, k, v = qkv[0], cache[0, :, :, :n], cache[1, :, :, :n]  # k, v: (B, nh, n, hs)
-            if attn.impl == "sdpa":
-                y = F.scaled_dot_product_attention(q, k, v)
-            else:  # one query sees every written key: no mask
-                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // nh))
-                y = F.softmax(att.float(), dim=-1).to(q.dtype) @ v  # (B, nh, 1, hs)
-            x = x + decode_linear(attn.c_proj, y.reshape(B, 1, C), parts)
-            h = gelu(decode_linear(mlp.c_fc, _norm(block.ln_2, x), parts), mlp.gelu)
-            x = x + decode_linear(mlp.c_proj, h, parts)
-        return decode_linear(self.lm_head, _norm(t.ln_f, x), parts)[..., :self.vocab_size]
-
-    def new_kv_cache(self, batch: int) -> KVCache:
-        """An empty cache of block_size positions, on the weights' device and in the dtype of the
-        residual stream's inputs (the position embedding's: float32 unless the model is bf16)."""
+    def new_kv_cache(self, batch: int, positions: int | None = None) -> KVCache:
+        """An empty cache of `positions` (default block_size), on the weights' device and in
+        the dtype of the residual stream's inputs (the position embedding's: float32 unless the
+        model is bf16)."""
         p = self.transformer.wpe.weight
-        return KVCache(self.config, batch, p.device, p.dtype)
+        return KVCache(self.config, batch, p.device, p.dtype, positions)
 
     def crop_block_size(self, block_size: int) -> None:
         """Shorten the context (e.g. 1024 -> 256) by keeping the first position embeddings."""

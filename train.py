@@ -23,7 +23,7 @@ from config import Config, ConfigError, load_config, opt
 from data.loader import Batches, DataError, open_batches
 from data.workers import SharedMemoryBatches
 from engine import checkpoint, distributed, hellaswag, memory, resume, runlog, runtime, techniques
-from engine.optim import lr_at, make_optimizer
+from engine.optim import fused_note, lr_at, make_optimizer
 from engine.sources import build_model, dataset_meta
 from engine.step import NonFiniteGuard, StepResult, evaluate, train_step
 from model import GPT
@@ -94,7 +94,8 @@ def build_run(cfg: Config, dist: distributed.Dist) -> Run:
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if resuming else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
     model, notes = techniques.apply(raw_model, cfg, rt, dist)
-    optimizer, notes.fused_adamw = make_optimizer(raw_model, cfg, rt.device)
+    optimizer = make_optimizer(raw_model, cfg, rt.device)
+    notes.fused_adamw = fused_note(optimizer, cfg)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
     scored = hellaswag.TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None

@@ -686,11 +686,18 @@ inline float fast_exp(float x) {
   return poly * two_n;
 }
 
-// 0: GPT-2's tanh GELU, tanh(u) as 1 - 2 / (e^2u + 1); 1: the exact one, erf by Abramowitz and
-// Stegun 7.1.26 (error below 1.5e-7)
+// model.Activation.kernel_id: 0, GPT-2's tanh GELU, tanh(u) as 1 - 2 / (e^2u + 1); 1, the
+// exact one, erf by Abramowitz and Stegun 7.1.26 (error below 1.5e-7); 2, relu(x)^2
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void gelu(float* f, int64_t count, int64_t kind) {
+void activation(float* f, int64_t count, int64_t kind) {
   constexpr float root = 0.7978845608028654f;  // sqrt(2 / pi)
+  if (kind == 2) {
+    for (int64_t i = 0; i < count; ++i) {
+      const float v = f[i] > 0.f ? f[i] : 0.f;
+      f[i] = v * v;
+    }
+    return;
+  }
   if (kind == 1) {
     for (int64_t i = 0; i < count; ++i) {
       const float v = f[i], a = std::abs(v) * 0.7071067811865476f;
@@ -777,7 +784,7 @@ at::Tensor decode_block(const at::Tensor& x, at::Tensor kv, const at::Tensor& ro
                         const at::Tensor& positions, at::TensorList ln, double eps,
                         at::TensorList data, at::TensorList scales, at::TensorList bias,
                         at::IntArrayRef n, int64_t format, int64_t group, int64_t isa,
-                        int64_t n_head, int64_t gelu_kind) {
+                        int64_t n_head, int64_t activation_kind) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decode_block: x must be a contiguous float32 (B, C) matrix");
   TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == at::kFloat && kv.is_contiguous() &&
@@ -822,7 +829,7 @@ at::Tensor decode_block(const at::Tensor& x, at::Tensor kv, const at::Tensor& ro
     layer_norm(h + b * C, C, ln2_w, ln2_b, eps, normed.data() + b * C);
   });
   product(normed.data(), B, C, w[2], wide.data());
-  for_rows(B, n[2], [&](int64_t b) { gelu(wide.data() + b * n[2], n[2], gelu_kind); });
+  for_rows(B, n[2], [&](int64_t b) { activation(wide.data() + b * n[2], n[2], activation_kind); });
   product(wide.data(), B, n[2], w[3], proj.data());
   for_rows(B, C, [&](int64_t b) {
     for (int64_t i = 0; i < C; ++i) h[b * C + i] += proj[b * n[3] + i];
@@ -837,7 +844,7 @@ TORCH_LIBRARY(gpt2s, m) {
         "int group, int isa) -> Tensor");
   m.def("decode_block(Tensor x, Tensor(a!) kv, Tensor rows, Tensor positions, Tensor[] ln, "
         "float eps, Tensor[] data, Tensor[] scales, Tensor[] bias, int[] n, int format, "
-        "int group, int isa, int n_head, int gelu) -> Tensor");
+        "int group, int isa, int n_head, int activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt2s, CPU, m) {

@@ -19,7 +19,7 @@ from config import Config, ModelConfig
 from engine import checkpoint
 from engine.checkpoint import first_line
 from data.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, load_ranks
-from model import GPT
+from model import ACTIVATIONS, GPT
 
 GPT2_MODEL_IDS = {name: f"openai-community/{name}"
                   for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -31,7 +31,6 @@ SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",  # ours -
 BLOCK_PARTS = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 VERIFY_TEXT = ("Hello, I'm a language model, and I can tell you that the weights were mapped "
                "correctly when the logits agree to the last few digits.")
 
@@ -95,6 +94,11 @@ def fetch(source: str) -> Path:
     return local
 
 
+def our_activation(hf_name: str) -> str | None:
+    """model.activation for a GPT2Config.activation_function (None: ours has no such one)."""
+    return next((ours for ours, a in ACTIVATIONS.items() if hf_name in a.hf_names), None)
+
+
 def read_hf_config(hf_dir: Path) -> dict:
     """config.json of a HF GPT-2, checked for anything our architecture cannot represent."""
     try:
@@ -107,8 +111,8 @@ def read_hf_config(hf_dir: Path) -> dict:
         (hf.get("model_type") != "gpt2",
          f"model_type={hf.get('model_type')!r} (only 'gpt2' maps onto our model)"),
         (missing, f"no integer {', '.join(missing)}"),
-        (act not in TANH_GELUS, f"activation_function={act!r} (ours is GPT-2's tanh GELU, "
-                                "gelu_new)"),
+        (our_activation(act) is None, f"activation_function={act!r} (ours: " + ", ".join(
+            name for a in ACTIVATIONS.values() for name in a.hf_names) + ")"),
         (hf.get("n_inner") not in (None, 4 * hf.get("n_embd", 0)),
          f"n_inner={hf.get('n_inner')} (ours is 4 * n_embd)"),
         (hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True),
@@ -195,6 +199,7 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
     for ours, theirs in SHAPE.items():
         setattr(model_cfg, ours, hf[theirs])
     model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
+    model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))
     model_cfg.bias = True  # GPT-2 has biases everywhere
     model = GPT(model_cfg)
     state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))
@@ -230,7 +235,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             **{theirs: getattr(cfg, ours) for ours, theirs in SHAPE.items()}, "n_inner": None,
             "n_ctx": cfg.block_size,  # as OpenAI's files have it: llama.cpp's converter reads it
-            "activation_function": "gelu" if cfg.gelu == "erf" else "gelu_new",
+            "activation_function": ACTIVATIONS[cfg.activation].hf_names[0],
             "layer_norm_epsilon": cfg.layer_norm_eps,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "initializer_range": 0.02, "scale_attn_weights": True,

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from config import Config, ModelConfig, checkpoint_plan
-from engine import runtime
-from model import loss_chunk_rows, padded_vocab_size
+from engine import optim, runtime
+from model import block_saved_bytes, loss_chunk_rows, padded_vocab_size
 
 GIB = 2**30
-ADAMW_STATES = 2  # exp_avg and exp_avg_sq, float32, one of each per parameter
 
 
 @dataclass
@@ -54,26 +53,9 @@ def parameter_count(m: ModelConfig) -> int:
     return embeddings + L * per_block + C + bias * C  # + final LayerNorm
 
 
-def block_part_bytes(m: ModelConfig, act: int) -> dict[str, int]:
-    """Bytes per token one block keeps for backward, per branch; act: matmul input width."""
-    C, T, nh = m.n_embd, m.block_size, m.n_head
-    ln = 4 * C if m.norm == "native" else 8 * C  # native: its input; scratch: x-mean and x-hat
-    if m.attention == "sdpa":  # q, k, v, the output, and the c_attn / c_proj inputs
-        attention = 3 * act * C + act * C
-    else:  # q, k, v, the float32 softmax output and its cast copy for att @ v
-        attention = 3 * act * C + (4 + act) * nh * T
-        attention += nh * T if m.dropout > 0 else 0
-    attn = ln + act * C + attention + act * C
-    gelu = 4 * act * C if m.gelu != "scratch" else 16 * act * C  # scratch keeps 4 intermediates
-    mlp = ln + act * C + gelu + 4 * act * C
-    if m.dropout > 0:  # one byte per element for each dropout mask
-        attn, mlp = attn + C, mlp + C
-    return {"attention": attn, "mlp": mlp}
-
-
 def activation_bytes(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
     """(kept for backward, largest recomputed part) bytes for `tokens` tokens, checkpointed."""
-    parts = block_part_bytes(m, act)
+    parts = block_saved_bytes(m, act)
     kept_input = 4 * m.n_embd  # a checkpointed part keeps only its float32 input
     kept, recompute = 0, 0
     for part in checkpoint_plan(m.activation_checkpointing, m.n_layer):
@@ -111,10 +93,9 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     tokens = t.batch_size * m.block_size
     activations, recompute = activation_bytes(m, tokens, act)
     weight = 2 if cfg.system.weights_dtype == "bfloat16" else 4
-    master = 1 if weight == 2 else 0  # the float32 master copy
-    # Muon keeps one momentum buffer for the blocks' matrices (12 C^2 per layer), AdamW two
-    matrices = 12 * m.n_embd ** 2 * m.n_layer if t.optimizer == "muon" else 0
-    state_floats = (ADAMW_STATES + master) * params - matrices
+    master = params if weight == 2 else 0  # the float32 master copy
+    matrices = 12 * m.n_embd ** 2 * m.n_layer  # the blocks' Linear weights
+    state_floats = optim.state_floats(t.optimizer, params, matrices) + master
     return MemoryEstimate(weights=weight * params // shards, gradients=weight * params // shards,
                           optimizer=state_floats * 4 // shards,
                           activations=activations, logits=loss_bytes(m, tokens, act),

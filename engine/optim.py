@@ -18,6 +18,18 @@ from config import Config, ConfigError
 from model import GPT
 
 
+# float32 state tensors each train.optimizer keeps per parameter: (in the blocks' Linear weights,
+# elsewhere). AdamW: exp_avg and exp_avg_sq; Muon: one momentum buffer, AdamW on the rest
+STATE_TENSORS = {"adamw": (2, 2), "muon": (1, 2)}
+
+
+def state_floats(optimizer: str, params: int, block_matrices: int) -> int:
+    """Float32 numbers `optimizer` keeps for `params` parameters, `block_matrices` of them in
+    the blocks' Linear weights (the memory estimate, made before any model exists)."""
+    hidden, rest = STATE_TENSORS[optimizer]
+    return hidden * block_matrices + rest * (params - block_matrices)
+
+
 def lr_at(step: int, cfg: Config) -> float:
     t = cfg.train
     peak = t.learning_rate
@@ -37,9 +49,9 @@ def muon_params(model: GPT) -> list[torch.nn.Parameter]:
             if isinstance(module, torch.nn.Linear) and module.weight.requires_grad]
 
 
-def make_optimizer(model: GPT, cfg: Config, device: torch.device
-                   ) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW (or Muon + AdamW) as configured; returns (optimizer, banner value of fused_adamw)."""
+def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (or Muon + AdamW) as configured; fused AdamW where asked and the device has it
+    (fused_note says which ran)."""
     t = cfg.train
     groups, make = model.optimizer_groups(t.weight_decay), torch.optim.AdamW
     if t.optimizer == "muon":
@@ -50,14 +62,22 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device
             muon=dict(momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr))
     kwargs = dict(lr=t.learning_rate, betas=(t.beta1, t.beta2))
     if next(model.parameters()).dtype == torch.bfloat16:  # system.weights_dtype=bfloat16
-        return MasterWeights(groups, make, foreach=False, **kwargs), "off"
+        return MasterWeights(groups, make, foreach=False, **kwargs)
     if t.fused_adamw:
         try:
-            return make(groups, fused=True, **kwargs), "on"
-        except (RuntimeError, ValueError) as e:
-            note = f"off (fused AdamW unsupported on {device.type}: {e})"
-            return make(groups, **kwargs), note
-    return make(groups, foreach=False, **kwargs), "off"
+            return make(groups, fused=True, **kwargs)
+        except (RuntimeError, ValueError):  # fused_note tells the banner
+            pass
+    return make(groups, foreach=False, **kwargs)
+
+
+def fused_note(optimizer: torch.optim.Optimizer, cfg: Config) -> str:
+    """The banner's fused_adamw: on, off, or off with why when it was asked for."""
+    if any(group.get("fused") for group in optimizer.param_groups):
+        return "on"
+    if not cfg.train.fused_adamw or isinstance(optimizer, MasterWeights):
+        return "off"
+    return "off (fused AdamW is unsupported on this device or dtype)"
 
 
 def muon_groups(model: GPT, groups: list[dict], cfg: Config) -> list[dict]:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import weights
-from model import GPT, KVCache
+from model import GPT, KVCache, Linear
 
 
 WEIGHT_LAYOUTS = ("auto", "row", "column")
@@ -95,17 +95,19 @@ def set_weight_layout(model: GPT, layout: str, huge_pages: bool = False) -> str:
 
 
 def set_matvec(model: GPT, mode: str) -> str:
-    """How GPT.decode_one multiplies its one row by each weight -> what it will do: 'blas' (one
-    F.linear, MKL's matrix-vector product) or 'sliced' (model.matvec_slices = the threads now:
-    one bmm over a block of the outputs per thread). auto: sliced on a CPU running two or
-    more threads."""
+    """How the model's Linears multiply a single row (a decoded token) by their weights -> what
+    they will do: 'blas' (one F.linear, MKL's matrix-vector product) or 'sliced' (model.Linear's
+    slices = the threads now: one bmm over a block of the outputs per thread). auto: sliced on a
+    CPU running two or more threads."""
     if mode not in MATVECS:
         raise ValueError(f"matvec {mode!r} is not one of {', '.join(MATVECS)}")
     threads = torch.get_num_threads()
     if mode == "auto":
         cpu = model.transformer.wte.weight.device.type == "cpu"
         mode = "sliced" if cpu and threads > 1 else "blas"
-    model.matvec_slices = threads if mode == "sliced" else 1
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.slices = threads if mode == "sliced" else 1
     return mode
 
 
@@ -149,24 +151,14 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, bucket: int = 0,
 
 
 def decode_step(model: GPT, token: torch.Tensor, cache: KVCache, pos: int,
-                input_pos: torch.Tensor, lean: bool = True) -> torch.Tensor:
+                input_pos: torch.Tensor) -> torch.Tensor:
     """One token (B, 1) at position pos (input_pos holds the same, as a (1,) tensor; compiled
     code sees only the tensor, so one graph serves every step) -> its logits (B, 1, vocab).
-    GPT.decode_one where lean_decoding allows it, unless lean=False (forward(): the reference)."""
+    Weights packed for the CPU kernels (engine/weights.py): each block one compiled call."""
     cache.filled = pos + 1  # eager attention reads the prefix written so far
-    if lean and lean_decoding(model, token.device):
-        if weights.fused(model):  # packed weights: each block one compiled call
-            return weights.decode_rows(model, token, cache.kv, input_pos.expand(token.size(0)))
-        return model.decode_one(token, cache, pos)
+    if isinstance(model, GPT) and weights.fused(model):
+        return weights.decode_rows(model, token, cache.kv, input_pos.expand(token.size(0)))
     return model(token, kv_cache=cache, input_pos=input_pos)[0]
-
-
-def lean_decoding(model: GPT, device: torch.device) -> bool:
-    """Whether decode_step runs GPT.decode_one (the same math in half the small ops): an eager
-    (not compiled) float32 model in eval mode, outside autocast."""
-    return (isinstance(model, GPT) and not model.training and not torch.compiler.is_compiling()
-            and model.transformer.wpe.weight.dtype == torch.float32
-            and not torch.is_autocast_enabled(device.type))
 
 
 @torch.no_grad()
@@ -174,10 +166,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
                     top_k: int = 0, top_p: float = 1.0, kv_cache: bool = True,
                     generator: torch.Generator | None = None,
                     on_token: Callable[[torch.Tensor], None] | None = None,
-                    autocast=None, prompt_bucket: int = 0, lean: bool = True) -> torch.Tensor:
+                    autocast=None, prompt_bucket: int = 0) -> torch.Tensor:
     """Extend idx (B, T) by max_new_tokens tokens, passing each (B, 1) to on_token. When the
-    context is full its oldest half is dropped and the rest re-read once (cache or not).
-    lean=False: every cached step through forward() (see decode_step)."""
+    context is full its oldest half is dropped and the rest re-read once (cache or not)."""
     block = model.config.block_size
     start = max(0, idx.size(1) - block)
     cache = model.new_kv_cache(idx.size(0)) if kv_cache else None
@@ -192,7 +183,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
                 logits, pos = prefill(model, idx[:, start:], cache, prompt_bucket)
                 input_pos = torch.tensor([pos], device=idx.device)
             else:  # the last token (a fresh (B, 1) tensor) at the next position
-                logits = decode_step(model, next_id, cache, pos, input_pos, lean)
+                logits = decode_step(model, next_id, cache, pos, input_pos)
                 pos, input_pos = pos + 1, input_pos + 1
         next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
         idx = torch.cat([idx, next_id], dim=1)

@@ -401,7 +401,8 @@ def settings(cfg: Config, rt: runtime.Runtime, notes: Notes) -> dict[str, str]:
     vocab = f"{m.vocab_size}->{padded}" if padded != m.vocab_size else f"{m.vocab_size}"
     return {"device": str(rt.device), "causal_mask": m.causal_mask,
             "tf32": "on" if rt.tf32 else "off", "fused_adamw": notes.fused_adamw,
-            "pin_memory": pin, "dtype": cfg.system.dtype, "norm": m.norm, "gelu": m.gelu,
+            "pin_memory": pin, "dtype": cfg.system.dtype, "norm": m.norm,
+            "activation": f"{m.activation}/{m.activation_impl}",
             "attention": attention, "compile": notes.compile, "vocab": vocab,
             "loss": m.loss, "optimizer": cfg.train.optimizer, "batch": notes.batch}
 

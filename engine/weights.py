@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from config import ConfigError
 from engine import cpu_kernels
+from model import ACTIVATIONS
 
 FORMATS = ("auto", "torch", "float32", "bfloat16", "int8", "int4")
 # within 0.5% of float32's perplexity (int4: 3%), measured by python bench.py --decode
@@ -160,9 +161,6 @@ def weight_bytes(model: nn.Module) -> int:
     return params + sum(m.nbytes() for m in model.modules() if isinstance(m, PackedLinear))
 
 
-GELU_KINDS = {"scratch": 0, "native": 0, "erf": 1}  # GPT-2's tanh GELU, or the exact one
-
-
 def fused(model: nn.Module) -> bool:
     """Whether decode can run each block as one compiled call: every block Linear packed in
     one format for one kernel path, with the kernels built."""
@@ -186,7 +184,8 @@ def block_arguments(model: nn.Module) -> list[tuple]:
                          [none if m.bias is None else m.bias for m in packed],
                          [m.data.size(0) * cpu_kernels.BLOCK for m in packed],
                          cpu_kernels.FORMATS[first.format], first.group,
-                         cpu_kernels.ISAS.index(first.isa), cfg.n_head, GELU_KINDS[cfg.gelu]))
+                         cpu_kernels.ISAS.index(first.isa), cfg.n_head,
+                         ACTIVATIONS[cfg.activation].kernel_id))
         model._decode_blocks = args
     return model._decode_blocks
 

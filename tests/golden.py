@@ -44,7 +44,7 @@ RUNS = {
                 "--eval_iters=2"],
     "every_cpu_flag": ["--config", "tiny", "--max_iters=6", "--eval_interval=3", "--eval_iters=2",
                        "--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
-                       "--gelu=native", "--vocab_pad_multiple=64", "--fused_adamw=true",
+                       "--activation_impl=native", "--vocab_pad_multiple=64", "--fused_adamw=true",
                        "--dtype=bfloat16", "--weights_dtype=bfloat16",
                        "--activation_checkpointing=all", "--dropout=0.1", "--grad_accum_steps=2",
                        "--pin_memory=true", "--prefetch=true", "--loader_workers=1",

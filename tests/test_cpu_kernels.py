@@ -169,7 +169,7 @@ def packed_model(fmt: str, **overrides) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("fmt", list(cpu_kernels.FORMATS))
-@pytest.mark.parametrize("overrides", [{}, {"gelu": "erf", "bias": False}])
+@pytest.mark.parametrize("overrides", [{}, {"activation": "gelu_erf", "bias": False}, {"activation": "relu2"}])
 def test_a_fused_block_step_gives_forward_logits(built, fmt, overrides):
     """decode_rows (each block one compiled call) against forward() over the same packed
     Linears: rows at different positions in one call, as the server's slots are."""

@@ -22,7 +22,7 @@ def poisoned_cache(model: GPT, batch: int):
     """A cache whose every slot holds NaN: any read of a slot not yet written shows in the
     logits, masked or not (a zero attention weight times NaN is NaN)."""
     cache = model.new_kv_cache(batch)
-    for t in cache.k + cache.v:
+    for t in cache.kv:
         t.fill_(float("nan"))
     return cache
 
@@ -62,40 +62,56 @@ def test_prefill_computes_the_last_logits_only(device):
 
 
 @pytest.mark.parametrize("impls", [dict(attention="scratch"), dict(
-    attention="sdpa", norm="native", gelu="native"), dict(gelu="erf", vocab_pad_multiple=8)])
-def test_lean_decode_step_gives_the_forward_logits_and_tokens(impls):
-    """GPT.decode_one against forward() with the same cache (NaN in every slot not written)."""
+    attention="sdpa", norm="native", activation_impl="native"),
+    dict(activation="gelu_erf", vocab_pad_multiple=8), dict(activation="relu2")])
+def test_cached_decode_steps_give_the_whole_sequences_logits(impls):
+    """Token by token through the cache, each step reading only the written prefix (no mask),
+    NaN in every slot not written -> the logits of one forward over the whole sequence."""
     torch.manual_seed(0)
     model = GPT(tiny_model_config(**impls)).eval()  # block_size 16
     sampling.set_weight_layout(model, "column")
     x = torch.randint(0, 37, (2, 16))
-    logits = {}
     with torch.no_grad():
-        for lean in (True, False):
-            cache = poisoned_cache(model, 2)
-            first, pos = sampling.prefill(model, x[:, :5], cache)
-            steps = []
-            for t in range(pos, 16):
-                cache.filled = t + 1
-                steps.append(model.decode_one(x[:, t:t + 1], cache, t) if lean else
-                             model(x[:, t:t + 1], kv_cache=cache, input_pos=torch.tensor([t]))[0])
-            logits[lean] = torch.cat([first] + steps, dim=1)
-    assert logits[True].shape == (2, 12, 37) and not logits[True].isnan().any()
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
-    assert sampling.lean_decoding(model, torch.device("cpu"))  # generate_tokens runs it
+        whole = model(x)[0]
+        cache = poisoned_cache(model, 2)
+        first, pos = sampling.prefill(model, x[:, :5], cache)
+        steps = [sampling.decode_step(model, x[:, t:t + 1], cache, t, torch.tensor([t]))
+                 for t in range(pos, 16)]
+    logits = torch.cat([first] + steps, dim=1)
+    assert logits.shape == (2, 12, 37) and not logits.isnan().any()
+    torch.testing.assert_close(logits, whole[:, 4:], atol=1e-5, rtol=1e-5)
     prompt = x[:1, :3]  # 30 tokens: past the context's overflow and re-read
     uncached = sampling.generate_tokens(model, prompt, 30, temperature=0, kv_cache=False)
     assert torch.equal(sampling.generate_tokens(model, prompt, 30, temperature=0), uncached)
 
 
-def test_lean_decoding_only_for_eager_float32_inference():
-    model, cpu = GPT(tiny_model_config()), torch.device("cpu")
-    assert not sampling.lean_decoding(model, cpu)  # training mode: dropout may be on
-    assert sampling.lean_decoding(model.eval(), cpu)
-    assert not sampling.lean_decoding(torch.compile(model, backend="eager"), cpu)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not sampling.lean_decoding(model, cpu)
-    assert not sampling.lean_decoding(copy.deepcopy(model).to(torch.bfloat16), cpu)
+def test_rows_at_their_own_positions_decode_as_each_row_alone():
+    """input_pos (rows, 1): three rows at positions 2, 7 and 4 in one call (a server's slots)
+    -> each row's logits as that row decoded alone at its position; a view of one row
+    (KVCache.rows) writes into the whole cache."""
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config()).eval()
+    x, at = torch.randint(0, 37, (3, 16)), [2, 7, 4]
+    with torch.no_grad():
+        cache = model.new_kv_cache(3)
+        for kv in cache.kv:  # stale keys and values (finite: masked ones weigh 0, as in a server)
+            kv.normal_(0, 100)
+        for row, n in enumerate(at):  # each row's context, positions 0..n-1
+            scratch = model.new_kv_cache(1)
+            sampling.prefill(model, x[row:row + 1, :n], scratch)
+            cache.copy_row(row, scratch, n)
+        cache.filled = max(at) + 1
+        tokens = torch.stack([x[row, n] for row, n in enumerate(at)])[:, None]
+        together = model(tokens, kv_cache=cache, input_pos=torch.tensor(at)[:, None])[0]
+        for row, n in enumerate(at):
+            alone = model.new_kv_cache(1)
+            whole = model(x[row:row + 1, :n + 1], kv_cache=alone)[0][:, -1:]
+            torch.testing.assert_close(together[row:row + 1], whole, atol=1e-5, rtol=1e-5)
+        view = cache.rows(1)
+        view.filled = at[1] + 2
+        model(x[1:2, at[1] + 1:at[1] + 2], kv_cache=view, input_pos=torch.tensor([[at[1] + 1]]))
+        view_kv = cache.kv[0][:, 1, :, at[1] + 1]  # written through the view
+        assert view_kv.abs().max() < 50
 
 
 def test_compiled_decoding_gives_the_eager_tokens():
@@ -224,34 +240,40 @@ def test_sliced_matvec_gives_f_linear(layout, out, slices, bias):
         torch.testing.assert_close(got, nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
 
 
+def linear_slices(model: GPT) -> set[int]:
+    return {m.slices for m in model.modules() if isinstance(m, model_module.Linear)}
+
+
 @pytest.mark.parametrize("layout", ["row", "column", "auto"])
 def test_sliced_decoding_gives_the_forward_logits_and_tokens(layout, monkeypatch):
     """Batch 1, every Linear sliced (the size floor lowered), 3 slices: the vocabulary (37)
-    and the qkv (48) leave a remainder; the same logits as forward() and the same tokens."""
+    and the qkv (48) leave a remainder; the same logits as one F.linear and the same tokens."""
     monkeypatch.setattr(model_module, "SLICED_MIN_BYTES", 0)
-    model = GPT(tiny_model_config(attention="sdpa", norm="native", gelu="native")).eval()
+    model = GPT(tiny_model_config(attention="sdpa", norm="native", activation_impl="native")).eval()
     sampling.set_weight_layout(model, layout)
     x = torch.randint(0, 37, (1, 16))
     reference = sampling.generate_tokens(model, x[:, :3], 30, temperature=0, kv_cache=False)
-    model.matvec_slices = 3
+    logits = {}
     with torch.no_grad():
-        cache = poisoned_cache(model, 1)
-        sampling.prefill(model, x[:, :5], cache)
-        for t in range(5, 16):
-            cache.filled = t + 1
-            lean = model.decode_one(x[:, t:t + 1], cache, t)
-            forward = model(x[:, t:t + 1], kv_cache=cache, input_pos=torch.tensor([t]))[0]
-            torch.testing.assert_close(lean, forward, atol=1e-5, rtol=1e-5)
+        for slices in (1, 3):
+            for module in model.modules():
+                if isinstance(module, model_module.Linear):
+                    module.slices = slices
+            cache = poisoned_cache(model, 1)
+            sampling.prefill(model, x[:, :5], cache)
+            logits[slices] = torch.cat([sampling.decode_step(
+                model, x[:, t:t + 1], cache, t, torch.tensor([t])) for t in range(5, 16)], dim=1)
+    torch.testing.assert_close(logits[3], logits[1], atol=1e-5, rtol=1e-5)
     assert torch.equal(sampling.generate_tokens(model, x[:, :3], 30, temperature=0), reference)
 
 
 def test_set_matvec_auto_blas_sliced_and_bad_names():
     model = GPT(tiny_model_config())
     torch.set_num_threads(2)
-    assert sampling.set_matvec(model, "auto") == "sliced" and model.matvec_slices == 2
-    assert sampling.set_matvec(model, "blas") == "blas" and model.matvec_slices == 1
+    assert sampling.set_matvec(model, "auto") == "sliced" and linear_slices(model) == {2}
+    assert sampling.set_matvec(model, "blas") == "blas" and linear_slices(model) == {1}
     torch.set_num_threads(1)  # one thread: nothing to run side by side
-    assert sampling.set_matvec(model, "auto") == "blas" and model.matvec_slices == 1
+    assert sampling.set_matvec(model, "auto") == "blas" and linear_slices(model) == {1}
     with pytest.raises(ValueError, match="matvec 'slice' is not one of auto, blas, sliced"):
         sampling.set_matvec(model, "slice")
 

@@ -31,8 +31,8 @@ SHAPES = {
     "gpt2vocab": dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257),
 }
 IMPLS = {  # the reference path, and every fast switch at once
-    "reference": dict(attention="scratch", causal_mask="buffer", norm="scratch", gelu="scratch"),
-    "fast": dict(attention="sdpa", causal_mask="on_the_fly", norm="native", gelu="native"),
+    "reference": dict(attention="scratch", causal_mask="buffer", norm="scratch", activation_impl="scratch"),
+    "fast": dict(attention="sdpa", causal_mask="on_the_fly", norm="native", activation_impl="native"),
 }
 
 

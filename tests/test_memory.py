@@ -11,7 +11,7 @@ import train
 from config import Config, ConfigError, checkpoint_plan, load_config
 from conftest import on_each_device, tiny_model_config
 from data.loader import Batches, load_meta
-from model import GPT
+from model import ACTIVATIONS, GPT
 
 MODES = ["all", "attention", "mlp", "every:2", "blocks:0,2"]
 
@@ -81,7 +81,7 @@ def test_estimate_matches_hand_count():
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd = 10, 8, 2, 2, 4
-    m.attention, m.norm, m.gelu, m.dropout = "sdpa", "native", "native", 0.0
+    m.attention, m.norm, m.activation_impl, m.dropout = "sdpa", "native", "native", 0.0
     cfg.train.batch_size, cfg.system.dtype = 3, "float32"
     C, V, T, B, L = 4, 10, 8, 3, 2
     per_block = (2 * 2 * C + (3 * C * C + 3 * C) + (C * C + C)  # LayerNorms, attention
@@ -378,3 +378,39 @@ def test_bf16_weights_resume_exactly(char_dataset, tmp_path):
     run(tmp_path / "stopped", "--stop_after_iters=3")
     resumed = run(tmp_path / "stopped", "--init_from=resume")
     assert resumed["final"] == straight["final"]
+
+
+@pytest.mark.parametrize("activation,impl", [("gelu_tanh", "scratch"), ("gelu_tanh", "native"),
+                                             ("gelu_erf", "scratch"), ("relu2", "scratch")])
+def test_each_activation_keeps_what_it_says_for_backward(activation, impl):
+    """The tensors autograd keeps of the activation alone (each storage once) are the count
+    model.Activation.saved_tensors gives the memory estimate."""
+    x = torch.randn(3, 16, requires_grad=True)
+    kept = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ACTIVATIONS[activation](x, native=impl == "native").sum().backward()
+    assert sum(kept.values()) == ACTIVATIONS[activation].saved_tensors(impl == "native") * 48
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_optimizers_state_is_what_the_estimate_counts(name):
+    """After one step, the float32 numbers the optimizer holds = optim.state_floats, which
+    the memory estimate adds up."""
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd = 10, 8, 2, 2, 8
+    cfg.train.optimizer = name
+    model = GPT(m)
+    optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
+    model(torch.zeros((1, 8), dtype=torch.long), torch.zeros((1, 8), dtype=torch.long))[1].backward()
+    optimizer.step()
+    held = sum(t.numel() for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+    params = memory.parameter_count(m)
+    assert held == optim.state_floats(name, params, 12 * m.n_embd ** 2 * m.n_layer)
+    assert memory.estimate(cfg).optimizer == 4 * held

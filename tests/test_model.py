@@ -90,8 +90,8 @@ def test_ignore_index_skips_targets():
     {"causal_mask": "on_the_fly"},
     {"attention": "sdpa", "causal_mask": "on_the_fly"},
     {"norm": "native"},
-    {"gelu": "native"},
-    {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native", "gelu": "native"},
+    {"activation_impl": "native"},
+    {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native", "activation_impl": "native"},
 ])
 @on_each_device
 def test_fast_paths_match_reference(change, device):
@@ -157,7 +157,7 @@ def test_kv_cache_matches_full_forward(attention, mask, device):
              for t in range(5, cfg.block_size)]
     cached = torch.cat([prefix] + steps, dim=1)  # ... then one token at a time
     torch.testing.assert_close(cached, full, **LOGITS_TOL[device])
-    assert cache.k[0].shape == (2, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+    assert cache.kv[0].shape == (2, 2, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
 
 
 def test_crop_block_size_keeps_the_first_positions():

@@ -45,7 +45,7 @@ def fill_grads(model: torch.nn.Module, seed: int) -> None:
 
 def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest():
     model = tiny_gpt()
-    optimizer, _ = optim.make_optimizer(model, muon_config(), torch.device("cpu"))
+    optimizer = optim.make_optimizer(model, muon_config(), torch.device("cpu"))
     names = {id(p): n for n, p in model.named_parameters()}  # the tied head is wte here
     muon = [g for g in optimizer.param_groups if g.get("muon")]
     adamw = [g for g in optimizer.param_groups if not g.get("muon")]
@@ -57,7 +57,7 @@ def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest():
     assert isinstance(optimizer, torch.optim.Optimizer)
     assert optimizer.state is optimizer.adamw.state is optimizer.muon.state
     assert type(optimizer.muon) is optim.Float32Muon  # auto, on a CPU
-    cuda, _ = optim.make_optimizer(model, muon_config(), torch.device("cuda"))
+    cuda = optim.make_optimizer(model, muon_config(), torch.device("cuda"))
     assert type(cuda.muon) is torch.optim.Muon  # auto on CUDA: torch's bfloat16 iteration
 
 
@@ -96,7 +96,7 @@ def test_a_step_is_torch_muon_and_adamw_applied_by_hand_at_each_scheduled_lr(ns_
         monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim.orthogonalize)
     cfg = muon_config(warmup_iters=2, max_iters=5, muon_ns_dtype=ns_dtype)
     model, reference = tiny_gpt(), tiny_gpt()
-    optimizer, _ = optim.make_optimizer(model, cfg, torch.device("cpu"))
+    optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
     hidden = optim.muon_params(reference)
     ids = {id(p) for p in hidden}
     t = cfg.train
@@ -209,8 +209,8 @@ def test_bf16_weights_step_muon_on_float32_masters():
     cfg = muon_config()
     model, reference = tiny_gpt(), tiny_gpt()
     model.to(torch.bfloat16)
-    optimizer, _ = optim.make_optimizer(model, cfg, torch.device("cpu"))
-    by_hand, _ = optim.make_optimizer(reference, cfg, torch.device("cpu"))
+    optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
+    by_hand = optim.make_optimizer(reference, cfg, torch.device("cpu"))
     assert isinstance(optimizer, optim.MasterWeights)
     with torch.no_grad():  # the reference starts from the same (bf16-rounded) weights
         for p, q in zip(model.parameters(), reference.parameters()):

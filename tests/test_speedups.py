@@ -60,10 +60,11 @@ def test_fused_adamw_matches_the_per_parameter_loop(device):
     fused.load_state_dict(reference.state_dict())
     fused.to(device)
     start = [p.detach().clone() for p in reference.parameters()]
-    opt_ref, note_ref = optim.make_optimizer(reference, cfg, torch.device(device))
+    opt_ref = optim.make_optimizer(reference, cfg, torch.device(device))
+    note_ref = optim.fused_note(opt_ref, cfg)
     cfg.train.fused_adamw = True
-    opt_fused, note_fused = optim.make_optimizer(fused, cfg, torch.device(device))
-    assert (note_ref, note_fused) == ("off", "on")
+    opt_fused = optim.make_optimizer(fused, cfg, torch.device(device))
+    assert (note_ref, optim.fused_note(opt_fused, cfg)) == ("off", "on")
     assert opt_fused.defaults["fused"] and not opt_ref.defaults["foreach"]
     for step in range(5):
         x, y = tiny_batch(cfg.model, seed=step, device=device)
@@ -423,7 +424,7 @@ def test_banner_names_every_flag_and_each_fallback():
     values = techniques.settings(cfg, rt, techniques.Notes(batch=batch_note, fused_adamw="on",
                                                        kernels=["flash (cpu)"]))
     assert list(values) == ["device", "causal_mask", "tf32", "fused_adamw", "pin_memory", "dtype",
-                            "norm", "gelu", "attention", "compile", "vocab", "loss",
+                            "norm", "activation", "attention", "compile", "vocab", "loss",
                             "optimizer", "batch"]
     line = techniques.banner(values, rt.notes)
     for part in ("tf32=off", "pin_memory=off (needs CUDA)", "vocab=65->128",

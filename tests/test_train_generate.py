@@ -174,7 +174,7 @@ def test_cuda_run_with_its_speedups_learns_like_the_cpu_reference(char_dataset, 
     cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}",
                           f"--out_dir={tmp_path / 'cuda'}", "--device=cuda", *common,
                           "--dtype=bfloat16", "--tf32=true", "--attention=sdpa",
-                          "--causal_mask=on_the_fly", "--norm=native", "--gelu=native",
+                          "--causal_mask=on_the_fly", "--norm=native", "--activation_impl=native",
                           "--fused_adamw=true", "--pin_memory=true", "--prefetch=true"])
     capsys.readouterr()
     fast = train.train(cfg)

@@ -7,7 +7,7 @@ with a position per slot. New sequences join at the next step, finished ones lea
 
 Each step, every running sequence does one forward: the ones with a cache row decode together
 (one batched step, each row at its own position; packed weights: each block one compiled call;
-a sequence alone: generate.py's GPT.decode_one), then new or re-windowed ones are prefilled
+a sequence alone: its own row of the cache, as generate.py decodes), then new or re-windowed ones are prefilled
 alone (the same `sampling.prefill` as generate.py), up to prefill_chunk prompt tokens a step (a
 long prompt is read over several steps, so the running streams wait for one chunk, never for
 the whole prompt), and copied into their row. With packed weights (--weights float32, bfloat16,
@@ -41,7 +41,7 @@ import torch
 from engine import memory, weights
 from engine.serving import logprobs
 from engine.serving.logprobs import Scored
-from engine.sampling import lean_decoding, prefill, sample_next
+from engine.sampling import prefill, sample_next
 from model import GPT, KVCache
 
 
@@ -52,47 +52,6 @@ READ_ALONE = 1024
 
 class QueueFull(RuntimeError):
     """More sequences than the free slots and the queue can hold; retry later (HTTP 503)."""
-
-
-class SlotCache:
-    """Keys and values of `slots` sequences, (2, slots, nh, block_size, hs) per layer, each row
-    written at its own position. The model calls update() with input_pos (rows, 1): one new
-    token per row. `rows` and `filled` (set per step) bound what eager attention reads: the
-    first `rows` slots and positions 0..filled-1; static (compiled) code reads them all, under a
-    per-row mask, so one graph serves every step."""
-
-    def __init__(self, model: GPT, slots: int, static: bool):
-        cfg, p = model.config, model.transformer.wpe.weight  # the dtype new_kv_cache uses
-        shape = (2, slots, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
-        self.kv = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(cfg.n_layer)]
-        self.positions = torch.arange(cfg.block_size, device=p.device)
-        self.static, self.slots, self.block_size = static, slots, cfg.block_size
-        self.rows, self.filled = slots, cfg.block_size
-
-    def update(self, layer: int, input_pos: torch.Tensor, kv: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store kv (2, rows, nh, 1, hs) at each row's position input_pos (rows, 1) -> keys and
-        values (rows, nh, n, hs) and the (rows, 1, 1, n) mask of each row's past (None: one row
-        that sees all n)."""
-        rows, n = (self.slots, self.block_size) if self.static else (self.rows, self.filled)
-        cache = self.kv[layer][:, :rows]
-        index = input_pos.view(1, rows, 1, 1, 1).expand(2, rows, kv.size(2), 1, kv.size(4))
-        cache.scatter_(3, index, kv.to(cache.dtype))
-        mask = None
-        if rows > 1 or self.static:
-            mask = (self.positions[:n] <= input_pos.view(rows, 1))[:, None, None, :]
-        return cache[0, :, :, :n], cache[1, :, :, :n], mask
-
-    def store_row(self, row: int, prefilled: KVCache, length: int, source: int = 0) -> None:
-        """Copy positions 0..length-1 of row `source` of a prefill's cache into `row`."""
-        for mine, theirs in zip(self.kv, prefilled.kv):
-            mine[:, row, :, :length].copy_(theirs[:, source, :, :length])
-
-
-def prefill_cache(model: GPT, rows: int, length: int) -> KVCache:
-    """A cache of `rows` rows and `length` positions: the scratch of one batched prefill."""
-    p = model.transformer.wpe.weight
-    return KVCache(dataclasses.replace(model.config, block_size=length), rows, p.device, p.dtype)
 
 
 @dataclass
@@ -188,7 +147,7 @@ class BatchEngine:
         self.autocast = autocast or contextlib.nullcontext
         self.static, self.warmup, self.idle_release_s = static, warmup, idle_release_s
         self.empty_cache, self.log = empty_cache, log or (lambda text: print(text, file=sys.stderr))
-        self.cache = SlotCache(raw_model, slots, static)
+        self.cache = raw_model.new_kv_cache(slots)  # a row per slot, each at its own position
         self.scratch = raw_model.new_kv_cache(1)  # prefills run batch 1 here, as generate.py's
         # prompt tokens a step reads (a multiple of the bucket: only the last chunk is padded)
         self.chunk = -(-prefill_chunk // max(prompt_bucket, 1)) * max(prompt_bucket, 1)
@@ -369,7 +328,7 @@ class BatchEngine:
             self.prefilling = seq
             return n
         self.prefilling = None
-        self.cache.store_row(seq.slot, self.scratch, seq.read)
+        self.cache.copy_row(seq.slot, self.scratch, seq.read)
         seq.pos, seq.read = seq.read, 0
         self._prefilled(seq, logits[:, -1, :])
         return n
@@ -419,13 +378,13 @@ class BatchEngine:
         longest = max(map(len, contexts))
         ids = torch.tensor([c + [0] * (longest - len(c)) for c in contexts], device=self.device)
         last = torch.tensor([[len(c) - 1] for c in contexts], device=self.device)
-        cache = prefill_cache(self.raw_model, len(group), longest)
+        cache = self.raw_model.new_kv_cache(len(group), positions=longest)
         cache.filled = longest
         with self.autocast():
             logits = self.model(ids, kv_cache=cache, input_pos=torch.arange(
                 longest, device=self.device), logits_at=last)[0]  # (rows, 1, vocab)
         for i, (seq, context) in enumerate(zip(group, contexts)):
-            self.cache.store_row(seq.slot, cache, len(context), i)
+            self.cache.copy_row(seq.slot, cache, len(context), i)
             seq.pos = len(context)
             self._prefilled(seq, logits[i:i + 1, -1, :])
         return len(group) * longest
@@ -437,21 +396,22 @@ class BatchEngine:
         positions = torch.zeros((rows, 1), dtype=torch.long)  # rows without a decode: 0, unread
         for s in seqs:
             tokens[s.slot, 0], positions[s.slot, 0] = s.tokens[-1], s.pos
-        self.cache.rows, self.cache.filled = rows, max(s.pos for s in seqs) + 1
+        # eager attention reads positions 0..filled-1 of the first `rows` rows; static
+        # (compiled) code every position of every slot, under the mask of each row's past
+        self.cache.filled = None if self.static else max(s.pos for s in seqs) + 1
         row = {s.slot: s.slot for s in seqs}  # each seq's row of the logits
+        cache = self.cache
         eager = self.model is self.raw_model
         if eager and weights.fused(self.raw_model):  # one call a block
             logits = weights.decode_rows(self.raw_model, tokens, self.cache.kv,
                                          positions.view(rows))[:, -1, :]  # (rows, V)
-        elif eager and len(seqs) == 1 and lean_decoding(self.raw_model, self.device):
-            s = seqs[0]  # alone: generate.py's GPT.decode_one on the slot's row of the cache
-            alone = types.SimpleNamespace(kv=[kv[:, s.slot:s.slot + 1] for kv in self.cache.kv])
-            logits = self.raw_model.decode_one(tokens[s.slot:s.slot + 1].to(self.device), alone,
-                                               s.pos)[:, -1, :]
-            row = {s.slot: 0}
         else:
+            if eager and len(seqs) == 1:  # alone: its own row of the cache, no mask
+                s = seqs[0]
+                tokens, positions = tokens[s.slot:s.slot + 1], positions[s.slot:s.slot + 1]
+                cache, row = self.cache.rows(s.slot), {s.slot: 0}
             with self.autocast():
-                logits = self.model(tokens.to(self.device), kv_cache=self.cache,
+                logits = self.model(tokens.to(self.device), kv_cache=cache,
                                     input_pos=positions.to(self.device))[0][:, -1, :]
         self._sample(seqs, logits, row)
 
