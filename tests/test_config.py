@@ -229,3 +229,12 @@ def test_help_with_a_bad_config_reports_the_error():
 def test_help_lead_must_name_sections():
     with pytest.raises(ValueError, match="unknown sections"):
         help_text("generate.py", lead=("sampling",))
+
+@pytest.mark.parametrize("stored,activation,impl", [("scratch", "gelu_tanh", "scratch"),
+                                                    ("native", "gelu_tanh", "native"),
+                                                    ("erf", "gelu_erf", "scratch")])
+def test_a_checkpoint_from_before_model_activation_keeps_its_gelu(stored, activation, impl):
+    """Stored configs held one field, model.gelu, for which GELU and how it was computed."""
+    cfg = from_dict({"model": {"gelu": stored, "n_layer": 2}})
+    assert (cfg.model.activation, cfg.model.activation_impl, cfg.model.n_layer) == (
+        activation, impl, 2)

@@ -20,6 +20,7 @@ import generate
 import load_gpt2_weights
 import train
 from config import ConfigError, ModelConfig, load_config
+from model import ACTIVATIONS
 from data.loader import DataError
 from data.tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
 
@@ -135,6 +136,24 @@ def test_logits_and_loss_match_transformers(hf_dirs, shape, pad, impl):
     assert full.shape == expected.logits.shape  # the real vocabulary only
     torch.testing.assert_close(full, expected.logits, rtol=0, atol=1e-5)
     assert loss.item() == pytest.approx(expected.loss.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu_erf", "relu2"])
+def test_each_activation_exports_to_and_imports_from_transformers(activation, tmp_path):
+    """model.activation=X: exported under X's GPT2Config name, transformers computes the same
+    logits (1e-5), and importing the export gives X back."""
+    from model import GPT
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(block_size=16, vocab_size=70, n_layer=2, n_head=2, n_embd=16,
+                            activation=activation)).eval()
+    gpt2.write_hf_dir(model, tmp_path, gpt2_tokenizer=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert reloaded.config.activation_function == ACTIVATIONS[activation].hf_names[0]
+    ids = ids_for(70, T=16)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids)[0], rtol=0, atol=1e-5)
+    back, _ = gpt2.load_hf(str(tmp_path))
+    assert back.config.activation == activation
 
 
 def test_padded_rows_never_win(hf_dirs):

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from engine import checkpoint
+from engine import checkpoint, memory
 import generate
+import load_gpt2_weights
 from engine import sampling
 import train
 from config import load_config
@@ -191,3 +192,27 @@ def test_cuda_run_with_its_speedups_learns_like_the_cpu_reference(char_dataset, 
     rc = generate.main([f"--checkpoint={tmp_path / 'cuda'}", "--prompt", "ROMEO:",
                         "--max_new_tokens=20", "--seed=3", "--device=cuda"])
     assert rc == 0 and capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_relu_squared_end_to_end(char_dataset, tmp_path, capsys):
+    """--activation=relu2 through everything that reads it: the memory estimate (one kept
+    tensor per hidden unit, against four for the written-out tanh GELU), training, the
+    checkpoint's config, sampling, and the export as transformers' relu2."""
+    out = tmp_path / "relu2"
+    cfg = tiny_cfg(char_dataset, out, "--activation=relu2", "--max_iters=30",
+                   "--eval_interval=30")
+    gelu = tiny_cfg(char_dataset, out)
+    hidden = 4 * cfg.model.n_embd * cfg.model.n_layer * cfg.train.batch_size * cfg.model.block_size
+    assert (memory.estimate(gelu).activations - memory.estimate(cfg).activations
+            == 3 * 4 * hidden)  # float32: three fewer hidden-size tensors per block
+    summary = train.train(cfg)
+    assert summary["final"]["val"] < 3.9  # learned, from ln(65) = 4.17
+    model, _, _ = checkpoint.load_model(out, torch.device("cpu"))
+    assert model.config.activation == "relu2"
+    capsys.readouterr()
+    assert generate.main([f"--checkpoint={out}", "--prompt", "ROMEO:", "--max_new_tokens=10",
+                          "--seed=3"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+    assert load_gpt2_weights.main(["--export", str(out), "--out", str(tmp_path / "hf")]) == 0
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["activation_function"] == "relu2"
