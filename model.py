@@ -112,7 +112,7 @@ class Activation:
     name in a Hugging Face GPT2Config (the export) and its number in the CPU decode kernel."""
 
     hf_names: tuple[str, ...] = ()  # GPT2Config.activation_function values; the first exports
-    kernel_id: int = -1  # gelu() in engine/cpu_kernels.cpp
+    kernel_id: int = -1  # activation() in engine/cpu_kernels.cpp; -1: not there (torch decodes)
 
     def __call__(self, x: torch.Tensor, native: bool) -> torch.Tensor:
         raise NotImplementedError

@@ -163,9 +163,11 @@ def weight_bytes(model: nn.Module) -> int:
 
 def fused(model: nn.Module) -> bool:
     """Whether decode can run each block as one compiled call: every block Linear packed in
-    one format for one kernel path, with the kernels built."""
+    one format for one kernel path, with the kernels built, and the kernel has the model's
+    activation."""
     first = model.transformer.h[0].attn.c_attn
     return (isinstance(first, PackedLinear) and first.isa != "torch"
+            and ACTIVATIONS[model.config.activation].kernel_id >= 0
             and all(isinstance(linear, PackedLinear) and (linear.format, linear.isa)
                     == (first.format, first.isa) for _, _, linear in linears(model)[1:]))
 
