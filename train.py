@@ -25,7 +25,7 @@ from data.workers import SharedMemoryBatches
 from engine import checkpoint, distributed, hellaswag, memory, resume, runlog, runtime, techniques
 from engine.optim import fused_note, lr_at, make_optimizer
 from engine.sources import build_model, dataset_meta
-from engine.step import NonFiniteGuard, StepResult, evaluate, train_step
+from engine.step import NonFiniteGuard, StepResult, Trainer, evaluate, train_step
 from model import GPT
 
 
@@ -218,12 +218,14 @@ def train(cfg: Config) -> dict:
     x, y = run.next_batch
     start_step = step = counters.step
     guard = NonFiniteGuard(t.max_nonfinite_steps)
-    grad_sync = techniques.grad_sync(run.model)
     last_log = (step, time.perf_counter())  # (step, time) of the last log line
     with resume.StopRequest(synced=dist.enabled) as stop, run.log:
         def sync(loss_sum: torch.Tensor) -> torch.Tensor:  # the mean over ranks; shares stops
             return dist.sync_step(loss_sum, stop)
 
+        trainer = Trainer(run.model, run.raw_model, run.optimizer, run.scaler, run.batches,
+                          run.rt, t.grad_accum_steps, t.grad_clip,
+                          techniques.grad_sync(run.model), sync)
         while True:
             if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
                 evaluate_and_save(run, step, (x, y), stop, keep=step > start_step)
@@ -236,9 +238,7 @@ def train(cfg: Config) -> dict:
             if step >= t.max_iters or stop:
                 break
             lr = lr_at(step, cfg)
-            result = train_step(run.model, run.raw_model, run.optimizer, run.scaler, run.batches,
-                                (x, y), run.rt, lr, t.grad_accum_steps, t.grad_clip, grad_sync,
-                                sync)
+            result = train_step(trainer, (x, y), lr)
             x, y = result.next_batch
             step += 1
             counters.step, counters.tokens_seen = step, counters.tokens_seen + run.tokens_per_step

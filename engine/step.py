@@ -9,6 +9,7 @@
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -48,12 +49,27 @@ def update_unless_nonfinite(optimizer: torch.optim.Optimizer, scaler: torch.amp.
             del optimizer.found_inf
 
 
-def train_step(model: torch.nn.Module, raw_model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               batches: Batches, batch: tuple, rt: Runtime, lr: float, accum_steps: int,
-               grad_clip: float, grad_sync=None, sync=None) -> StepResult:
-    """One optimizer step. grad_sync(last): all-reduce on the last micro-step only; sync(loss_sum):
-    the mean over ranks, so that every rank skips the same steps."""
+@dataclass
+class Trainer:
+    """What train_step works on, made once per run (engine/run.Run.trainer)."""
+
+    model: torch.nn.Module  # as trained: compiled, DDP or FSDP around raw_model, or raw_model
+    raw_model: torch.nn.Module  # its parameters are clipped
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    batches: Batches  # the next batch is fetched while the device works
+    rt: Runtime
+    accum_steps: int = 1  # micro-batches per step (train.grad_accum_steps)
+    grad_clip: float = 0.0  # 0: no clipping
+    grad_sync: Callable | None = None  # grad_sync(last): all-reduce on the last micro-step only
+    sync: Callable | None = None  # sync(loss_sum): the mean over ranks (every rank skips alike)
+
+
+def train_step(trainer: Trainer, batch: tuple, lr: float) -> StepResult:
+    """One optimizer step at learning rate lr over trainer.accum_steps micro-batches, the first
+    being batch (x, y)."""
+    model, optimizer, scaler, rt = trainer.model, trainer.optimizer, trainer.scaler, trainer.rt
+    accum_steps, grad_sync, sync = trainer.accum_steps, trainer.grad_sync, trainer.sync
     for group in optimizer.param_groups:
         group["lr"] = lr
     x, y = batch
@@ -63,14 +79,14 @@ def train_step(model: torch.nn.Module, raw_model: torch.nn.Module,
         with grad_sync(last) if grad_sync else contextlib.nullcontext():
             with rt.autocast():
                 _, loss = model(x, y)
-            x, y = batches.next()  # fetch the next batch while the device works
+            x, y = trainer.batches.next()  # fetch the next batch while the device works
             loss_sum += loss.detach()
             scaler.scale(loss / accum_steps).backward()
     if sync is not None:
         loss_sum = sync(loss_sum)
     scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                          grad_clip if grad_clip > 0 else math.inf)
+    clip = trainer.grad_clip if trainer.grad_clip > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(trainer.raw_model.parameters(), clip)
     norm = distributed.full_tensor(norm)  # under FSDP: a DTensor over every rank's shard
     finite = torch.isfinite(loss_sum) & torch.isfinite(norm)  # no sync
     update_unless_nonfinite(optimizer, scaler, finite)

@@ -28,7 +28,7 @@ from engine import checkpoint
 import generate
 from engine import runlog
 from engine import resume, runtime
-from engine.step import train_step
+from engine.step import Trainer, train_step
 import train
 from config import load_config
 from model import GPT
@@ -402,7 +402,8 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(monkeypatch):
     x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
     feed = type("Feed", (), {"next": lambda self: (x, x)})()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, model, optimizer, scaler, feed, (x, x), rt, 1e-2, 1, 1.0)
+    trainer = Trainer(model, model, optimizer, scaler, feed, rt, grad_clip=1.0)
+    train_step(trainer, (x, x), 1e-2)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     state = {i: {k: v.clone() for k, v in s.items()}
              for i, s in optimizer.state_dict()["state"].items()}
@@ -413,7 +414,7 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(monkeypatch):
 
     for name in ("__bool__", "item", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, host_read)
-    result = train_step(model, model, optimizer, scaler, feed, (x, x), rt, 1e-2, 1, 1.0)
+    result = train_step(trainer, (x, x), 1e-2)
     monkeypatch.undo()
     assert not result.finite
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())

@@ -11,7 +11,7 @@ import model as model_module
 from config import Config, ConfigError, load_config
 from conftest import tiny_model_config
 from engine import memory, runtime
-from engine.step import train_step
+from engine.step import Trainer, train_step
 from model import GPT, IGNORE_INDEX, ChunkedCrossEntropy
 
 HAS_TORCH_LCE = hasattr(F, "linear_cross_entropy")  # torch >= 2.13
@@ -146,7 +146,8 @@ def test_train_step_with_chunked_loss_equals_full(small_chunks):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         feed = type("Feed", (), {"next": lambda self: (x[2:], y[2:])})()
-        r = train_step(model, model, optimizer, scaler, feed, (x[:2], y[:2]), rt, 1.0, 2, 0.5)
+        trainer = Trainer(model, model, optimizer, scaler, feed, rt, accum_steps=2, grad_clip=0.5)
+        r = train_step(trainer, (x[:2], y[:2]), 1.0)
         results.append((r.loss_sum, r.norm))
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5)
     for (name, p), q in zip(full.named_parameters(), chunked.parameters()):

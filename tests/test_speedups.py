@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from engine.step import train_step
+from engine.step import Trainer, train_step
 from engine import runtime
 from engine import memory, optim, techniques
 from config import Config, SystemConfig
@@ -260,8 +260,9 @@ def test_gradient_accumulation_keeps_the_global_batch(device):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scaler = torch.amp.GradScaler(device, enabled=False)
         chunks = list(zip(x.split(micro), y.split(micro)))
-        r = train_step(model, model, opt, scaler, Feed(chunks[1:]), chunks[0], rt, 1e-2, accum,
-                       cfg.train.grad_clip)
+        trainer = Trainer(model, model, opt, scaler, Feed(chunks[1:]), rt, accum,
+                          cfg.train.grad_clip)
+        r = train_step(trainer, chunks[0], 1e-2)
         results.append((r.loss_sum / accum, r.norm, model))
     (loss_a, norm_a, a), (loss_b, norm_b, b) = results
     tol = dict(atol=1e-6, rtol=1e-5) if device == "cpu" else dict(atol=1e-5, rtol=1e-4)
