@@ -31,7 +31,7 @@ def test_erf_gelu_exports_as_hf_gelu_and_is_accepted_by_the_config():
 
 
 def test_side_by_side_reports_the_median_of_per_round_ratios():
-    from engine import bench_to_loss
+    from engine.benchmarks import to_loss
 
     def run(seconds, step_ms, val):
         return {"seconds": seconds, "step_ms": step_ms, "val": val, "returncode": 0, "tail": ""}
@@ -40,14 +40,14 @@ def test_side_by_side_reports_the_median_of_per_round_ratios():
               "programs": {"nanoGPT": {"args": ["--a"]}, "ours": {"args": ["--b"]}},
               "runs": {"nanoGPT": [run(100, 40, 1.9), run(200, 80, 1.9), run(100, 40, 1.9)],
                        "ours": [run(90, 30, 1.8), run(100, 40, 1.8), run(70, 36, 1.8)]}}
-    table = bench_to_loss.describe_side_by_side(report)
+    table = to_loss.describe_side_by_side(report)
     ours = next(line for line in table.splitlines() if line.startswith("| ours"))
     assert "| 90.0 / 100.0 / 70.0 | 0.70x |" in ours  # ratios 0.9, 0.5, 0.7
     assert "| 0.75x |" in ours  # step ratios 0.75, 0.5, 0.9
 
 
 def test_side_by_side_refuses_a_folder_without_nanogpt(tmp_path, capsys):
-    from engine import bench_to_loss
+    import bench
 
-    assert bench_to_loss.main([f"--nanogpt={tmp_path}"]) == 2
+    assert bench.main(["vs-nanogpt", str(tmp_path)]) == 2
     assert "no train.py there; give a nanoGPT checkout" in capsys.readouterr().err

@@ -1,22 +1,20 @@
-"""Time to a loss, `python bench.py --to-loss 1.886`: recipes trained one after another, each in a
+"""Time to a loss, `python bench.py to-loss 1.886`: recipes trained one after another, each in a
 fresh train.py process on the same data and evaluation schedule; per recipe the wall-clock time
 from launch (start-up and evaluations included: what a user waits for) and the step at which the
-validation loss first reached the target, and a plot of val loss against wall-clock time.
+validation loss first reached the target, and a plot of val loss against wall-clock time. The
+recipes share nanoGPT's CPU recipe (char Shakespeare, 4 layers, 4 heads, 128 wide, context 64,
+batch 12, no dropout, lr 1e-3 cosine to 2000 steps); --nanogpt DIR adds a row running nanoGPT's
+own train.py from DIR with the same recipe. Output: RESULTS/to_loss_NAME.{json,md,png}.
 
-The recipes share nanoGPT's CPU recipe (char Shakespeare, 4 layers, 4 heads, 128 wide, context
-64, batch 12, no dropout, lr 1e-3 cosine to 2000 steps); `--nanogpt DIR` adds a row running
-nanoGPT's own train.py from DIR with the same recipe, side by side.
-Output: RESULTS/to_loss_NAME.{json,md,png}.
-
-    python -m engine.bench_to_loss --nanogpt=/tmp/nanogpt [--rounds=2] [--max_iters=2000]
-
-runs the issue's side by side instead: nanoGPT's own command for its CPU recipe and ours at the
-same shape and math (evaluation every 250 steps on 20 batches per split, a log line per step,
-checkpoints written), each to its end, taking turns (A B C A B C); the whole-run wall time from
-launch to exit, the median step time read from the log lines, and per round our time over
-nanoGPT's, with the median of those ratios. Output: RESULTS/to_loss_cpu_vs_nanogpt.{json,md}.
+`python bench.py vs-nanogpt DIR [--rounds=2] [--max-iters=2000]` runs whole runs side by side
+instead: nanoGPT's own command for its CPU recipe and ours at the same shape and math (evaluation
+every 250 steps on 20 batches per split, a log line per step, checkpoints written), each to its
+end, taking turns (A B C C B A); the whole-run wall time from launch to exit, the median step
+time read from the log lines, and per round our time over nanoGPT's, with the median of those
+ratios. Output: RESULTS/to_loss_cpu_vs_nanogpt.{json,md}.
 """
-import json
+from __future__ import annotations
+
 import os
 import re
 import statistics
@@ -25,13 +23,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from config import ConfigError, load_options, opt
-from engine.benchmark import REPO_ROOT, hardware_name, markdown_table
+from config import ConfigError, opt
+from engine import runtime
+from engine.benchmarks import options
+from engine.benchmarks.report import markdown_table, pyplot, save_figure, utc_now, write_report
+from engine.benchmarks.runner import REPO_ROOT
 
 RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd=128",
           "--block_size=64", "--batch_size=12", "--dropout=0", "--learning_rate=1e-3",
@@ -50,10 +51,43 @@ RECIPES = {  # name -> train.py arguments
 }
 NANOGPT = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
            "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-           "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
-OURS_EVAL = re.compile(r"^eval\s+(\d+) \| train [\d.]+ \| val ([\d.]+)")
+           "--dropout=0.0"]
 EVAL_ITERS = 20  # batches per split at each evaluation, as nanoGPT's recipe
+OURS_EVAL = re.compile(r"^eval\s+(\d+) \| train [\d.]+ \| val ([\d.]+)")
 NANOGPT_EVAL = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
+OURS_STEP_MS = re.compile(r"^step\s+\d+ \| loss .* \| (\d+) ms \|")
+NANOGPT_STEP_MS = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
+
+
+@dataclass
+class ToLossOptions:
+    positional: ClassVar[str] = "target"
+    target: float = opt(0.0, "the val loss to reach (also the first bare argument)")
+    recipes: str = opt("", "only these recipes, a comma list (default: all)")
+    eval_every: int = opt(100, "steps between evaluations (the target is checked there)")
+    recipe_seconds: float = opt(300.0, "a recipe still short of the target after this many "
+                                "seconds is stopped (not reached)")
+    nanogpt: str = opt("", "a nanoGPT checkout with data/shakespeare_char prepared, run side by "
+                       "side as a row")
+    results: str = opt("bench_results", "folder for the outputs")
+    name: str = opt("cpu", "outputs: RESULTS/to_loss_NAME.{json,md,png}")
+
+
+@dataclass
+class VsNanoGPTOptions:
+    positional: ClassVar[str] = "nanogpt"
+    nanogpt: str = opt("", "a nanoGPT checkout with data/shakespeare_char prepared (also the "
+                       "first bare argument)")
+    rounds: int = opt(2, "rounds; each runs every program once, in turn")
+    max_iters: int = opt(2000, "steps per run (nanoGPT's recipe: 2000)")
+    threads: int = opt(0, "OMP_NUM_THREADS for every program; 0 = torch's default")
+    results: str = opt("bench_results", "folder for the outputs")
+
+
+def check_nanogpt(folder: str) -> None:
+    if not (Path(folder) / "train.py").is_file():
+        raise ConfigError(f"--nanogpt={folder!r}: no train.py there; give a nanoGPT checkout "
+                          "(with data/shakespeare_char prepared)")
 
 
 def follow(command: list[str], cwd: Path, pattern: re.Pattern, target: float,
@@ -67,8 +101,7 @@ def follow(command: list[str], cwd: Path, pattern: re.Pattern, target: float,
         tail = (tail + [line.rstrip()])[-5:]
         if m := pattern.match(line):
             curve.append([int(m.group(1)), float(m.group(2)), time.perf_counter() - start])
-            if curve[-1][1] <= target:
-                reached = curve[-1]
+            reached = curve[-1] if curve[-1][1] <= target else None
         if reached or time.perf_counter() - start > limit:
             proc.terminate()
             break
@@ -78,50 +111,45 @@ def follow(command: list[str], cwd: Path, pattern: re.Pattern, target: float,
             "seconds": time.perf_counter() - start, "tail": tail if status == "failed" else []}
 
 
-def check(opts) -> None:
-    """ConfigError on a --to-loss option that cannot be used, before anything runs."""
-    unknown = [r for r in opts.recipes.split(",") if r and r not in RECIPES]
-    if unknown:
+def programs(opts: ToLossOptions) -> dict[str, tuple[Path, list[str], re.Pattern]]:
+    """recipe -> (working directory, train.py arguments, its evaluation line)."""
+    chosen = options.comma_list(opts.recipes)
+    if unknown := [r for r in chosen if r not in RECIPES]:
         raise ConfigError(f"--recipes: unknown {', '.join(unknown)}; the recipes are "
-                         f"{', '.join(RECIPES)}")
-    if opts.to_loss < 0 or opts.eval_every < 1 or opts.recipe_seconds <= 0:
-        raise ConfigError("--to-loss must be > 0, --eval-every >= 1, --recipe-seconds > 0")
-    if opts.nanogpt and not (Path(opts.nanogpt) / "train.py").is_file():
-        raise ConfigError(f"--nanogpt={opts.nanogpt}: no train.py there; give a nanoGPT checkout "
-                         "(with data/shakespeare_char prepared)")
+                          f"{', '.join(RECIPES)}")
+    schedule = [f"--eval_interval={opts.eval_every}", f"--eval_iters={EVAL_ITERS}",
+                f"--log_interval={opts.eval_every}"]
+    out = {"nanoGPT": (Path(opts.nanogpt), NANOGPT + ["--max_iters=2000",
+                                                      "--lr_decay_iters=2000"] + schedule,
+                       NANOGPT_EVAL)} if opts.nanogpt else {}
+    return out | {name: (REPO_ROOT, args + schedule, OURS_EVAL) for name, args in RECIPES.items()
+                  if not chosen or name in chosen}
 
 
-def run(opts, command: str) -> int:
-    recipes = {k: v for k, v in RECIPES.items()
-               if not opts.recipes or k in opts.recipes.split(",")}
-    schedule = [f"--eval_interval={opts.eval_every}", f"--eval_iters={EVAL_ITERS}"]
+def run(opts: ToLossOptions, command: str) -> int:
+    """Each recipe to the target in turn; the page to stdout and RESULTS/to_loss_NAME.*."""
+    options.check(opts, {"eval_every": 1, "recipe_seconds": 1e-9})
+    if opts.target <= 0:
+        raise ConfigError(f"the target loss must be > 0 (got {opts.target}): bench.py to-loss "
+                          "1.886")
+    if opts.nanogpt:
+        check_nanogpt(opts.nanogpt)
     rows = []
-    if opts.nanogpt:  # its own loader and checkpoints: what its users run
-        args = NANOGPT + schedule + [f"--log_interval={opts.eval_every}"]
-        print(f"to-loss: nanoGPT ({opts.nanogpt}) ...", flush=True)
-        rows.append({"recipe": "nanoGPT", "args": args, **follow(
-            ["train.py", *args], Path(opts.nanogpt), NANOGPT_EVAL, opts.to_loss,
-            opts.recipe_seconds)})
-    for name, args in recipes.items():
-        with tempfile.TemporaryDirectory() as out:
-            full = args + schedule + [f"--out_dir={out}", "--save_checkpoints=false",
-                                      f"--log_interval={opts.eval_every}"]
+    for name, (cwd, args, pattern) in programs(opts).items():
+        with tempfile.TemporaryDirectory() as out:  # its own loader and checkpoints: nanoGPT's
+            ours = [f"--out_dir={out}", "--save_checkpoints=false"] * (cwd == REPO_ROOT)
             print(f"to-loss: {name}: python train.py {' '.join(args)} ...", flush=True)
             rows.append({"recipe": name, "args": args, **follow(
-                ["train.py", *full], REPO_ROOT, OURS_EVAL, opts.to_loss, opts.recipe_seconds)})
+                ["train.py", *args, *ours], cwd, pattern, opts.target, opts.recipe_seconds)})
         _, steps, seconds, _, best = cells(rows[-1], rows)
         print(f"  {seconds} (step {steps}; best val {best})", flush=True)
-    report = {"target": opts.to_loss, "command": command, "rows": rows,
-              "hardware": hardware_name(torch.device("cpu")),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    folder, stem = Path(opts.results), f"to_loss_{opts.name or 'cpu'}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = describe(report)
-    (folder / f"{stem}.md").write_text(f"# bench.py --to-loss {opts.to_loss}\n\n{text}\n")
+    report = {"target": opts.target, "command": command, "rows": rows, "date": utc_now(),
+              "hardware": runtime.machine_line(torch.device("cpu"))}
+    text, stem = describe(report), f"to_loss_{opts.name}"
     print("\n" + text)
-    plot(report, folder / f"{stem}.png")
-    print(f"wrote {folder / stem}.{{json,md,png}}")
+    write_report(report, f"# bench.py to-loss {opts.target}\n\n{text}", opts.results, stem)
+    plot(report, Path(opts.results) / f"{stem}.png")
+    print(f"wrote {Path(opts.results) / stem}.{{json,md,png}}")
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 
@@ -148,59 +176,31 @@ def describe(report: dict) -> str:
                               for r in report["rows"]])
 
 
-def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)")
-        return
+def plot(report: dict, path: Path) -> Path | None:
+    if (plt := pyplot()) is None:
+        return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in report["rows"]:
-        if r["curve"]:
-            ax.plot([t for _, _, t in r["curve"]], [v for _, v, _ in r["curve"]], marker=".",
-                    label=r["recipe"])
+    for r in filter(lambda r: r["curve"], report["rows"]):
+        ax.plot([t for _, _, t in r["curve"]], [v for _, v, _ in r["curve"]], marker=".",
+                label=r["recipe"])
     ax.axhline(report["target"], color="grey", linestyle="--", linewidth=1)
     ax.set(xlabel="wall-clock seconds from launch", ylabel="val loss",
            title=f"time to val {report['target']}: {report['hardware']}", ylim=(None, 3.0))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return save_figure(plt, fig, path)
 
 
-SIDE_EVAL = ["--eval_interval=250", "--eval_iters=20", "--log_interval=1"]
-OURS_STEP_MS = re.compile(r"^step\s+\d+ \| loss .* \| (\d+) ms \|")
-NANOGPT_STEP_MS = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
-OURS_SIDE = RECIPE + REFERENCE + SPEEDUPS  # nanoGPT's recipe with every speedup: same math
-
-
-@dataclass
-class SideBySideOptions:
-    """python -m engine.bench_to_loss: our whole run against nanoGPT's, taking turns."""
-
-    nanogpt: str = opt("", "a nanoGPT checkout with data/shakespeare_char prepared (required)")
-    rounds: int = opt(2, "rounds; each runs every program once, in turn")
-    max_iters: int = opt(2000, "steps per run (nanoGPT's recipe: 2000)")
-    threads: int = opt(0, "OMP_NUM_THREADS for every program; 0 = torch's default")
-    results: str = opt("bench_results", "folder for the outputs")
-
-
-def side_programs(opts: SideBySideOptions, out: Path) -> dict[str, tuple[Path, list[str]]]:
-    """name -> (working directory, train.py arguments)."""
-    n = opts.max_iters
-    ours = [a for a in OURS_SIDE if not a.startswith("--max_iters=")] + [f"--max_iters={n}"]
-    nanogpt = [a for a in NANOGPT if not a.startswith(("--max_iters=", "--lr_decay_iters="))]
-    return {
-        "nanoGPT": (Path(opts.nanogpt), nanogpt + [f"--max_iters={n}", f"--lr_decay_iters={n}",
-                                                   f"--out_dir={out / 'nanogpt'}"] + SIDE_EVAL),
-        "ours, every speedup (tanh GELU)": (REPO_ROOT, ours + SIDE_EVAL + [
-            f"--out_dir={out / 'tanh'}"]),
-        "ours, nanoGPT's math (erf GELU)": (REPO_ROOT, ours + SIDE_EVAL + [
-            "--gelu=erf", f"--out_dir={out / 'erf'}"]),
-    }
+def side_programs(opts: VsNanoGPTOptions, out: Path) -> dict[str, tuple[Path, list[str]]]:
+    """name -> (working directory, train.py arguments) of the whole runs compared."""
+    n, schedule = opts.max_iters, ["--eval_interval=250", "--eval_iters=20", "--log_interval=1"]
+    ours = [a for a in RECIPE if a != "--max_iters=2000"] + REFERENCE + SPEEDUPS + [
+        f"--max_iters={n}", *schedule]  # nanoGPT's recipe with every speedup: the same math
+    return {"nanoGPT": (Path(opts.nanogpt), NANOGPT + [f"--max_iters={n}", f"--lr_decay_iters={n}",
+                                                       f"--out_dir={out / 'nanogpt'}", *schedule]),
+            "ours, every speedup (tanh GELU)": (REPO_ROOT, ours + [f"--out_dir={out / 'tanh'}"]),
+            "ours, nanoGPT's math (erf GELU)": (REPO_ROOT, ours + [
+                "--gelu=erf", f"--out_dir={out / 'erf'}"])}
 
 
 def run_to_end(cwd: Path, args: list[str], threads: int) -> dict:
@@ -209,8 +209,7 @@ def run_to_end(cwd: Path, args: list[str], threads: int) -> dict:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-u", "train.py", *args], cwd=cwd, env=env,
                           capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    lines = proc.stdout.splitlines()
+    seconds, lines = time.perf_counter() - start, proc.stdout.splitlines()
     step_ms = [float(m.group(m.lastindex)) for line in lines
                if (m := OURS_STEP_MS.match(line) or NANOGPT_STEP_MS.match(line))
                and not (m.re is NANOGPT_STEP_MS and m.group(1) == "0")]  # its step 0 holds an eval
@@ -222,7 +221,10 @@ def run_to_end(cwd: Path, args: list[str], threads: int) -> dict:
             "tail": [] if proc.returncode == 0 else (proc.stdout + proc.stderr)[-2000:]}
 
 
-def side_by_side(opts: SideBySideOptions, command: str) -> int:
+def vs_nanogpt(opts: VsNanoGPTOptions, command: str) -> int:
+    """Every program to its end, in turn, round after round; the page after every round."""
+    check_nanogpt(opts.nanogpt)
+    options.check(opts, {"rounds": 1, "max_iters": 1, "threads": 0})
     runs: dict[str, list[dict]] = {}
     names = list(side_programs(opts, Path("OUT")))
     for round_ in range(opts.rounds):
@@ -235,30 +237,19 @@ def side_by_side(opts: SideBySideOptions, command: str) -> int:
             if result["returncode"]:
                 print(result["tail"], file=sys.stderr)
                 return 1
-        text = write_side_by_side(opts, command, runs)  # after every round: a stop keeps them
+        report = {"command": command, "hardware": runtime.machine_line(torch.device("cpu")),
+                  "date": utc_now(), "runs": runs,
+                  "programs": {k: {"cwd_is_nanogpt": v[0] != REPO_ROOT, "args": v[1]}
+                               for k, v in side_programs(opts, Path("OUT")).items()}}
+        text = describe_side_by_side(report)  # written after every round: a stop keeps them
+        write_report(report, "# Our whole run against nanoGPT's, at its CPU recipe\n\n" + text,
+                     opts.results, "to_loss_cpu_vs_nanogpt")
     print("\n" + text)
     return 0
 
 
-def write_side_by_side(opts: SideBySideOptions, command: str, runs: dict[str, list[dict]]
-                       ) -> str:
-    report = {"command": command, "hardware": hardware_name(torch.device("cpu")),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "programs": {k: {"cwd_is_nanogpt": v[0] != REPO_ROOT, "args": v[1]}
-                           for k, v in side_programs(opts, Path("OUT")).items()},
-              "runs": runs}
-    folder = Path(opts.results)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "to_loss_cpu_vs_nanogpt.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = describe_side_by_side(report)
-    (folder / "to_loss_cpu_vs_nanogpt.md").write_text(
-        "# Our whole run against nanoGPT's, at its CPU recipe\n\n" + text + "\n")
-    return text
-
-
 def describe_side_by_side(report: dict) -> str:
-    base = report["runs"]["nanoGPT"]
-    rows = []
+    base, rows = report["runs"]["nanoGPT"], []
     for name, runs in report["runs"].items():
         ratios = [r["seconds"] / b["seconds"] for r, b in zip(runs, base)]
         step_ratios = [r["step_ms"] / b["step_ms"] for r, b in zip(runs, base)
@@ -278,22 +269,3 @@ def describe_side_by_side(report: dict) -> str:
              "", "Arguments:", ""]
     return "\n".join(lines + [f"- {name}: `{' '.join(p['args'])}`"
                               for name, p in report["programs"].items()])
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        opts = load_options(argv, SideBySideOptions, "-m engine.bench_to_loss", __doc__)
-        if not (Path(opts.nanogpt) / "train.py").is_file():
-            raise ConfigError(f"--nanogpt={opts.nanogpt!r}: no train.py there; give a nanoGPT "
-                              "checkout (with data/shakespeare_char prepared)")
-        if opts.rounds < 1 or opts.max_iters < 1:
-            raise ConfigError("--rounds and --max_iters must be >= 1")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return side_by_side(opts, " ".join(["python -m engine.bench_to_loss", *argv]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
