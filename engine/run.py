@@ -69,11 +69,10 @@ def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed
 
 
 def build_training(cfg: Config, dist: distributed.Dist) -> Run:
-    """The model with its techniques, optimizer, scaler and loaders; nothing read or written in
-    out_dir beyond the checkpoint a run starts from."""
+    """The model (from train.init_from as given) with its techniques, optimizer, scaler and
+    loaders; out_dir is neither read nor written."""
     rt, t = runtime.setup(cfg.system, device=dist.device), cfg.train
-    with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
-        t.init_from = resume.resolve_init(t.init_from, t.out_dir)
+    with dist.main_first():  # rank 0 prepares the data and downloads GPT-2 first
         meta = dataset_meta(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
     if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
@@ -90,7 +89,10 @@ def build_training(cfg: Config, dist: distributed.Dist) -> Run:
 
 
 def build_run(cfg: Config, dist: distributed.Dist) -> Run:
-    """build_training, then HellaSwag scoring, the resumed state (or a fresh start), the run log."""
+    """out_dir's run to resume (or none), build_training, then HellaSwag scoring, the resumed
+    state (or a fresh start) and the run log."""
+    with dist.main_first():  # rank 0 tidies out_dir first
+        cfg.train.init_from = resume.resolve_init(cfg.train.init_from, cfg.train.out_dir)
     run = build_training(cfg, dist)
     if cfg.train.hellaswag_interval:
         run.hellaswag = hellaswag.TrainingEval(cfg, run.meta, run.rt)
