@@ -39,7 +39,8 @@ def row_note(r: dict, kernels_word: str = "", bf16_units: tuple = ()) -> str:
 def cells(i: int, r: dict, ceiling: dict) -> list[str]:
     """One row of HEADER."""
     if r["status"] != "ok":
-        return [str(i), r["label"], *["-"] * 9, f"{r['status']}: {r.get('reason') or r.get('error', '')}"]
+        why = r.get("reason") or r.get("error", "")
+        return [str(i), r["label"], *["-"] * 9, f"{r['status']}: {why}"]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     times = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     ms = lambda x: f"{x:,.0f}" if x >= 10 else f"{x:.2g}"  # noqa: E731
