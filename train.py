@@ -5,8 +5,8 @@
     python train.py --help                   # every key with the value it resolves to
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_124m   # several GPUs
 
-build_run(cfg, dist) -> Run: data, the model with its techniques applied, optimizer, a resumed
-run's state, the run log. train(cfg): build_run, then the loop (evaluate and checkpoint every
+engine/run.py builds the run (data, the model with its techniques applied, optimizer, a resumed
+run's state, the run log); train(cfg): build_run, then the loop (evaluate and checkpoint every
 eval_interval steps, one train_step per step) until max_iters or a stop request.
 """
 from __future__ import annotations
@@ -15,18 +15,16 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from config import Config, ConfigError, load_config, opt
-from data.loader import Batches, DataError, open_batches
-from data.workers import SharedMemoryBatches
-from engine import checkpoint, distributed, hellaswag, memory, resume, runlog, runtime, techniques
-from engine.optim import fused_note, lr_at, make_optimizer
-from engine.sources import build_model, dataset_meta
-from engine.step import NonFiniteGuard, StepResult, Trainer, evaluate, train_step
-from model import GPT
+from data.loader import DataError
+from engine import checkpoint, distributed, memory, resume, runlog, runtime, techniques
+from engine.optim import lr_at
+from engine.run import Run, build_run
+from engine.sources import dataset_meta
+from engine.step import NonFiniteGuard, StepResult, evaluate, train_step
 
 
 @dataclass
@@ -35,100 +33,6 @@ class TrainOptions:
 
     estimate_memory: bool = opt(False, "print the memory estimate for this config and exit "
                                 "without training")
-
-
-@dataclass
-class Run:
-    """Everything one training run holds, made by build_run."""
-
-    cfg: Config
-    dist: distributed.Dist
-    rt: runtime.Runtime
-    meta: dict
-    raw_model: GPT  # the plain model: checkpoints, HellaSwag, sampling
-    model: torch.nn.Module  # what the loop trains: raw_model with its techniques applied
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    batches: Batches  # this rank's training batches
-    loaders: dict[str, Batches]  # both splits, for evaluation
-    eval_sets: dict[str, list]  # the fixed evaluation batches
-    hellaswag: hellaswag.TrainingEval | None
-    counters: resume.Counters
-    next_batch: tuple  # (x, y) of the first step
-    source: Path | None  # the checkpoint or weights the run starts from
-    notes: techniques.Notes  # for the start-up banner
-    log: runlog.RunLog
-    peak_flops: float  # of every process together; 0 when unknown
-
-    @property
-    def tokens_per_step(self) -> int:
-        t = self.cfg.train
-        return t.batch_size * self.cfg.model.block_size * t.grad_accum_steps * self.dist.world_size
-
-
-def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed.Dist
-                 ) -> tuple[Batches, dict[str, Batches], dict[str, list]]:
-    """This rank's training batches, both splits' loaders, and the fixed evaluation batches."""
-    t, d = cfg.train, cfg.data
-    split = {split: open_batches(meta, split, t.batch_size, cfg.model.block_size,
-                                 cfg.system.seed, rt.device, d.pin_memory, dist.rank,
-                                 dist.world_size, prefetch=d.prefetch and split == "train")
-             for split in ("train", "val")}
-    eval_sets = {name: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
-                 for i, (name, b) in enumerate(split.items())}
-    batches = split["train"]
-    if d.loader_workers:
-        batches = SharedMemoryBatches(batches, meta, "train", d.loader_workers)
-    return batches, {"train": batches, "val": split["val"]}, eval_sets
-
-
-def build_run(cfg: Config, dist: distributed.Dist) -> Run:
-    rt, t = runtime.setup(cfg.system, device=dist.device), cfg.train
-    with dist.main_first():  # rank 0 prepares the data, tidies out_dir, downloads GPT-2 first
-        t.init_from = resume.resolve_init(t.init_from, t.out_dir)
-        meta = dataset_meta(cfg.data.dataset)
-        raw_model, source = build_model(cfg, meta, rt.device)
-    if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
-        print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
-    resuming = t.init_from == "resume"
-    dist.same_everywhere(checkpoint.read_meta(source)["step"] if resuming else -1,
-                         "the checkpoint to resume (put out_dir where every node sees it)")
-    model, notes = techniques.apply(raw_model, cfg, rt, dist)
-    optimizer = make_optimizer(raw_model, cfg, rt.device)
-    notes.fused_adamw = fused_note(optimizer, cfg)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
-    scored = hellaswag.TrainingEval(cfg, meta, rt) if cfg.train.hellaswag_interval else None
-    counters, next_batch, notes.lines = resume.restore(source, cfg, dist, raw_model, optimizer,
-                                                       scaler, batches, rt.device)
-    log = runlog.RunLog(cfg, counters.step, resumed=resuming, files=dist.is_main,
-                        train_seconds=counters.train_seconds, wandb_id=counters.wandb_id)
-    counters.wandb_id = log.wandb_id
-    return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
-               eval_sets, scored, counters, next_batch or batches.next(), source, notes,
-               log, runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size)
-
-
-def estimate_line(cfg: Config, raw_model: GPT, rt: runtime.Runtime, world_size: int) -> str:
-    """About the time a step and the whole run take: their FLOPs at this device's matmul rate
-    in the chosen dtype (measured now, in about 0.2 s; bench.py sets it against measured)."""
-    t, block = cfg.train, cfg.model.block_size
-    tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
-    per_token = raw_model.flops_per_token()  # training: forward + backward
-    evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)
-    eval_tokens = evaluations * 2 * t.eval_iters * t.batch_size * block  # both splits
-    rate = runtime.matmul_rate(rt.device, rt.dtype)
-    est = runtime.time_estimate(per_token * tokens / world_size, t.max_iters,
-                                per_token / 3 * eval_tokens, rate)
-    line = (f"estimate: ~{runtime.format_seconds(est['step_s'])} per step, ~"
-            f"{runtime.format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
-            f"evaluations ({per_token * tokens / world_size / 1e9:,.1f} GFLOP per step at "
-            f"{rate / 1e9:,.1f} GFLOP/s, the {str(rt.dtype).removeprefix('torch.')} matmul rate "
-            "measured here; other work adds to it, a busy machine's probe reads low)")
-    if est["step_s"] > 60:
-        line += "\nnote: this recipe is far too big for this device; on a CPU try --config " \
-                "shakespeare_char, or a smaller model, batch or --max_iters"
-    return line
 
 
 def print_banner(run: Run) -> None:
@@ -223,9 +127,7 @@ def train(cfg: Config) -> dict:
         def sync(loss_sum: torch.Tensor) -> torch.Tensor:  # the mean over ranks; shares stops
             return dist.sync_step(loss_sum, stop)
 
-        trainer = Trainer(run.model, run.raw_model, run.optimizer, run.scaler, run.batches,
-                          run.rt, t.grad_accum_steps, t.grad_clip,
-                          techniques.grad_sync(run.model), sync)
+        trainer = run.trainer(sync)
         while True:
             if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
                 evaluate_and_save(run, step, (x, y), stop, keep=step > start_step)

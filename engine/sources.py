@@ -5,6 +5,7 @@
     model, source = build_model(cfg, data_meta, device)         # train.py (init_from)
 """
 import dataclasses
+import importlib
 import sys
 from pathlib import Path
 
@@ -16,22 +17,22 @@ from engine import checkpoint, hf, quantize
 from data.tokenizer import TokenizerError
 from model import GPT
 
-DEFAULT_DATASET = "shakespeare_char"
+# prepared from the bundled tiny Shakespeare on first use (no download)
+BUNDLED_DATASETS = ("shakespeare_char", "shakespeare")
 # model keys that fix the weights' shapes; the others (attention, norm, ...) may change on loading
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "vocab_pad_multiple",
               "layer_norm_eps", "block_size")
 
 
 def dataset_meta(dataset: str) -> dict:
-    """data.dataset's metadata; the default dataset is prepared on first use."""
+    """data.dataset's metadata; a bundled dataset (tiny Shakespeare) is prepared on first use."""
     try:
         return load_meta(dataset)
     except DataError:
-        if dataset != DEFAULT_DATASET:
+        if dataset not in BUNDLED_DATASETS:
             raise
-    from data.shakespeare_char.prepare import prepare
-    print(f"preparing the default dataset ({DEFAULT_DATASET}) ...")
-    prepare()
+    print(f"preparing {dataset} (from the bundled text) ...")
+    importlib.import_module(f"data.{dataset}.prepare").prepare()
     return load_meta(dataset)
 
 

@@ -9,9 +9,9 @@
 # Parts, in this order, each under its own time limit inside one overall budget:
 #   env      nvidia-smi, python / torch / CUDA, which optional packages are missing
 #   tests    python -m pytest -m cuda tests/: the CUDA variants of the flag tests (needs pytest)
-#   decode   batch-1 decode tok/s on GPT-2 124M-shaped weights     (bench.py --memory --part decode)
+#   decode   batch-1 decode tok/s on GPT-2 124M-shaped weights     (bench.py memory --part decode)
 #            and pruned Linears: 2:4 semi-structured / CSR vs dense   (python -m engine.sparse)
-#   memory   the memory estimate beside the measured CUDA peaks    (bench.py --memory --part train)
+#   memory   the memory estimate beside the measured CUDA peaks    (bench.py memory --part train)
 #   bench    the bench.py chain on GPT-2 124M at context 1024: tok/s and MFU per flag
 #   summary  gpu_check_<gpu>.md / .json: all of the above on one page, and gpu_check_<gpu>.log
 # A part whose package or device is missing is skipped with a line saying so. Without CUDA the
@@ -203,7 +203,7 @@ part_decode() {
     else
         args+=(--decode-model gpt2 --decode-tokens 64)
     fi
-    limited "$PYTHON" bench.py --memory "${args[@]}"
+    limited "$PYTHON" bench.py memory "${args[@]}"
     local rc=$?
     if [[ $CPU_MODE != 1 ]]; then  # GPT-2 124M block shapes, pruned: sparse kernels vs dense
         limited "$PYTHON" -m engine.sparse --device=cuda --rows=1,16,256,4096 --repeats=5 \
@@ -222,7 +222,7 @@ part_memory() {
     else  # GPT-2 124M (configs/bench_gpu.toml), 8 x 1024 tokens, the CUDA-only rows included
         args+=(--batch_size=8 --rows baseline,checkpointing=all,checkpointing=attention,dtype=bfloat16,dtype+weights_dtype=bfloat16,empty_cache=off,prefetch=on)
     fi
-    limited "$PYTHON" bench.py --memory "${args[@]}"
+    limited "$PYTHON" bench.py memory "${args[@]}"
     finish memory $?
 }
 
@@ -240,7 +240,7 @@ part_bench() {
         args+=(--order causal_mask,tf32,fused_adamw,pin_memory,dtype,norm_gelu,attention,vocab_pad,batch_size_auto,chunked_loss,muon,compile
                --warmup-steps 1 --measure-steps 3 --batch_size=8 --grad_accum_steps=2)
     fi
-    limited "$PYTHON" bench.py "${args[@]}"
+    limited "$PYTHON" bench.py ablation "${args[@]}"
     finish bench $?
 }
 

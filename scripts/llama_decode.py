@@ -1,4 +1,4 @@
-"""llama.cpp as an outside row of `python bench.py --decode`, run by the Python that has
+"""llama.cpp as an outside row of `python bench.py decode`, run by the Python that has
 llama-cpp-python (its own virtual environment; this file imports nothing of ours).
 
     python scripts/llama_decode.py MODEL.gguf --threads 2 --prompt 1,2,3

@@ -1,4 +1,5 @@
-"""bench.py: the plan of rows, its argument errors, and one tiny end-to-end run."""
+"""bench.py and engine/benchmarks/: the ablation's plan of rows, argument errors, tiny end-to-end
+runs of each sub-command (one on a sharded dataset)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import pytest
 
 import bench
 from config import ConfigError, load_config
+from engine.benchmarks import ablation, ablation_report, kernels
 
 
 def gpt2_cfg():
@@ -17,22 +19,22 @@ def gpt2_cfg():
 
 def test_chain_adds_flags_one_by_one_from_the_reference_path():
     cfg = gpt2_cfg()  # the recipe has every speedup on: the baseline must switch them off
-    rows = bench.plan(cfg, bench.parse_steps(bench.DEFAULT_ORDER), only=False)
+    rows = ablation.plan(cfg, ablation.parse_steps(ablation.DEFAULT_ORDER), only=False)
     base = rows[0]["config"]
-    assert (base.model.attention, base.model.causal_mask, base.model.norm, base.model.gelu,
+    assert (base.model.attention, base.model.causal_mask, base.model.norm, base.model.activation_impl,
             base.model.vocab_pad_multiple, base.system.dtype, base.system.tf32,
             base.system.compile, base.train.fused_adamw, base.data.pin_memory,
             base.train.batch_size_auto) == ("scratch", "buffer", "scratch", "scratch", 1,
                                             "float32", False, False, False, False, False)
     assert (base.model.loss, base.train.optimizer) == ("full", "adamw")
-    assert [r["flag"] for r in rows] == [None, *bench.FLAGS]
+    assert [r["flag"] for r in rows] == [None, *ablation.FLAGS]
     assert all(r["config"] is None for r in rows[1:])  # each made on the chain's head as it runs
     kept = [base]  # were every flag kept, the chain would end at the recipe again
     for r in rows[1:]:
-        kept.append(bench.with_flag(kept[-1], r["flag"], r["value"]))
+        kept.append(ablation.with_flag(kept[-1], r["flag"], r["value"]))
     last = kept[-1]
     assert (last.model.loss, last.train.optimizer) == ("chunked", "muon")
-    assert (last.model.attention, last.model.causal_mask, last.model.norm, last.model.gelu,
+    assert (last.model.attention, last.model.causal_mask, last.model.norm, last.model.activation_impl,
             last.model.vocab_pad_multiple, last.system.dtype, last.system.tf32,
             last.system.compile, last.train.fused_adamw, last.data.pin_memory,
             last.train.batch_size_auto) == ("sdpa", "on_the_fly", "native", "native", 64,
@@ -52,22 +54,22 @@ def timed_row(tokens_per_s: float, spread: float = 0.0, steps: int = 5) -> dict:
 
 def test_chain_keeps_a_flag_only_when_faster_beyond_the_noise():
     head = timed_row(1000)
-    assert bench.verdict(timed_row(1100), head, 0.03) == (True, "")
-    keep, why = bench.verdict(timed_row(500), head, 0.03)
+    assert ablation.verdict(timed_row(1100), head, 0.03) == (True, "")
+    keep, why = ablation.verdict(timed_row(500), head, 0.03)
     assert not keep and why.startswith("dropped: slower here (-50.0%, noise 3.0%")
-    keep, why = bench.verdict(timed_row(1020), head, 0.03)  # +2% < the 3% margin
+    keep, why = ablation.verdict(timed_row(1020), head, 0.03)  # +2% < the 3% margin
     assert not keep and why.startswith("dropped: not faster beyond the noise (+2.0%")
     # +10% is no gain when the steps themselves spread by 40%: 5 steps with an interquartile
     # range of 20% give the median a standard error of 8.3%, the difference's 2 sigma 16.6%
     noisy = timed_row(1000, spread=0.4)
-    assert bench.spread(noisy["step_s"]) == pytest.approx(0.2)
-    assert bench.median_error(noisy["step_s"]) == pytest.approx(0.2 * 1.2533 / 1.349 / 5**0.5)
-    keep, why = bench.verdict(timed_row(1100), noisy, 0.03)
+    assert ablation.spread(noisy["step_s"]) == pytest.approx(0.2)
+    assert ablation.median_error(noisy["step_s"]) == pytest.approx(0.2 * 1.2533 / 1.349 / 5**0.5)
+    keep, why = ablation.verdict(timed_row(1100), noisy, 0.03)
     assert not keep and "noise 16.6%" in why
-    assert bench.verdict(timed_row(1200), noisy, 0.03) == (True, "")
-    assert bench.verdict({"status": "skipped"}, head, 0.03) == (False, "")
-    assert bench.verdict({"status": "failed"}, head, 0.03) == (False, "dropped: failed")
-    assert bench.verdict(timed_row(10), {"status": "failed"}, 0.03) == (True, "")
+    assert ablation.verdict(timed_row(1200), noisy, 0.03) == (True, "")
+    assert ablation.verdict({"status": "skipped"}, head, 0.03) == (False, "")
+    assert ablation.verdict({"status": "failed"}, head, 0.03) == (False, "dropped: failed")
+    assert ablation.verdict(timed_row(10), {"status": "failed"}, 0.03) == (True, "")
 
 
 def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
@@ -75,7 +77,7 @@ def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
     The norm row is shown but dropped, padding is tried on sdpa alone, the best is sdpa+pad."""
     specs = {}
 
-    def fake_worker(module, spec, workdir, name, timeout=None, env=None):
+    def fake_worker(spec, workdir, name, timeout=None, env=None):
         if spec["kind"] == "ceiling":
             return {"status": "ok", "measured": 1e9, "datasheet": 0, "hardware": "test CPU"}
         specs[name] = spec
@@ -86,11 +88,11 @@ def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
                 "flops_per_token": 1, "loss": 1.0, "kernels": [], "micro_batch": 8,
                 "grad_accum_steps": 1, "build_s": 1.0}
 
-    monkeypatch.setattr(bench, "run_worker", fake_worker)
-    cfg, opts, _ = bench.load_bench_config(["--config", "tiny", "--device=cpu",
-                                            "--kernels", "off"])
-    rows = bench.plan(cfg, bench.parse_steps("attention,norm_gelu,vocab_pad"), only=False)
-    report = bench.run_all(rows, cfg, opts, False, "test")
+    monkeypatch.setattr(ablation, "run_worker", fake_worker)
+    cfg, opts, _ = bench.load_bench_config("ablation", ["--config", "tiny", "--device=cpu",
+                                                        "--kernels", "off"])
+    rows = ablation.plan(cfg, ablation.parse_steps("attention,norm_gelu,vocab_pad"), only=False)
+    report = ablation.run_all(rows, cfg, opts, False, "test")
     base, sdpa, norm, pad = report["rows"]
     assert [r.get("chain") for r in report["rows"]] == [
         None, "kept", "dropped: slower here (-50.0%, noise 3.0%)", "kept"]
@@ -101,34 +103,34 @@ def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
     assert specs["row3head"]["config"] == specs["row1"]["config"] and "row0head" not in specs
     assert pad["alongside"]["tokens_per_s"] == pytest.approx(sdpa["tokens_per_s"])
     assert report["best"] == 3 and pad["vs_baseline"] == pytest.approx(2.4)
-    assert bench.best_line(report).startswith(
+    assert ablation_report.best_line(report).startswith(
         "best here: row 3 = baseline + attention=sdpa, vocab_pad=64: 2,400 tok/s, 2.40x")
-    assert "dropped: norm_gelu=native: slower here" in bench.best_line(report)
-    assert "| 2 | + norm_gelu=native |" in bench.table(report["rows"])
-    lines = bench.table(report["rows"]).splitlines()
+    assert "dropped: norm_gelu=native: slower here" in ablation_report.best_line(report)
+    assert "| 2 | + norm_gelu=native |" in ablation_report.table(report["rows"])
+    lines = ablation_report.table(report["rows"]).splitlines()
     assert "dropped: slower here" in lines[4] and "| on row 1 |" in lines[5]  # pad: on sdpa
 
 
 def test_only_mode_and_flag_values():
-    steps = bench.parse_steps("compile=max-autotune,dtype=float16,vocab_pad=128")
-    rows = bench.plan(gpt2_cfg(), steps, only=True)
+    steps = ablation.parse_steps("compile=max-autotune,dtype=float16,vocab_pad=128")
+    rows = ablation.plan(gpt2_cfg(), steps, only=True)
     compile_cfg, fp16_cfg, pad_cfg = (r["config"] for r in rows[1:])
     assert compile_cfg.system.compile and compile_cfg.system.compile_mode == "max-autotune"
     assert compile_cfg.system.dtype == "float32"  # alone: nothing else switched on
     assert fp16_cfg.system.dtype == "float16" and not fp16_cfg.system.compile
     assert pad_cfg.model.vocab_pad_multiple == 128
     assert [r["previous"] for r in rows] == [None, 0, 0, 0]
-    assert [bench.label(r, only=True) for r in rows] == [
+    assert [ablation.label(r, only=True) for r in rows] == [
         "baseline", "only compile=max-autotune", "only dtype=float16", "only vocab_pad=128"]
 
 
 def test_unknown_or_repeated_flag_and_bad_value(capsys):
     assert bench.main(["--order", "atention,compile", "--device=cpu"]) == 2
     assert "unknown flag 'atention'; did you mean attention?" in capsys.readouterr().err
-    with pytest.raises(bench.BenchError, match="appears twice"):
-        bench.parse_steps("tf32,tf32")
+    with pytest.raises(ConfigError, match="appears twice"):
+        ablation.parse_steps("tf32,tf32")
     with pytest.raises(ConfigError, match="dtype=float8.*float32, bfloat16, float16"):
-        bench.plan(gpt2_cfg(), bench.parse_steps("dtype=float8"), only=False)
+        ablation.plan(gpt2_cfg(), ablation.parse_steps("dtype=float8"), only=False)
     assert bench.main(["--measure-steps", "0", "--device=cpu"]) == 2
     assert "--measure-steps" in capsys.readouterr().err
     assert bench.main(["--clock=process", "--device=cpu", "--threads=2"]) == 2
@@ -137,9 +139,11 @@ def test_unknown_or_repeated_flag_and_bad_value(capsys):
     assert "--kernels='maybe': use auto or on or off" in capsys.readouterr().err
     assert bench.main(["--keep-margin=-1", "--device=cpu"]) == 2
     assert "--keep-margin must be >= 0 (got -1.0)" in capsys.readouterr().err
+    assert bench.main(["ablaton"]) == 2
+    assert "unknown sub-command 'ablaton'; did you mean ablation?" in capsys.readouterr().err
     assert bench.main(["--clock=sundial", "--device=cpu"]) == 2
     assert "--clock='sundial': use wall or process" in capsys.readouterr().err
-    assert bench.main(["--memory", "--part", "train,speed", "--device=cpu"]) == 2
+    assert bench.main(["memory", "--part", "train,speed", "--device=cpu"]) == 2
     assert "--part='train,speed': use a comma list of train, quant, loader, decode" in \
         capsys.readouterr().err
 
@@ -171,9 +175,8 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, ca
 def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys):
     """Two recipes of the same math (the reference path, then every speedup) reach the target at
     the same evaluation with close losses; each run is stopped there; table, JSON and plot."""
-    code = bench.main(["--to-loss", "3.5", "--recipes", "reference,every speedup",
-                       "--eval-every", "10", "--results", str(tmp_path), "--name", "t",
-                       "--device=cpu"])
+    code = bench.main(["to-loss", "3.5", "--recipes", "reference,every speedup",
+                       "--eval-every", "10", "--results", str(tmp_path), "--name", "t"])
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((tmp_path / "to_loss_t.json").read_text())
@@ -189,35 +192,38 @@ def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, caps
 
 
 def test_to_loss_bad_options(tmp_path, capsys):
-    assert bench.main(["--to-loss", "2", "--recipes", "referense", "--device=cpu"]) == 2
+    assert bench.main(["to-loss", "2", "--recipes", "referense"]) == 2
     assert "--recipes: unknown referense; the recipes are reference" in capsys.readouterr().err
-    assert bench.main(["--to-loss", "2", "--nanogpt", str(tmp_path), "--device=cpu"]) == 2
+    assert bench.main(["to-loss", "2", "--nanogpt", str(tmp_path)]) == 2
     assert "no train.py there; give a nanoGPT checkout" in capsys.readouterr().err
+    assert bench.main(["to-loss", "--recipes", "reference"]) == 2
+    assert "the target loss must be > 0 (got 0.0)" in capsys.readouterr().err
+    assert bench.main(["to-loss", "2", "--device=cpu"]) == 2
+    assert "unknown key 'device' in command line" in capsys.readouterr().err
 
 
 def test_later_passes_add_their_steps_to_the_median():
     first = {"status": "ok", "tokens_per_step": 100, "step_s": [1.0, 1.0, 4.0],
              "tokens_per_s": 100.0, "memory": {"rss": 10}}
-    bench.merge_pass(first, {"status": "ok", "step_s": [0.5, 0.5], "memory": {"rss": 30}})
+    ablation.merge_pass(first, {"status": "ok", "step_s": [0.5, 0.5], "memory": {"rss": 30}})
     assert first["step_s"] == [1.0, 1.0, 4.0, 0.5, 0.5]
     assert first["tokens_per_s"] == 100.0  # median step 1.0 s
     assert first["memory"] == {"rss": 30}
-    bench.merge_pass(first, {"status": "failed", "error": "OutOfMemoryError: ..."})
+    ablation.merge_pass(first, {"status": "failed", "error": "OutOfMemoryError: ..."})
     assert first["later_pass_errors"] == ["OutOfMemoryError: ..."] and first["status"] == "ok"
 
 
 def test_kernel_rows_say_what_the_isa_allowed():
-    from engine import bench_kernels
-    emulated = bench_kernels.variants(threads=2, bf16_units=[])
+    emulated = kernels.variants(threads=2, bf16_units=[])
     assert [r["label"] for r in emulated] == [
         "eager float32, 2 threads", "eager float32, 1 thread",
         "inductor C++ (compile), float32, 2 threads", "oneDNN bf16 (autocast), eager"]
     assert emulated[-1]["skip"] and "not native here" in emulated[-1]["isa"]
     assert [r["set"]["system.threads"] for r in emulated] == ["0", "1", "0", "0"]
-    native = bench_kernels.variants(threads=1, bf16_units=["AMX"])
+    native = kernels.variants(threads=1, bf16_units=["AMX"])
     assert len(native) == 3 and native[-1]["isa"] == "oneDNN bf16 on AMX"
     assert not native[-1].get("skip") and native[-1]["set"]["system.dtype"] == "bfloat16"
-    md = bench_kernels.markdown(
+    md = kernels.markdown(
         [{**emulated[0], "train": {"status": "ok", "tokens_per_s": 100.0},
           "decode": {"status": "ok", "tokens_per_s": 50.0, "new_tokens": 8}},
          {**emulated[2], "train": {"status": "ok", "tokens_per_s": 150.0},
@@ -229,19 +235,21 @@ def test_kernel_rows_say_what_the_isa_allowed():
 
 
 def test_decode_row_generates_batch_1_tokens(char_dataset):
-    from engine import benchmark
+    from engine.benchmarks import measure
     cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}", "--device=cpu",
                           "--threads=1"])
-    result = benchmark.run_decode({"config": cfg.to_dict(), "new_tokens": 6, "rounds": 2})
+    result = measure.decode_row({"config": cfg.to_dict(), "new_tokens": 6, "rounds": 2})
     assert result["new_tokens"] == 6 and len(result["run_s"]) == 2
     assert result["tokens_per_s"] > 0 and result["compile"] == "off" and result["threads"] == 1
 
 
-def test_serve_flag_hands_over_to_the_serving_benchmark(tmp_path, capsys):
+def test_serve_command_refuses_a_missing_checkpoint_and_an_unknown_part(tmp_path, capsys):
     missing = tmp_path / "no_run"
-    assert bench.main(["--serve", "--checkpoint", str(missing), "--parts=load"]) == 2
+    assert bench.main(["serve", "--checkpoint", str(missing), "--parts=load"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and str(missing) in err  # bench_serve's own check
+    assert err.startswith("error: ") and str(missing) in err
+    assert bench.main(["serve", "--parts=load,speed"]) == 2
+    assert "--parts='load,speed': use a comma list of load, workers" in capsys.readouterr().err
 
 
 def test_serve_prefill_part_reports_gaps_for_each_chunk_setting(tmp_path):
@@ -253,7 +261,7 @@ def test_serve_prefill_part_reports_gaps_for_each_chunk_setting(tmp_path):
     cfg.model = tiny_model_config(n_embd=32, block_size=32, vocab_size=26)
     meta = {"tokenizer": {"kind": "char", "chars": [chr(ord("a") + i) for i in range(26)]}}
     ckpt = checkpoint.save(tmp_path / "run", 1, GPT(cfg.model), cfg, meta)
-    assert bench.main(["--serve", f"--checkpoint={ckpt}", "--parts=prefill", "--chunks=0,8",
+    assert bench.main(["serve", f"--checkpoint={ckpt}", "--parts=prefill", "--chunks=0,8",
                        "--rounds=1", "--streams=2", "--long-prompts=1", "--slots=4",
                        "--threads=1", f"--results={tmp_path}", "--name=t"]) == 0
     prefill = json.loads((tmp_path / "serve_t.json").read_text())["prefill"]
@@ -282,7 +290,8 @@ for line in sys.stdin:
 
 def test_decode_benchmark_rows_ceilings_and_quality(char_dataset, tmp_path, monkeypatch):
     from config import Config
-    from engine import bench_decode, checkpoint
+    from engine import checkpoint
+    from engine.benchmarks import decode
     from model import GPT
     from tests.conftest import tiny_model_config
     cfg = Config()
@@ -291,11 +300,11 @@ def test_decode_benchmark_rows_ceilings_and_quality(char_dataset, tmp_path, monk
     ckpt = checkpoint.save(tmp_path / "run", 1, GPT(cfg.model), cfg, {})
     fake = tmp_path / "fake_llama.py"
     fake.write_text(FAKE_LLAMA)
-    monkeypatch.setattr(bench_decode, "LLAMA_WORKER", fake)  # the protocol, without llama.cpp
-    monkeypatch.setattr(bench_decode, "llama_imports", lambda python: True)
+    monkeypatch.setattr(decode, "LLAMA_WORKER", fake)  # the protocol, without llama.cpp
+    monkeypatch.setattr(decode, "llama_imports", lambda python: True)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"\0" * 4096)
-    assert bench_decode.main([f"--checkpoint={ckpt}", "--formats=torch,float32,int8,int4",
+    assert bench.main(["decode", f"--checkpoint={ckpt}", "--formats=torch,float32,int8,int4",
                               "--new-tokens=6", "--rounds=2", "--hf=false", f"--gguf={gguf}",
                               f"--quality={ckpt}", "--eval-batches=2", "--agreement-tokens=8",
                               f"--results={tmp_path}", "--name=t", "--threads=1"]) == 0
@@ -318,5 +327,21 @@ def test_decode_benchmark_rows_ceilings_and_quality(char_dataset, tmp_path, monk
 
 
 def test_decode_benchmark_refuses_an_unknown_format(capsys):
-    assert bench.main(["--decode", "--formats=float32,int3"]) == 2
+    assert bench.main(["decode", "--formats=float32,int3"]) == 2
     assert capsys.readouterr().err.startswith("error: --formats: 'int3' is not one of")
+
+
+def test_ablation_row_trains_on_a_sharded_dataset(tmp_path):
+    """The rows build through engine/run.py as train.py does, so sharded data (which plain
+    Batches refuse) is read by its own loader."""
+    from test_shards import write_synthetic
+    write_synthetic(tmp_path / "shards", [700, 900, 500])
+    assert bench.main(["ablation", "--config", "tiny", f"--dataset={tmp_path / 'shards'}",
+                       "--device=cpu", "--threads=1", "--block_size=16", "--batch_size=4",
+                       "--order", "tf32", "--warmup-steps", "1", "--measure-steps", "2",
+                       "--kernels", "off", "--ceiling-size", "64", "--results", str(tmp_path),
+                       "--name", "t"]) == 0
+    base, tf32 = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert base["status"] == "ok" and len(base["step_s"]) == 2 and math.isfinite(base["loss"])
+    assert base["tokens_per_step"] == 4 * 16 and str(base["settings"]["vocab"]) == "50257"
+    assert tf32["status"] == "skipped"  # built on the shards too, then found to change nothing

@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh's CPU pass, run as on the H200 it is written for: torchao, datasets and
 wandb hidden from Python (that machine's python3 has none of them), every part at tiny size, each
 CUDA-only part skipped with a line saying why, the result files in the folder given and in $OUT.
-Also the time budgets of bench.py and bench.py --memory that the script relies on."""
+Also the time budgets of bench.py and bench.py memory that the script relies on."""
 from __future__ import annotations
 
 import json
@@ -124,7 +124,7 @@ def test_bench_time_budget_stops_and_still_writes_the_table(char_dataset, tmp_pa
 
 
 def test_bench_memory_rows_and_time_budget(char_dataset, tmp_path, capsys):
-    code = bench.main(["--memory", "--part", "train", "--rows", "baseline,prefetch=on",
+    code = bench.main(["memory", "--part", "train", "--rows", "baseline,prefetch=on",
                               "--time-budget", "0.001", f"--dataset={char_dataset}",
                               "--device=cpu", "--results", str(tmp_path), "--name", "t"])
     assert code == 0
@@ -134,6 +134,7 @@ def test_bench_memory_rows_and_time_budget(char_dataset, tmp_path, capsys):
                                                         ("failed", "needs CUDA")]
     assert "the --time-budget ran out" in (baseline.get("reason") or baseline["error"])
     assert "the --time-budget ran out" in (tmp_path / "memory_t.md").read_text()
-    assert bench.main(["--memory", "--part", "train", "--rows", "baseline,nope",
+    assert bench.main(["memory", "--part", "train", "--rows", "baseline,nope",
                        "--device=cpu"]) == 2
-    assert "['nope'] is not a row" in capsys.readouterr().err
+    assert "--rows='baseline,nope': use a comma list of baseline, checkpointing=all" in \
+        capsys.readouterr().err

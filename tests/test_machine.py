@@ -9,7 +9,8 @@ import torch
 import train
 from config import SystemConfig, load_config
 from conftest import train_args
-from engine import benchmark, distributed, memory, runtime, techniques
+from engine import distributed, memory, runtime, techniques
+from model import GPT
 
 EMULATED = {"model name": "Test CPU 9000", "cpu family": "25", "flags": "fpu sse avx2 fma"}
 WITH_AMX = {**EMULATED, "flags": EMULATED["flags"] + " amx_tile amx_bf16 avx512f avx512_bf16"}
@@ -83,7 +84,8 @@ def test_banner_and_benchmark_header_name_cpu_isa_bf16_and_threads(cpu_flags):
     assert f"ISA {isa}" in machine and "bf16 emulated (no AMX / AVX512-BF16)" in machine
     assert "1 thread of" in machine
     assert speedups == "speedups: device=cpu dtype=float32  [a note]"
-    assert benchmark.hardware_name(torch.device("cpu")) == machine.removeprefix("machine: ")
+    # the benchmarks' header line is the banner's (engine/benchmarks/ call machine_line too)
+    assert runtime.machine_line(torch.device("cpu")) == machine.removeprefix("machine: ")
     cpu_flags(WITH_AMX)
     assert "bf16 native (AMX, AVX512-BF16)" in runtime.machine_line(torch.device("cpu"))
 
@@ -118,7 +120,7 @@ def test_train_prints_the_estimate_before_step_1(char_dataset, tmp_path, capsys,
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
     at = next(i for i, line in enumerate(lines) if line.startswith("estimate: "))
     assert at < first_step
-    model = train.GPT(cfg.model)
+    model = GPT(cfg.model)
     step_flops = model.flops_per_token() * cfg.train.batch_size * cfg.model.block_size
     want = runtime.format_seconds(step_flops / 1e9)
     assert lines[at].startswith(f"estimate: ~{want} per step, ~")

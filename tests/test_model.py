@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import on_each_device, tiny_model_config
-from model import GPT, IGNORE_INDEX, gelu_tanh, padded_vocab_size
+from model import GPT, IGNORE_INDEX, MLP, gelu_tanh, padded_vocab_size
 
 # float32 on both; CUDA kernels (cuBLAS, the memory-efficient SDPA kernel) sum in other orders
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
@@ -108,6 +108,15 @@ def test_fast_paths_match_reference(change, device):
     fast_loss.backward()
     for (name, p_ref), (_, p_fast) in zip(reference.named_parameters(), fast.named_parameters()):
         torch.testing.assert_close(p_fast.grad, p_ref.grad, **GRAD_TOL[device], msg=name)
+
+
+def test_relu_squared_is_its_formula_in_the_mlp():
+    cfg = tiny_model_config(activation="relu2")
+    torch.manual_seed(0)
+    mlp, x = MLP(cfg), torch.randn(2, 4, cfg.n_embd)
+    hidden = mlp.c_fc(x)
+    torch.testing.assert_close(mlp(x), mlp.c_proj(torch.where(hidden > 0, hidden * hidden, 0.0)),
+                               rtol=0, atol=1e-6)
 
 
 def test_scratch_gelu_and_layernorm_formulas():

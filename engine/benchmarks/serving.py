@@ -1,18 +1,20 @@
-"""The serving benchmark behind `python bench.py --serve`: a bounded load on 127.0.0.1 against
-serve.py, continuous batching (--slots 16) beside the same load served one request at a time
-(--slots 1), at concurrency 1, 4 and 16; the first request's time to first token; the memory
-(PSS) of 1, 2 and 4 workers sharing the weights against one copy per worker; what reading
-context-length prompts costs the running streams, per sample.prefill_chunk (part prefill).
-Output: RESULTS/serve_NAME.{json,md}.
+"""Serving under load, `python bench.py serve`: a bounded load on 127.0.0.1 against serve.py,
+continuous batching (--slots 16) beside the same load served one request at a time (--slots 1)
+at concurrency 1, 4 and 16, and the first request's time to first token (part load); 1 vs 2
+workers splitting the cores (workers); the memory (PSS) of 1, 2 and 4 workers sharing the
+weights against one copy per worker (memory); our weight formats beside outside servers
+(formats); what reading context-length prompts costs the running streams, per
+sample.prefill_chunk (prefill). Output: RESULTS/serve_NAME.{json,md}.
 
-    python -m engine.bench_serve --checkpoint out/shakespeare_char --threads 1 --rounds 3 \\
+    python bench.py serve --checkpoint out/shakespeare_char --threads 1 --rounds 3 \\
         --parts load,workers                       # bench_results/serve_cpu.{md,json}
-    python -m engine.bench_serve --gpt2-shaped --parts memory --name cpu_gpt2
-    python -m engine.bench_serve --gpt2-shaped --parts prefill --weights bfloat16 --name prefill
+    python bench.py serve --gpt2-shaped --parts memory --name cpu_gpt2
+    python bench.py serve --gpt2-shaped --parts prefill --weights bfloat16 --name prefill
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -28,13 +30,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from config import Config, ConfigError, load_options, opt
+from config import Config, opt
 from engine import checkpoint, runtime
-from engine.benchmark import REPO_ROOT, markdown_table
+from engine.benchmarks import decode, options
+from engine.benchmarks.report import MIB, markdown_table, write_report
+from engine.benchmarks.runner import REPO_ROOT
 from engine.serving.workers import pss_bytes
-from model import GPT, ModelConfig
 
-MIB = 2**20
 TEXT = REPO_ROOT / "data" / "tinyshakespeare.txt"
 PROMPT_CHARS = (8, 32, 96)  # the fixed mix: request i takes PROMPT_CHARS[i % 3] ...
 OUTPUT_TOKENS = (16, 64, 128)  # ... and OUTPUT_TOKENS[(i // 3) % 3]
@@ -43,10 +45,11 @@ START_S = 600  # bound on a server's start-up (a compile on a busy CPU is slow)
 QUIET_CHUNKS = 16  # prefill: text chunks per stream, all running, before the first long prompt
 STREAM_TOKENS = 100_000  # prefill: the streams' max_tokens; they are cut off once measured
 LONG_MARGIN = 4  # prefill: a long prompt is block_size - LONG_MARGIN tokens
+PARTS = ("load", "workers", "memory", "formats", "prefill")
 
 
 @dataclass
-class BenchServeOptions:
+class ServeOptions:
     checkpoint: str = opt("out/shakespeare_char", "the checkpoint served (the default run's)")
     gpt2_shaped: bool = opt(False, "serve a random-weight GPT-2 124M-shaped model instead")
     concurrency: str = opt("1,4,16", "client concurrency levels")
@@ -98,8 +101,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve.py exited:\n{text}")
             time.sleep(0.1)
-        text = Path(self.log.name).read_text()
-        raise RuntimeError(f"serve.py did not start in {START_S}s:\n{text}")
+        raise RuntimeError(f"serve.py did not start in {START_S}s:\n"
+                           + Path(self.log.name).read_text())
 
     def pss(self) -> dict[str, int]:
         """PSS of the supervisor and each worker (its children)."""
@@ -117,6 +120,19 @@ class Server:
         Path(self.log.name).unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def servers(args: dict[str, list[str]], workers: int = 1):
+    """label -> Server for each label's arguments, all up at once, stopped on the way out."""
+    up: dict[str, Server] = {}
+    try:
+        for label, server_args in args.items():
+            up[label] = Server(server_args, workers)
+        yield up
+    finally:
+        for server in up.values():
+            server.stop()
+
+
 def workload(n: int, gpt2: bool) -> list[dict]:
     """n greedy requests: prompts cut from the bundled text, output lengths cycled."""
     text, outputs = TEXT.read_text(), GPT2_OUTPUT_TOKENS if gpt2 else OUTPUT_TOKENS
@@ -132,7 +148,7 @@ def workload(n: int, gpt2: bool) -> list[dict]:
 async def one_request(client: httpx.AsyncClient, body: dict,
                       arrivals: list[float] | None = None) -> dict:
     """Stream one completion -> ttft, latency (s), tokens; error: the reason. `arrivals`, if
-    given, gets the time.perf_counter() (a monotonic clock) of each chunk that carries text."""
+    given, gets the time.perf_counter() of each chunk that carries text."""
     t0 = time.perf_counter()
     ttft, tokens, done = None, 0, False
     try:
@@ -142,8 +158,7 @@ async def one_request(client: httpx.AsyncClient, body: dict,
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                if line == "data: [DONE]":
-                    done = True
+                if done := line == "data: [DONE]":
                     break
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0]["text"]:
@@ -180,8 +195,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summarize(results: list[dict], wall: float) -> dict:
-    ok = [r for r in results if "error" not in r]
+def measured_load(url: str, jobs: list[dict], concurrency: int) -> dict:
+    """run_load, summed up: req/s, tok/s, TTFT and latency p50/p99 (ms), errors."""
+    t0 = time.perf_counter()
+    results = asyncio.run(run_load(url, jobs, concurrency))
+    wall, ok = time.perf_counter() - t0, [r for r in results if "error" not in r]
     ttft, latency = [r["ttft"] for r in ok if r["ttft"] is not None], [r["latency"] for r in ok]
     return {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
             "req_per_s": len(ok) / wall, "tok_per_s": sum(r["tokens"] for r in ok) / wall,
@@ -189,6 +207,39 @@ def summarize(results: list[dict], wall: float) -> dict:
             "ttft_p99_ms": 1e3 * percentile(ttft, .99),
             "latency_p50_ms": 1e3 * statistics.median(latency),
             "latency_p99_ms": 1e3 * percentile(latency, .99)}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Per level and metric, the median over rounds (errors: their sum)."""
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: (sum if k == "errors" else statistics.median)(r[key][k] for r in runs)
+                        for k in value}
+        else:
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+def take_turns(urls: dict[str, str], jobs: list[dict], levels: list[int], rounds: int,
+               rotate: bool = False, models: dict[str, str] | None = None) -> dict:
+    """label -> one dict per round of level -> measured_load, the servers taking turns at each
+    level (A B A B: load on the machine hits each alike); rotate: each round starts one later."""
+    runs: dict[str, list[dict]] = {label: [] for label in urls}
+    for r in range(rounds):
+        turns = list(urls.items())
+        turns = turns[r % len(turns):] + turns[:r % len(turns)] if rotate else turns
+        for label in urls:
+            runs[label].append({})
+        for level in levels:
+            for label, url in turns:
+                m = measured_load(url, [{**j, **({"model": models[label]} if models else {})}
+                                        for j in jobs], level)
+                runs[label][-1][str(level)] = m
+                print(f"  {label:<16} concurrency {level:>2}: {m['req_per_s']:.2f} req/s, "
+                      f"{m['tok_per_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
+                      f"errors {m['errors']}", flush=True)
+    return runs
 
 
 async def warm_client() -> None:
@@ -210,164 +261,32 @@ async def warm_client() -> None:
         await run_load(f"http://127.0.0.1:{port}", [{"prompt": "x"}], 1)
 
 
-def first_request(server: Server, job: dict) -> dict:
-    """Time to first token of a fresh server's very first request."""
-    first = asyncio.run(run_load(server.url, [job], 1))[0]
-    return {"first_request_ttft_ms": 1e3 * first["ttft"], "ready_s": server.ready_s}
+def request_ttft(server: Server, job: dict, when: str) -> dict:
+    """Time to first token of one request (a fresh client: each pays a new connection)."""
+    result = asyncio.run(run_load(server.url, [job], 1))[0]
+    return {f"{when}_request_ttft_ms": 1e3 * result["ttft"], "ready_s": server.ready_s}
 
 
-def later_request(server: Server, job: dict) -> dict:
-    """The same request later, from a new client too (both pay a new connection)."""
-    later = asyncio.run(run_load(server.url, [job], 1))[0]
-    return {"later_request_ttft_ms": 1e3 * later["ttft"]}
-
-
-def run_level(server: Server, jobs: list[dict], level: int, mode: str) -> dict:
-    t0 = time.perf_counter()
-    results = asyncio.run(run_load(server.url, jobs, level))
-    out = summarize(results, time.perf_counter() - t0)
-    print(f"  {mode:<13} concurrency {level:>2}: {out['req_per_s']:.2f} req/s, "
-          f"{out['tok_per_s']:.0f} tok/s, errors {out['errors']}", flush=True)
-    return out
-
-
-def gpt2_shaped_checkpoint(directory: Path) -> Path:
-    cfg = Config()
-    cfg.model = ModelConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
-                            attention="sdpa", norm="native", gelu="native")
-    torch.manual_seed(0)
-    return checkpoint.save(directory, 0, GPT(cfg.model), cfg, {"tokenizer": {"kind": "gpt2"}})
-
-
-def memory_rows(ckpt: Path, counts: list[int], base: list[str], gpt2: bool) -> list[dict]:
-    """Total PSS of serve.py with N workers sharing the weights, and with one copy each."""
-    rows = []
-    for workers in counts:
-        for shared in (True, False):
-            server = Server([*base, f"--checkpoint={ckpt}", f"--workers={workers}", "--threads=1",
-                             "--slots=4", f"--share-weights={shared}"], workers)
-            try:
-                asyncio.run(run_load(server.url, workload(2 * workers, gpt2), 2 * workers))
-                pss = server.pss()
-            finally:
-                server.stop()
-            rows.append({"workers": workers, "shared": shared, "pss_total_mib": sum(
-                pss.values()) / MIB, "pss_mib": {pid: v / MIB for pid, v in pss.items()}})
-            print(f"  workers {workers} shared={shared}: PSS {rows[-1]['pss_total_mib']:.0f} MiB",
-                  flush=True)
-    return rows
-
-
-def workers_rows(ckpt: Path, counts: list[int], base: list[str], o: BenchServeOptions,
-                 levels: list[int]) -> list[dict]:
-    """Throughput of N workers splitting the cores and the slots, at the top concurrency."""
-    rows, cores = [], os.cpu_count() or 1
-    jobs = workload(o.requests, o.gpt2_shaped)
-    for workers in counts:
-        threads, slots = max(1, cores // workers), max(1, o.slots // workers)
-        server = Server([*base, f"--checkpoint={ckpt}", f"--workers={workers}",
-                         f"--threads={threads}", f"--slots={slots}"], workers)
-        try:
-            t0 = time.perf_counter()
-            results = asyncio.run(run_load(server.url, jobs, max(levels)))
-            rows.append({"workers": workers, "threads": threads, "slots": slots,
-                         "concurrency": max(levels),
-                         **summarize(results, time.perf_counter() - t0)})
-        finally:
-            server.stop()
-        print(f"  workers {workers} x {threads} threads: {rows[-1]['tok_per_s']:.0f} tok/s",
-              flush=True)
-    return rows
-
-
-def markdown(report: dict) -> str:
-    parts = [f"# Serving benchmark ({report['name']})", "", f"Machine: {report['machine']}", "",
-             f"Model: {report['model']}", "", f"Command: `{report['command']}`"]
-    if "runs" in report:
-        parts += ["", *load_markdown(report)]
-    if report.get("workers"):
-        rows = [[r["workers"], r["threads"], r["slots"], r["concurrency"],
-                 f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.0f}", f"{r['latency_p50_ms']:.0f}",
-                 r["errors"]] for r in report["workers"]]
-        parts += ["", "Workers splitting the cores and the slots (the same load, the top "
-                  "concurrency):", "", markdown_table(["workers", "threads each", "slots each",
-                                                       "concurrency", "req/s", "tokens/s",
-                                                       "latency p50 ms", "errors"], rows)]
-    if report.get("formats"):
-        parts += ["", *formats_markdown(report["formats"])]
-    if report.get("prefill"):
-        parts += ["", *prefill_markdown(report["prefill"])]
-    if report.get("memory"):
-        mem = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
-                f"{r['pss_total_mib']:.0f}"] for r in report["memory"]]
-        parts += ["", "Memory: total PSS (/proc/PID/smaps_rollup) of the supervisor and its "
-                  "workers, after a few requests:", "",
-                  markdown_table(["workers", "weights", "total PSS MiB"], mem)]
-    return "\n".join(parts) + "\n"
-
-
-def load_markdown(report: dict) -> list[str]:
-    levels, runs = report["levels"], report["runs"]
-    header = ["server", "concurrency", "req/s", "tokens/s", "vs one at a time", "TTFT p50 ms",
-              "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "errors"]
-    rows = []
-    for level in levels:
-        for mode in ("batched", "one_at_a_time"):
-            m = runs[mode][str(level)]
-            ratio = m["tok_per_s"] / runs["one_at_a_time"][str(level)]["tok_per_s"]
-            rows.append([mode.replace("_", " ") + f" (slots {report['slots'][mode]})", level,
-                         f"{m['req_per_s']:.2f}", f"{m['tok_per_s']:.0f}", f"{ratio:.2f}x",
-                         f"{m['ttft_p50_ms']:.0f}", f"{m['ttft_p99_ms']:.0f}",
-                         f"{m['latency_p50_ms']:.0f}", f"{m['latency_p99_ms']:.0f}",
-                         f"{m['errors']:.0f}"])
-    starts = {**{mode: runs[mode] for mode in ("batched", "one_at_a_time")},
-              "batched, --warmup=false": report["cold"]}
-    first = [[name, f"{m['first_request_ttft_ms']:.0f}", f"{m['later_request_ttft_ms']:.0f}",
-              f"{m['ready_s']:.1f}"] for name, m in starts.items()]
-    return [report["load"], "", markdown_table(header, rows), "",
-            "The very first request after /health is 200 against the same request sent later "
-            "from a new client (time to first token, ms; start: launch to healthy, s):", "",
-            markdown_table(["server", "first request TTFT ms", "later request TTFT ms",
-                            "start s"], first)]
-
-
-def load_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
+def load_part(o: ServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
     """The batched and the one-at-a-time server, both up, take turns at each level in each
-    round (A B A B); then a cold server (no warm-up) for its first request."""
-    jobs = workload(o.requests, o.gpt2_shaped)
-    slots = {"batched": o.slots, "one_at_a_time": 1}
-    servers: dict[str, Server] = {}
+    round; the first request of each before round 1; then a cold server (no warm-up)."""
+    jobs, slots = workload(o.requests, o.gpt2_shaped), {"batched": o.slots, "one_at_a_time": 1}
     asyncio.run(warm_client())
-    try:
-        for mode in slots:
-            servers[mode] = Server([*base, f"--checkpoint={ckpt}", f"--slots={slots[mode]}"])
-        rounds = {mode: [first_request(server, jobs[0])] for mode, server in servers.items()}
-        for r in range(o.rounds):
-            for mode, server in servers.items():
-                rounds[mode][r].update(later_request(server, jobs[0]))
-            for level in levels:
-                for mode, server in servers.items():
-                    rounds[mode][r][str(level)] = run_level(server, jobs, level, mode)
-            if r + 1 < o.rounds:
-                for mode in servers:
-                    rounds[mode].append({})
-    finally:
-        for server in servers.values():
-            server.stop()
+    with servers({mode: [*base, f"--checkpoint={ckpt}", f"--slots={n}"]
+                  for mode, n in slots.items()}) as up:
+        first = {mode: request_ttft(server, jobs[0], "first") for mode, server in up.items()}
+        later = {mode: request_ttft(server, jobs[0], "later") for mode, server in up.items()}
+        rounds = take_turns({mode: s.url for mode, s in up.items()}, jobs, levels, o.rounds)
     print("cold: batched, --warmup=false", flush=True)
-    server = Server([*base, f"--checkpoint={ckpt}", f"--slots={o.slots}", "--warmup=false"])
-    try:
-        cold = first_request(server, jobs[0])
+    with servers({"cold": [*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
+                           "--warmup=false"]}) as up:
+        cold = request_ttft(up["cold"], jobs[0], "first")
         time.sleep(1)
-        cold.update(later_request(server, jobs[0]))
-    finally:
-        server.stop()
-    for mode in rounds:  # the first request was measured once, before round 1
-        for later in rounds[mode][1:]:
-            later.update({k: rounds[mode][0][k] for k in ("first_request_ttft_ms", "ready_s")})
+        cold.update(request_ttft(up["cold"], jobs[0], "later"))
     outputs = GPT2_OUTPUT_TOKENS if o.gpt2_shaped else OUTPUT_TOKENS
     return {"levels": levels, "slots": slots, "requests": o.requests, "cold": cold,
-            "runs": {mode: median_run(runs) for mode, runs in rounds.items()}, "rounds": rounds,
+            "runs": {mode: {**median_run(runs), **first[mode], **later[mode]}
+                     for mode, runs in rounds.items()}, "rounds": rounds,
             "load": (f"Load: {o.requests} greedy streamed requests per level, prompts of "
                      f"{'/'.join(map(str, PROMPT_CHARS))} characters cut from tinyshakespeare, "
                      f"outputs of {'/'.join(map(str, outputs))} tokens, in a fixed mix. Both "
@@ -375,44 +294,80 @@ def load_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[in
                      "rounds; with this few requests p99 is about the slowest.")}
 
 
-def served_model(url: str) -> str:
-    """The model id a running OpenAI-compatible server lists first (GET /v1/models)."""
-    return httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+def load_markdown(report: dict) -> list[str]:
+    runs = report["runs"]
+    header = ["server", "concurrency", "req/s", "tokens/s", "vs one at a time", "TTFT p50 ms",
+              "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "errors"]
+    rows = []
+    for level in report["levels"]:
+        for mode in ("batched", "one_at_a_time"):
+            m = runs[mode][str(level)]
+            ratio = m["tok_per_s"] / runs["one_at_a_time"][str(level)]["tok_per_s"]
+            rows.append([mode.replace("_", " ") + f" (slots {report['slots'][mode]})", level,
+                         f"{m['req_per_s']:.2f}", f"{m['tok_per_s']:.0f}", f"{ratio:.2f}x",
+                         *(f"{m[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p99_ms",
+                                                   "latency_p50_ms", "latency_p99_ms",
+                                                   "errors"))])
+    starts = {**runs, "batched, --warmup=false": report["cold"]}
+    first = [[name.replace("_", " "), f"{m['first_request_ttft_ms']:.0f}",
+              f"{m['later_request_ttft_ms']:.0f}", f"{m['ready_s']:.1f}"]
+             for name, m in starts.items()]
+    return [report["load"], "", markdown_table(header, rows), "",
+            "The very first request after /health is 200 against the same request sent later "
+            "from a new client (time to first token, ms; start: launch to healthy, s):", "",
+            markdown_table(["server", "first request TTFT ms", "later request TTFT ms",
+                            "start s"], first)]
 
 
-def formats_part(o: BenchServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
-    """Our server once per weight format (--slots each) beside the --outside servers, all up
-    at once and taking turns at each level in each round (each round starting one server
-    later), on one load: --requests greedy requests of --fixed-tokens tokens each."""
-    outside = dict(item.split("=", 1) for item in o.outside.split(",") if item.strip())
+def workers_part(o: ServeOptions, ckpt: Path, common: list[str], levels: list[int]
+                 ) -> list[dict]:
+    """Throughput of 1 and 2 workers splitting the cores and the slots, at the top concurrency."""
+    rows, cores, jobs = [], os.cpu_count() or 1, workload(o.requests, o.gpt2_shaped)
+    for workers in (1, 2):
+        threads, slots = max(1, cores // workers), max(1, o.slots // workers)
+        with servers({"w": [*common, f"--checkpoint={ckpt}", f"--workers={workers}",
+                            f"--threads={threads}", f"--slots={slots}"]}, workers) as up:
+            rows.append({"workers": workers, "threads": threads, "slots": slots,
+                         "concurrency": max(levels),
+                         **measured_load(up["w"].url, jobs, max(levels))})
+        print(f"  workers {workers} x {threads} threads: {rows[-1]['tok_per_s']:.0f} tok/s",
+              flush=True)
+    return rows
+
+
+def memory_part(o: ServeOptions, ckpt: Path) -> list[dict]:
+    """Total PSS of serve.py with N workers sharing the weights, and with one copy each."""
+    rows = []
+    for workers in (int(n) for n in options.comma_list(o.memory_workers)):
+        for shared in (True, False):
+            with servers({"m": ["--device=cpu", f"--checkpoint={ckpt}", f"--workers={workers}",
+                                "--threads=1", "--slots=4", f"--share-weights={shared}"]},
+                         workers) as up:
+                asyncio.run(run_load(up["m"].url, workload(2 * workers, o.gpt2_shaped),
+                                     2 * workers))
+                pss = up["m"].pss()
+            rows.append({"workers": workers, "shared": shared, "pss_total_mib": sum(
+                pss.values()) / MIB, "pss_mib": {pid: v / MIB for pid, v in pss.items()}})
+            print(f"  workers {workers} shared={shared}: PSS {rows[-1]['pss_total_mib']:.0f} MiB",
+                  flush=True)
+    return rows
+
+
+def formats_part(o: ServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
+    """Our server once per weight format beside the --outside servers, all up at once and taking
+    turns at each level (each round starting one server later), on one load: --requests greedy
+    requests of --fixed-tokens tokens each."""
+    outside = dict(item.split("=", 1) for item in options.comma_list(o.outside))
     jobs = [{**job, "max_tokens": o.fixed_tokens} for job in workload(o.requests, o.gpt2_shaped)]
-    ours: dict[str, Server] = {}
     asyncio.run(warm_client())
-    try:
-        for fmt in [w.strip() for w in o.weights.split(",") if w.strip()]:
-            ours[f"ours {fmt}"] = Server([*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
-                                          f"--weights={fmt}"])
+    with servers({f"ours {fmt}": [*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
+                                  f"--weights={fmt}"]
+                  for fmt in options.comma_list(o.weights)}) as ours:
         urls = {**{label: s.url for label, s in ours.items()}, **outside}
-        models = {label: served_model(url) for label, url in urls.items()}
-        rounds: dict[str, list[dict]] = {label: [] for label in urls}
-        for r in range(o.rounds):
-            for label in urls:
-                rounds[label].append({})
-            turns = list(urls.items())
-            turns = turns[r % len(turns):] + turns[:r % len(turns)]  # each round, one later
-            for level in levels:
-                for label, url in turns:
-                    t0 = time.perf_counter()
-                    results = asyncio.run(run_load(url, [{**j, "model": models[label]}
-                                                         for j in jobs], level))
-                    rounds[label][-1][str(level)] = summarize(results, time.perf_counter() - t0)
-                    m = rounds[label][-1][str(level)]
-                    print(f"  {label:<16} concurrency {level:>2}: {m['tok_per_s']:.0f} tok/s, "
-                          f"TTFT p50 {m['ttft_p50_ms']:.0f} ms, errors {m['errors']}",
-                          flush=True)
-    finally:
-        for server in ours.values():
-            server.stop()
+        # the model id each lists first (GET /v1/models): outside servers want it named
+        models = {label: httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+                  for label, url in urls.items()}
+        rounds = take_turns(urls, jobs, levels, o.rounds, rotate=True, models=models)
     return {"levels": levels, "requests": o.requests, "tokens": o.fixed_tokens,
             "slots": o.slots, "outside": outside, "models": models,
             "runs": {label: median_run(runs) for label, runs in rounds.items()}}
@@ -455,7 +410,7 @@ def gap_figures(window: str, gaps: list[float]) -> dict:
             f"{window}_gap_p99_ms": percentile(ms, .99), f"{window}_gap_max_ms": max(ms)}
 
 
-async def prefill_round(url: str, shape: dict, o: BenchServeOptions) -> dict:
+async def prefill_round(url: str, shape: dict, o: ServeOptions) -> dict:
     """--streams greedy streams, once all running, get QUIET_CHUNKS more text chunks each, then
     --long-prompts prompts of the context minus LONG_MARGIN tokens (1 token asked) go one after
     another -> the gaps between the streams' chunks before them (quiet) and overlapping the
@@ -489,27 +444,25 @@ async def prefill_round(url: str, shape: dict, o: BenchServeOptions) -> dict:
             "long_requests": len(longs), "reading_s": end - start}
 
 
-def prefill_part(o: BenchServeOptions, ckpt: Path, base: list[str], chunks: list[int]) -> dict:
+def prefill_part(o: ServeOptions, ckpt: Path, base: list[str]) -> dict:
     """Per round, our server once per prefill chunk setting, one up at a time (two would share
     the cores), each measured by prefill_round; medians over the rounds."""
-    shape, weights = model_shape(ckpt), o.weights.split(",")[0].strip()
-    rounds: dict[str, list[dict]] = {str(chunk): [] for chunk in chunks}
+    shape = json.loads((ckpt / "config.json").read_text())["model"]
+    chunks, weights = options.comma_list(o.chunks), options.comma_list(o.weights)[0]
+    rounds: dict[str, list[dict]] = {chunk: [] for chunk in chunks}
     asyncio.run(warm_client())
     for _ in range(o.rounds):
         for chunk in chunks:
-            server = Server([*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
-                             f"--weights={weights}", f"--sample.prefill_chunk={chunk}",
-                             f"--max-tokens-limit={STREAM_TOKENS}"])
-            try:
-                rounds[str(chunk)].append(asyncio.run(prefill_round(server.url, shape, o)))
-            finally:
-                server.stop()
-            m = rounds[str(chunk)][-1]
+            with servers({"p": [*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
+                                f"--weights={weights}", f"--sample.prefill_chunk={chunk}",
+                                f"--max-tokens-limit={STREAM_TOKENS}"]}) as up:
+                rounds[chunk].append(asyncio.run(prefill_round(up["p"].url, shape, o)))
+            m = rounds[chunk][-1]
             print(f"  prefill chunk {chunk:>4}: gap p99 {m['quiet_gap_p99_ms']:.0f} ms quiet, "
                   f"{m['reading_gap_p99_ms']:.0f} ms reading; long TTFT p50 "
                   f"{m['long_ttft_p50_ms']:.0f} ms", flush=True)
-    return {"chunks": chunks, "streams": o.streams, "long_prompts": o.long_prompts,
-            "prompt_tokens": shape["block_size"] - LONG_MARGIN, "weights": weights,
+    return {"chunks": [int(c) for c in chunks], "streams": o.streams, "weights": weights,
+            "long_prompts": o.long_prompts, "prompt_tokens": shape["block_size"] - LONG_MARGIN,
             "slots": o.slots, "rounds_run": o.rounds, "rounds": rounds,
             "runs": {chunk: median_run(runs) for chunk, runs in rounds.items()}}
 
@@ -545,66 +498,67 @@ def prefill_markdown(p: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def markdown(report: dict) -> str:
+    page = [f"# Serving benchmark ({report['name']})", "", f"Machine: {report['machine']}", "",
+            f"Model: {report['model']}", "", f"Command: `{report['command']}`"]
+    if "runs" in report:
+        page += ["", *load_markdown(report)]
+    if report.get("workers"):
+        rows = [[r["workers"], r["threads"], r["slots"], r["concurrency"],
+                 f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.0f}", f"{r['latency_p50_ms']:.0f}",
+                 r["errors"]] for r in report["workers"]]
+        page += ["", "Workers splitting the cores and the slots (the same load, the top "
+                 "concurrency):", "", markdown_table(["workers", "threads each", "slots each",
+                                                      "concurrency", "req/s", "tokens/s",
+                                                      "latency p50 ms", "errors"], rows)]
+    if report.get("formats"):
+        page += ["", *formats_markdown(report["formats"])]
+    if report.get("prefill"):
+        page += ["", *prefill_markdown(report["prefill"])]
+    if report.get("memory"):
+        mem = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
+                f"{r['pss_total_mib']:.0f}"] for r in report["memory"]]
+        page += ["", "Memory: total PSS (/proc/PID/smaps_rollup) of the supervisor and its "
+                 "workers, after a few requests:", "",
+                 markdown_table(["workers", "weights", "total PSS MiB"], mem)]
+    return "\n".join(page)
+
+
+def served_model(o: ServeOptions, folder: Path) -> tuple[Path, str]:
+    """(the checkpoint served, its description); --gpt2-shaped saves one in folder."""
+    if not o.gpt2_shaped:
+        ckpt = checkpoint.resolve(o.checkpoint)
+        m = json.loads((ckpt / "config.json").read_text())["model"]
+        return ckpt, (f"{ckpt} ({m['n_layer']} layers x {m['n_embd']}, {m['n_head']} heads, "
+                      f"block {m['block_size']}, vocab {m['vocab_size']}, attention "
+                      f"{m['attention']})")
+    model, cfg = decode.random_gpt2(), Config()
+    cfg.model = model.config
+    ckpt = checkpoint.save(folder, 0, model, cfg, {"tokenizer": {"kind": "gpt2"}})
+    return ckpt, "random-weight GPT-2 124M shape (12 x 768, block 1024, vocab 50257, sdpa)"
+
+
+def run(o: ServeOptions, command: str) -> int:
+    """The parts asked for; the page to stdout and RESULTS/serve_NAME.{json,md}."""
+    parts = options.check_list(o, "parts", PARTS)
+    levels = [int(c) for c in options.comma_list(o.concurrency)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # servers stopped on the way out
-    try:
-        o = load_options(argv, BenchServeOptions, "engine/bench_serve.py", __doc__)
-        levels = [int(c) for c in o.concurrency.split(",") if c.strip()]
-        counts = [int(c) for c in o.memory_workers.split(",") if c.strip()]
-        chunks = [int(c) for c in o.chunks.split(",") if c.strip()]
-        ckpt = None if o.gpt2_shaped else checkpoint.resolve(o.checkpoint)
-    except (ConfigError, ValueError, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     report = {"name": o.name, "machine": runtime.machine_line(torch.device("cpu")),
-              "command": "python -m engine.bench_serve " + " ".join(argv)}
+              "command": command}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = ckpt or gpt2_shaped_checkpoint(Path(tmp))
-        report["model"] = ("random-weight GPT-2 124M shape (12 x 768, block 1024, vocab 50257, "
-                           "sdpa)" if o.gpt2_shaped else f"{ckpt} ({model_line(ckpt)})")
+        ckpt, report["model"] = served_model(o, Path(tmp))
         common = ["--device=cpu", "--max_queue=64", *(["--compile=true"] if o.compile else [])]
         base = [*common, *([f"--threads={o.threads}"] if o.threads else [])]
-        if "load" in o.parts:
+        if "load" in parts:
             report.update(load_part(o, ckpt, base, levels))
-        if "workers" in o.parts:
-            report["workers"] = workers_rows(ckpt, [1, 2], common, o, levels)
-        if "formats" in o.parts:
+        if "workers" in parts:
+            report["workers"] = workers_part(o, ckpt, common, levels)
+        if "formats" in parts:
             report["formats"] = formats_part(o, ckpt, base, levels)
-        if "prefill" in o.parts:
-            report["prefill"] = prefill_part(o, ckpt, base, chunks)
-        if "memory" in o.parts and counts:
-            report["memory"] = memory_rows(ckpt, counts, ["--device=cpu"], o.gpt2_shaped)
-    out = Path(o.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"serve_{o.name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"serve_{o.name}.md").write_text(markdown(report))
+        if "prefill" in parts:
+            report["prefill"] = prefill_part(o, ckpt, base)
+        if "memory" in parts and o.memory_workers:
+            report["memory"] = memory_part(o, ckpt)
     print(markdown(report))
+    write_report(report, markdown(report), o.results, f"serve_{o.name}")
     return 0
-
-
-def model_shape(ckpt: Path) -> dict:
-    """The checkpoint's model section (its config.json)."""
-    return json.loads((ckpt / "config.json").read_text())["model"]
-
-
-def model_line(ckpt: Path) -> str:
-    m = model_shape(ckpt)
-    return (f"{m['n_layer']} layers x {m['n_embd']}, {m['n_head']} heads, block {m['block_size']},"
-            f" vocab {m['vocab_size']}, attention {m['attention']}")
-
-
-def median_run(runs: list[dict]) -> dict:
-    """Per level and metric, the median over rounds (errors: their sum)."""
-    out = {}
-    for key, value in runs[0].items():
-        if isinstance(value, dict):
-            out[key] = {k: (sum if k == "errors" else statistics.median)(r[key][k] for r in runs)
-                        for k in value}  # errors: every round's
-        else:
-            out[key] = statistics.median(r[key] for r in runs)
-    return out
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,319 @@
+"""The speedup ablation, `python bench.py [ablation]`: what each flag buys here, alone (--only)
+or chained, each row in a fresh process from the same seed. The chain puts each flag on the
+fastest combination so far and carries it on only when it measured faster beyond the noise
+(verdict); a row that hurt is shown and dropped, so the last kept row is the best this machine
+has. On a CPU the kernel rows follow (kernels.py). The table and plot: ablation_report.py."""
+from __future__ import annotations
+
+import collections
+import copy
+import difflib
+import math
+import os
+import platform
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from config import BOOL_WORDS, Config, ConfigError, apply_override, opt, validate
+from engine.benchmarks import ablation_report, kernels, options
+from engine.benchmarks.report import utc_now
+from engine.benchmarks.runner import run_worker, time_left
+from engine.sources import dataset_meta
+
+Flag = collections.namedtuple("Flag", "keys reference fast")  # keys: the config keys it sets
+FLAGS = {
+    "causal_mask": Flag(("model.causal_mask",), "buffer", "on_the_fly"),
+    "tf32": Flag(("system.tf32",), "false", "true"),
+    "fused_adamw": Flag(("train.fused_adamw",), "false", "true"),
+    "pin_memory": Flag(("data.pin_memory",), "false", "true"),
+    "dtype": Flag(("system.dtype",), "float32", "auto"),  # auto: bf16 where supported, else fp16
+    "norm_gelu": Flag(("model.norm", "model.activation_impl"), "scratch", "native"),
+    "attention": Flag(("model.attention",), "scratch", "sdpa"),
+    "compile": Flag(("system.compile",), "false", "true"),  # a value is the mode
+    "vocab_pad": Flag(("model.vocab_pad_multiple",), "1", "64"),
+    "batch_size_auto": Flag(("train.batch_size_auto",), "false", "true"),
+    "chunked_loss": Flag(("model.loss",), "full", "chunked"),
+    "muon": Flag(("train.optimizer",), "adamw", "muon"),  # tokens/s: what its steps cost
+}
+DEFAULT_ORDER = ",".join(FLAGS)
+
+
+@dataclass
+class AblationOptions:
+    """bench.py ablation's own options (the rest of the command line is the config)."""
+
+    order: str = opt(DEFAULT_ORDER, "the chain, in order: FLAG[=VALUE],...")
+    only: str = opt("", "all | FLAG,...: each flag alone against the baseline, not the chain")
+    warmup_steps: int = opt(2, "untimed steps per row")
+    measure_steps: int = opt(5, "timed steps per row")
+    repeat: int = opt(1, "runs of each row (fresh processes); tokens/s: the median of all "
+                      "their timed steps")
+    keep_margin: float = opt(0.03, "chain: a flag is carried into later rows only when its row "
+                             "beats the chain so far by more than this share and than twice "
+                             "the standard error of the medians' difference (else dropped)")
+    kernels: str = opt("auto", "CPU kernel rows after the chain (threads, inductor C++, oneDNN "
+                       "bf16; training and batch-1 decoding): auto = on CPU", ("auto", "on", "off"))
+    decode_rounds: int = opt(3, "kernels: timed batch-1 decode runs per row (medians)")
+    decode_tokens: int = opt(64, "kernels: new tokens per batch-1 decode run")
+    clock: str = opt("wall", "time steps by the wall clock or this process's CPU time (CPU, "
+                     "--threads=1)", ("wall", "process"))
+    time_budget: float = opt(0.0, "seconds in all: a row still running then is stopped "
+                             "(failed), rows not started are skipped; 0: no limit")
+    ceiling_size: int = opt(0, "N of the ceiling's N^3 matmul (0: 8192 on CUDA, else 2048)")
+    results: str = opt("bench_results", "folder for the outputs")
+    name: str = opt("", "output file stem (default: the device, _only added for --only)")
+
+
+def check(opts: AblationOptions, cfg: Config) -> None:
+    options.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
+                         "decode_rounds": 1, "decode_tokens": 1, "time_budget": 0,
+                         "ceiling_size": 0})
+    if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
+        raise ConfigError("--clock=process times this process's CPU time: it needs "
+                          "--device=cpu and --threads=1 (the CPU time of several threads "
+                          "adds up, and a GPU's work is not CPU time)")
+
+
+def parse_steps(text: str) -> list[tuple[str, str]]:
+    """'attention,compile=max-autotune' -> [('attention', 'sdpa'), ('compile', 'max-autotune')]."""
+    steps: list[tuple[str, str]] = []
+    for item in options.comma_list(text):
+        name, _, value = item.partition("=")
+        if name not in FLAGS:
+            close = difflib.get_close_matches(name, list(FLAGS), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown flag '{name}'{hint} (flags: {', '.join(FLAGS)})")
+        if name in (s for s, _ in steps):
+            raise ConfigError(f"flag '{name}' appears twice; list each flag once")
+        steps.append((name, value or FLAGS[name].fast))
+    if not steps:
+        raise ConfigError(f"no flags given; e.g. --order {DEFAULT_ORDER}")
+    return steps
+
+
+def with_flag(cfg: Config, name: str, value: str) -> Config:
+    """A copy of cfg with one flag's config keys set, checked like any other override."""
+    cfg, problems = copy.deepcopy(cfg), []
+    if name == "dtype" and value == "auto":
+        cfg.system.dtype = "auto"  # resolved in the row's process, where the device is known
+    elif name == "compile" and value.lower() not in BOOL_WORDS:
+        apply_override(cfg, "system.compile", "true", problems)
+        apply_override(cfg, "system.compile_mode", value, problems)
+    else:
+        for key in FLAGS[name].keys:
+            apply_override(cfg, key, value, problems)
+    check_cfg = copy.deepcopy(cfg)
+    if check_cfg.system.dtype == "auto":
+        check_cfg.system.dtype = "float32"
+    problems += validate(check_cfg)
+    if problems:
+        raise ConfigError(f"{name}={value}: " + "; ".join(problems))
+    return cfg
+
+
+def plan(cfg: Config, steps: list[tuple[str, str]], only: bool) -> list[dict]:
+    """The baseline (every listed flag at its reference value), then a row per flag: on the
+    baseline (only), or on the chain's best combination when it runs (chain: config None here;
+    each flag is checked on the baseline now, so a bad value stops the bench before it runs)."""
+    base = cfg
+    for name, _ in steps:
+        base = with_flag(base, name, FLAGS[name].reference)
+    rows = [{"flag": None, "value": None, "config": base, "previous": None}]
+    for name, value in steps:
+        row_cfg = with_flag(base, name, value)
+        rows.append({"flag": name, "value": value, "config": row_cfg if only else None,
+                     "previous": 0 if only else None})
+    return rows
+
+
+def spread(step_s: list[float]) -> float:
+    """The relative spread of a row's timed steps: interquartile range / median (0 for one)."""
+    if len(step_s) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(step_s, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(step_s)
+
+
+def median_error(step_s: list[float]) -> float:
+    """The relative standard error of a row's median step: 1.25 sigma / sqrt(n), sigma from
+    the interquartile range (IQR / 1.35 for a normal spread), robust to a few stalled steps."""
+    return 1.2533 * spread(step_s) / 1.349 / math.sqrt(len(step_s)) if step_s else 0.0
+
+
+def verdict(candidate: dict, head: dict, margin: float) -> tuple[bool, str]:
+    """Whether the chain keeps a row's flag: (keep, why not). Kept when its tokens/s beats the
+    chain's head (the fastest combination so far) by more than the noise: the larger of margin
+    and twice the standard error of the difference of the two medians."""
+    if candidate["status"] != "ok":
+        return False, "" if candidate["status"] == "skipped" else "dropped: failed"
+    if head["status"] != "ok":
+        return True, ""  # nothing measured before it: it starts the chain
+    gain = candidate["tokens_per_s"] / head["tokens_per_s"] - 1
+    noise = max(margin, 2 * math.hypot(median_error(candidate["step_s"]),
+                                       median_error(head["step_s"])))
+    if gain > noise:
+        return True, ""
+    how = "slower here" if gain < -noise else "not faster beyond the noise"
+    return False, f"dropped: {how} ({100 * gain:+.1f}%, noise {100 * noise:.1f}%)"
+
+
+def merge_pass(first: dict, again: dict) -> None:
+    """Fold a later pass of a row into its first: all timed steps count toward the median."""
+    if again["status"] != "ok":
+        first.setdefault("later_pass_errors", []).append(again.get("error", again["status"]))
+        return
+    first["step_s"] += again["step_s"]
+    first["tokens_per_s"] = first["tokens_per_step"] / statistics.median(first["step_s"])
+    first["memory"] = {k: max(v, again["memory"].get(k, 0)) for k, v in first["memory"].items()}
+
+
+class Measurer:
+    """Runs rows in fresh processes within the --time-budget, each --repeat times, pooled."""
+
+    def __init__(self, opts: AblationOptions, workdir: Path):
+        self.opts, self.workdir, self.left = opts, workdir, time_left(opts.time_budget)
+
+    def once(self, config: Config, previous: dict | None, name: str) -> dict:
+        """One run of a config (skipped once the time budget is spent)."""
+        if self.left() <= 0:
+            why = f"the --time-budget of {self.opts.time_budget:g} s ran out"
+            print(f"    skipped: {why}", flush=True)
+            return {"status": "skipped", "reason": why + " before this row"}
+        o = self.opts
+        spec = {"kind": "train_row", "config": config.to_dict(), "clock": o.clock,
+                "warmup": o.warmup_steps, "measure": o.measure_steps,
+                "previous": previous if previous and "settings" in previous else None}
+        return run_worker(spec, self.workdir, name, self.left())
+
+    def row(self, row: dict, i: int, title: Callable[[str], None], previous: dict | None,
+            head: dict | None) -> tuple[dict, dict | None]:
+        """A row, --repeat times, its timed steps pooled; with a head (the chain), each run is
+        followed by one of the head's config, A B A B, so that the verdict compares steps
+        measured side by side, not minutes apart under another load."""
+        first, alongside, repeat = None, None, self.opts.repeat
+        for run in range(repeat):
+            runs = f" (run {run + 1}/{repeat})" if repeat > 1 else ""
+            title(runs)
+            first = pooled(first, self.once(row["config"], previous, f"row{i}"))
+            if first["status"] != "ok":
+                break  # skipped and failed rows are not retried
+            if head is not None:
+                print(f"    row {row['previous']} again, alongside{runs}", flush=True)
+                alongside = pooled(alongside, self.once(head["config"], None, f"row{i}head"))
+        return first, alongside
+
+
+def pooled(first: dict | None, again: dict) -> dict:
+    if first:
+        merge_pass(first, again)
+    return first or again
+
+
+def run_chain(rows: list[dict], only: bool, measurer: Measurer) -> tuple[list[dict], int]:
+    """Every row; in the chain each flag goes onto the fastest combination so far (the head),
+    which it replaces only when it measured faster beyond the noise -> (results, head)."""
+    results: list[dict] = []
+    head = 0
+    for i, row in enumerate(rows):
+        chained = bool(i) and not only
+        if chained:
+            row["previous"] = head
+            row["config"] = with_flag(rows[head]["config"], row["flag"], row["value"])
+        prev = results[row["previous"]] if row["previous"] is not None else None
+        title = lambda runs: print(f"[{i + 1}/{len(rows)}] {label(row, only)}{runs}",  # noqa
+                                   flush=True)
+        result, alongside = measurer.row(row, i, title, prev, rows[head] if chained and
+                                         prev["status"] == "ok" else None)
+        result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
+                      previous_notes=prev.get("notes", []) if prev else [])
+        result["label"] = label(result, only)
+        if alongside and alongside["status"] == "ok":
+            result["alongside"] = {k: alongside[k] for k in ("tokens_per_s", "step_s")}
+        if chained:
+            keep, why = verdict(result, {"status": "ok", **result["alongside"]}
+                                if "alongside" in result else results[head],
+                                measurer.opts.keep_margin)
+            result["chain"] = "kept" if keep else why
+            head = i if keep else head
+            if why or keep:
+                print(f"    chain: {result['chain']}", flush=True)
+        results.append(result)
+    return results, head
+
+
+def label(row: dict, only: bool) -> str:
+    """'baseline', '+ tf32', '+ attention=sdpa', '+ dtype=bfloat16' ('only ...' alone)."""
+    if row["flag"] is None:
+        return "baseline"
+    value = row["value"]
+    if row["flag"] == "dtype" and value == "auto" and "dtype" in row:
+        value = f"auto ({row['dtype']})"
+    shown = "" if value.lower() in ("true", "on", "yes", "1") else f"={value}"
+    return ("only " if only else "+ ") + row["flag"] + shown
+
+
+def derive(rows: list[dict], ceiling: dict) -> None:
+    """Speedups against the previous measured row (its runs alongside this one's, in the chain)
+    and the baseline, and MFU, in place."""
+    base = rows[0] if rows[0]["status"] == "ok" else None
+    flops_per_token = next((r["flops_per_token"] for r in rows if "flops_per_token" in r), 0)
+    for i, row in enumerate(rows):
+        if row["status"] != "ok":
+            continue
+        prev = row["previous"]
+        while prev is not None and rows[prev]["status"] != "ok":
+            prev = rows[prev]["previous"]
+        speed = row["tokens_per_s"]
+        reference = row.get("alongside", rows[prev] if prev is not None else {})
+        row["vs_previous"] = speed / reference["tokens_per_s"] if prev is not None else None
+        row["vs_baseline"] = speed / base["tokens_per_s"] if base and i else None
+        row["model_flops_per_s"] = achieved = speed * flops_per_token
+        row["mfu"] = achieved / ceiling["datasheet"] if ceiling.get("datasheet") else None
+        row["mfu_measured"] = achieved / ceiling["measured"] if ceiling.get("measured") else None
+
+
+def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, only: bool,
+            command: str) -> dict:
+    """The ceiling, every row, then the kernel rows on the best combination -> the report."""
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        measurer = Measurer(opts, Path(tmp))
+        print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
+        ceiling = run_worker({"kind": "ceiling", "config": cfg.to_dict(), "clock": opts.clock,
+                              "matmul_n": opts.ceiling_size}, Path(tmp), "ceiling",
+                             measurer.left())
+        results, head = run_chain(rows, only, measurer)
+        wanted = opts.kernels == "on" or (opts.kernels == "auto" and cfg.system.device == "cpu")
+        kernel_rows = kernels.run(rows[head]["config"], opts, measurer) if wanted else []
+    if ceiling["status"] != "ok":
+        print(f"matmul ceiling not measured: {ceiling.get('error')}")
+    derive(results, ceiling)
+    return {"mode": "only" if only else "chain", "device": cfg.system.device.split(":")[0],
+            "torch": torch.__version__, "python": platform.python_version(), "date": utc_now(),
+            "load_average": [load_start, os.getloadavg()[0]] if load_start is not None else None,
+            "command": command, "warmup": opts.warmup_steps, "measure": opts.measure_steps,
+            "repeat": opts.repeat, "clock": opts.clock, "time_budget": opts.time_budget,
+            "keep_margin": opts.keep_margin, "ceiling": ceiling, "config": cfg.to_dict(),
+            "rows": results, "best": None if only else head, "kernels": kernel_rows}
+
+
+def run(cfg: Config, opts: AblationOptions, command: str) -> int:
+    """Plan (every flag checked first), measure, print and write RESULTS/NAME.{json,md,png}."""
+    check(opts, cfg)
+    cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
+    only = bool(opts.only)
+    rows = plan(cfg, parse_steps(opts.order if opts.only in ("", "all") else opts.only), only)
+    dataset_meta(cfg.data.dataset)  # prepared once here, not in every row's process
+    print(f"bench: {len(rows)} rows on {cfg.system.device}, each {opts.warmup_steps} warm-up + "
+          f"{opts.measure_steps} timed steps in its own process" + (
+              f", {opts.repeat} runs of each" if opts.repeat > 1 else ""), flush=True)
+    report = run_all(rows, cfg, opts, only, command)
+    print("\n" + ablation_report.describe(report) + "\n\n" + ablation_report.results(report))
+    paths = ablation_report.write(report, Path(opts.results), opts.name)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if any(r["status"] == "ok" for r in report["rows"]) else 1

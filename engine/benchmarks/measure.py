@@ -1,0 +1,139 @@
+"""What a worker process measures for the ablation and its kernel rows: a training row (built
+by engine/run.py as train.py builds it, then timed steps), a batch-1 decode run, and the
+device's matmul ceiling."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from config import Config, from_dict
+from engine import memory, runtime, sampling, techniques
+from engine.benchmarks.runner import timed
+from engine.distributed import Dist
+from engine.optim import lr_at
+from engine.run import Run, build_training
+from engine.runlog import log_line
+from engine.sources import build_model, dataset_meta
+from engine.step import train_step
+
+
+def build(cfg: Config) -> tuple[Run, dict]:
+    """(the run as train.py builds it, without resume or run log; the banner's settings)."""
+    run = build_training(cfg, Dist())
+    values = techniques.settings(cfg, run.rt, run.notes)
+    print(techniques.banner(values, run.rt.notes), flush=True)
+    return run, values
+
+
+def stepper(run: Run) -> Callable[[float], tuple[float, torch.Tensor]]:
+    """step(lr) -> (mean loss, a float; the gradient norm): one train.py step."""
+    t, state, trainer = run.cfg.train, {"batch": run.batches.next()}, run.trainer()
+
+    def step(lr: float) -> tuple[float, torch.Tensor]:
+        r = train_step(trainer, state["batch"], lr)
+        state["batch"] = r.next_batch
+        return r.loss_sum.item() / t.grad_accum_steps, r.norm
+
+    return step
+
+
+def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict:
+    """warmup untimed steps, then measure timed ones, then one more for the attention kernels."""
+    cfg, rt, step = run.cfg, run.rt, stepper(run)
+    times, losses = [], []
+    for i in range(warmup + measure):
+        if i == warmup:
+            memory.reset_peak_memory(rt.device)
+        dt, (loss, norm) = timed(lambda: step(lr_at(i, cfg)), rt, clock)
+        if i >= warmup:
+            times.append(dt)
+            losses.append(loss)
+        print(("warm-up " if i < warmup else "timed   ") + log_line(
+            i + 1, loss, lr_at(i, cfg), norm.item(), 1000 * dt, run.tokens_per_step / dt, None),
+            flush=True)
+    peak = memory.peak_memory(rt.device)
+    kernels = techniques.attention_kernels(lambda: step(lr_at(warmup + measure, cfg)))
+    return {"tokens_per_step": run.tokens_per_step, "step_s": times, "losses": losses,
+            "loss": losses[-1], "tokens_per_s": run.tokens_per_step / statistics.median(times),
+            "memory": peak, "kernels": kernels}
+
+
+def time_row(spec: dict) -> dict:
+    """Build, then time the steps; skipped when its settings here are the previous row's."""
+    cfg, start = from_dict(spec["config"]), time.perf_counter()
+    run, values = build(cfg)  # compiles here, when asked: techniques.warm_up
+    raw_model, t, rt = run.raw_model, cfg.train, run.rt
+    # the model's useful FLOPs: padded vocabulary rows are extra work, not extra model
+    padding = (raw_model.padded_vocab - raw_model.vocab_size) * cfg.model.n_embd
+    result = {"settings": values, "notes": rt.notes, "dtype": cfg.system.dtype,
+              "micro_batch": t.batch_size, "grad_accum_steps": t.grad_accum_steps,
+              "params": raw_model.num_params(False), "build_s": time.perf_counter() - start,
+              "flops_per_token": raw_model.flops_per_token() - 6 * padding}
+    previous = spec.get("previous")
+    if previous and techniques.effective(values) == techniques.effective(previous["settings"]):
+        changed = [f"{k}={v}" for k, v in values.items() if v != previous["settings"].get(k)]
+        changed += [n for n in rt.notes if n not in previous.get("notes", [])]
+        return {**result, "status": "skipped",
+                "reason": "changes nothing here: " + "; ".join(changed or ["same settings"])}
+    raw_model.train()
+    timing = time_steps(run, spec["warmup"], spec["measure"], spec["clock"])
+    rate = runtime.matmul_rate(rt.device, rt.dtype)  # train.py's start-up estimate, the same way
+    work = raw_model.flops_per_token() * timing["tokens_per_step"]  # padded rows included
+    return {**result, **timing, "matmul_rate": rate, "estimate_step_s": work / rate}
+
+
+def decode_row(spec: dict) -> dict:
+    """Batch-1 greedy decoding with the KV cache, as generate.py does it, on the config's model
+    (random weights from the seed): tokens/s, the median of spec["rounds"] timed runs of
+    spec["new_tokens"] tokens after a warm-up (compiled first, when asked)."""
+    cfg = from_dict(spec["config"])
+    rt = runtime.setup(cfg.system)
+    model, _ = build_model(cfg, dataset_meta(cfg.data.dataset), rt.device)
+    model.eval()
+    new, bucket, start = min(spec["new_tokens"], cfg.model.block_size - 1), 0, time.perf_counter()
+    runner, note = techniques.compile_model(model, cfg.system, rt)
+    if cfg.system.compile:
+        bucket = cfg.sample.prompt_bucket
+        sampling.warm_up(runner, 1, new, bucket, rt.autocast)
+    prompt = torch.zeros((1, 1), dtype=torch.long, device=rt.device)
+
+    def generate() -> torch.Tensor:
+        return sampling.generate_tokens(runner, prompt, new, temperature=0, autocast=rt.autocast,
+                                        prompt_bucket=bucket)
+
+    generate()
+    build_s = time.perf_counter() - start
+    seconds = [timed(generate, rt)[0] for _ in range(spec["rounds"])]
+    print(f"decode: {new} tokens, runs of {', '.join(f'{s:.2f}' for s in seconds)} s", flush=True)
+    return {"dtype": cfg.system.dtype, "notes": rt.notes, "compile": note, "build_s": build_s,
+            "threads": torch.get_num_threads(), "new_tokens": new, "run_s": seconds,
+            "tokens_per_s": new / statistics.median(seconds)}
+
+
+def ceiling(spec: dict) -> dict:
+    """The device's dense matmul ceiling (the best of its fast dtypes) and its datasheet peak."""
+    system = from_dict(spec["config"]).system
+    rt = runtime.setup(system)
+    if rt.device.type == "cuda":
+        dtypes = [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
+        n, iters = 8192, 30
+    else:
+        dtypes = [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else [])
+        n, iters = 2048, 5
+    n, measured = spec.get("matmul_n") or n, {}
+    for dtype in dtypes:
+        a, b = (torch.randn(n, n, device=rt.device, dtype=dtype) for _ in range(2))
+        [a @ b for _ in range(2)]  # warm-up
+        seconds, _ = timed(lambda: [a @ b for _ in range(iters)], rt, spec["clock"])
+        measured[str(dtype).removeprefix("torch.")] = 2 * n**3 * iters / seconds
+    best = max(measured, key=measured.get)
+    half = runtime.Runtime(device=rt.device, dtype=torch.bfloat16, tf32=False, notes=[])
+    return {"hardware": runtime.machine_line(rt.device), "device": rt.device.type,
+            "isa": torch.backends.cpu.get_cpu_capability(), "bf16_units": runtime.cpu_bf16_units(),
+            "compile_kernels": techniques.compile_kernels(rt.device),
+            "measured": measured[best], "measured_dtype": best, "measured_all": measured,
+            "matmul_n": n, "datasheet": runtime.peak_flops(half, system.peak_flops),
+            "torch": torch.__version__}

@@ -1,0 +1,47 @@
+"""What every benchmark writes: markdown tables, RESULTS/STEM.{json,md}, and plots."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+MIB = 2**20
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_report(report: dict, markdown: str, folder: str | Path, stem: str) -> list[Path]:
+    """FOLDER/STEM.json (every number) and FOLDER/STEM.md (the page); their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
+    paths[0].write_text(json.dumps(report, indent=1) + "\n")
+    paths[1].write_text(markdown.rstrip("\n") + "\n")
+    return paths
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None (said once) where it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return None
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,30 @@
+"""The measuring side of runner.run_worker: `python -m engine.benchmarks.worker SPEC.json` runs
+spec["kind"] and writes its result (or its error) to spec["result"]."""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from engine.benchmarks import measure, memory
+
+KINDS = {"train_row": measure.time_row, "decode": measure.decode_row,
+         "ceiling": measure.ceiling, "memory_row": memory.train_row}
+
+
+def measure_in_worker(spec_path: str) -> int:
+    """Run the spec's kind; a failure is written as the row's result, the others go on."""
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        result = {"status": "ok", **KINDS[spec["kind"]](spec)}
+    except Exception as e:  # noqa: BLE001 - the row is reported failed, the others go on
+        traceback.print_exc()
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        result = {"status": "failed", "error": f"{type(e).__name__}: {first_line}"[:300]}
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0 if result["status"] != "failed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(measure_in_worker(sys.argv[1]))
