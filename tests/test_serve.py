@@ -25,6 +25,7 @@ from engine import checkpoint, pruning, sources, weights
 from engine.serving import batching, workers
 from engine.sampling import generate_tokens, set_weight_layout
 from engine.serving.batching import BatchEngine, SamplingParams, Sequence, TextStream
+from engine.serving.options import ServeOptions
 from data.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
 
@@ -195,7 +196,8 @@ def test_a_pruned_checkpoint_is_served_with_sparse_kernels_and_the_same_text(tmp
     cfg.model = dense.config
     path = checkpoint.save(tmp_path / "pruned", 1, dense, cfg,
                            {"tokenizer": {"kind": "char", "chars": CHARS}})
-    loaded = workers.load_for_serving(cfg, str(path), sparse_mode="sparse", rows=3)
+    options = ServeOptions(init_from=str(path), sparse="sparse", slots=3)
+    loaded = workers.load_for_serving(cfg, options)
     kinds = {type(m).__name__ for m in loaded.model.modules()}
     assert "CSRLinear" in kinds and loaded.name == "pruned"
     requests = [(p, SamplingParams(max_tokens=30, temperature=0)) for p in ("ab", "what?", "c")]

@@ -4,8 +4,10 @@
                            n, stream (server-sent events ending in `data: [DONE]`), usage,
                            logprobs (0-5) and echo (engine/serving/logprobs.py)
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
-    GET  /                 the playground page (engine/serving/playground.py): prompt, controls, stream
-    GET  /metrics          Prometheus' text format, summed over the workers (engine/serve_workers)
+    GET  /                 the playground page (playground.py): prompt, controls, stream
+    GET  /metrics          Prometheus' text format, summed over the workers (workers.py)
+
+    app = create_app(engine, ServedModel(name, block_size, vocab_size, options), tokenizer)
 
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (else 401); /, /health and
 /metrics stay open. Every error has OpenAI's shape, {"error": {"message", "type", "param",
@@ -40,6 +42,7 @@ from engine.serving import logprobs
 from engine.serving.logprobs import MAX_LOGPROBS, Scored
 from engine.serving.playground import Playground
 from engine.serving.batching import BatchEngine, QueueFull, SamplingParams, Sequence
+from engine.serving.options import ServeOptions
 from data.tokenizer import TokenizerError
 
 UNSUPPORTED = {"best_of": None, "suffix": None, "presence_penalty": 0.0,
@@ -83,14 +86,16 @@ class CompletionRequest(BaseModel):
 
 @dataclass
 class ServedModel:
-    """What the API says about the model, and the limits it enforces."""
+    """What the API says about the model, and the options it is served with (its limits)."""
 
     name: str
     block_size: int
     vocab_size: int
-    max_prompt_tokens: int
-    max_tokens: int
-    retry_after_s: int = 1
+    options: ServeOptions
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.options.max_prompt_tokens or self.block_size
 
 
 class ApiError(Exception):
@@ -190,9 +195,9 @@ def check_request(body: CompletionRequest, served: ServedModel) -> None:
         raise ApiError(400, f"logprobs={body.logprobs} is more alternatives than this server "
                        f"returns; ask for 0 to {MAX_LOGPROBS} (as OpenAI's completions)",
                        "logprobs")
-    if body.max_tokens > served.max_tokens:
+    if body.max_tokens > (limit := served.options.max_tokens_limit):
         raise ApiError(400, f"max_tokens={body.max_tokens} is over this server's limit of "
-                       f"{served.max_tokens}; ask for fewer, or start the server with "
+                       f"{limit}; ask for fewer, or start the server with "
                        f"--max-tokens-limit={body.max_tokens}", "max_tokens")
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if len(stops) > 4 or any(not s for s in stops):
@@ -289,9 +294,10 @@ class Completion:
         try:
             self.engine.submit(self.seqs)
         except QueueFull as e:
+            retry_after_s = self.served.options.retry_after_s
             raise ApiError(503, f"the server is at capacity ({e}); retry after "
-                           f"{self.served.retry_after_s}s", kind="server_overloaded",
-                           headers={"Retry-After": str(self.served.retry_after_s)}) from None
+                           f"{retry_after_s}s", kind="server_overloaded",
+                           headers={"Retry-After": str(retry_after_s)}) from None
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
@@ -439,7 +445,7 @@ async def completion(request: Request, body: CompletionRequest, engine: BatchEng
     """POST /v1/completions: checked, queued, then streamed or answered whole."""
     if not engine.ready.is_set():
         raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
-                       headers={"Retry-After": str(served.retry_after_s)})
+                       headers={"Retry-After": str(served.options.retry_after_s)})
     check_request(body, served)
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not \
         isinstance(body.prompt[0], int) else [body.prompt]
@@ -611,11 +617,11 @@ async def refresh_gauges(metrics: Metrics, engine: BatchEngine, every_s: float =
 
 
 def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
-               on_ready: Callable[[], None] | None = None, api_key: str = "",
-               max_body_bytes: int = 0) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine (warm-up first) and stops it.
-    api_key '' = none; max_body_bytes 0 = no limit."""
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine (warm-up first) and stops it. The API
+    key and the body limit are served.options' (--api-key, --max-body-bytes)."""
     stop_token = getattr(tokenizer, "eot_id", None)
+    api_key = served.options.effective_api_key()
     metrics = Metrics(engine.slots)
 
     @contextlib.asynccontextmanager
@@ -631,7 +637,7 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
     app = FastAPI(title="gpt2-scratch serve", lifespan=lifespan)
     app.state.healthy = False
     app.add_middleware(Gate, routes=app.routes, metrics=metrics, api_key=api_key,
-                       max_body_bytes=max_body_bytes)
+                       max_body_bytes=served.options.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -653,7 +659,7 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
         return ApiError(500, "the server failed on this request (its log has the traceback)",
                         kind="server_error").response()
 
-    playground = Playground(served.name, bool(api_key), served.max_tokens)
+    playground = Playground(served.name, bool(api_key), served.options.max_tokens_limit)
 
     @app.get("/")
     async def page() -> Response:  # open without the key: the page's own requests send it
