@@ -620,9 +620,22 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
                on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine (warm-up first) and stops it. The API
     key and the body limit are served.options' (--api-key, --max-body-bytes)."""
-    stop_token = getattr(tokenizer, "eot_id", None)
-    api_key = served.options.effective_api_key()
     metrics = Metrics(engine.slots)
+    api_key = served.options.effective_api_key()
+    app = FastAPI(title="gpt2-scratch serve",
+                  lifespan=engine_lifespan(engine, metrics, on_ready, api_key))
+    app.state.healthy = False
+    app.add_middleware(Gate, routes=app.routes, metrics=metrics, api_key=api_key,
+                       max_body_bytes=served.options.max_body_bytes)
+    add_error_handlers(app)
+    add_routes(app, engine, served, tokenizer, metrics)
+    return app
+
+
+def engine_lifespan(engine: BatchEngine, metrics: Metrics, on_ready: Callable[[], None] | None,
+                    api_key: str):
+    """The app's lifespan: the engine's thread, the warm-up watcher (when_ready) and the
+    gauges' refresher run while the app serves; at the end the engine finishes its work."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -634,10 +647,12 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
         refresher.cancel()
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
-    app = FastAPI(title="gpt2-scratch serve", lifespan=lifespan)
-    app.state.healthy = False
-    app.add_middleware(Gate, routes=app.routes, metrics=metrics, api_key=api_key,
-                       max_body_bytes=served.options.max_body_bytes)
+    return lifespan
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours (ApiError), a body the schema refuses (400),
+    Starlette's own (404, 405, 413 ...), and any crash (500, its traceback in the log only)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -659,7 +674,13 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
         return ApiError(500, "the server failed on this request (its log has the traceback)",
                         kind="server_error").response()
 
-    playground = Playground(served.name, bool(api_key), served.options.max_tokens_limit)
+
+def add_routes(app: FastAPI, engine: BatchEngine, served: ServedModel, tokenizer,
+               metrics: Metrics) -> None:
+    """GET /, POST /v1/completions, GET /v1/models[/{name}], GET /metrics, GET /health."""
+    playground = Playground(served.name, bool(served.options.effective_api_key()),
+                            served.options.max_tokens_limit)
+    stop_token = getattr(tokenizer, "eot_id", None)
 
     @app.get("/")
     async def page() -> Response:  # open without the key: the page's own requests send it
@@ -693,8 +714,6 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
                 "worker_pid": os.getpid(), "warmup_s": round(engine.warmup_seconds, 3),
                 **engine.stats()}
         return JSONResponse(body, status_code=200 if ready else 503)
-
-    return app
 
 
 def model_card(served: ServedModel) -> dict:
