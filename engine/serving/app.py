@@ -58,25 +58,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions; OpenAI's defaults. Unknown fields are refused."""
+class CompletionRequest(SamplingParams):
+    """The body of POST /v1/completions; OpenAI's defaults. The sampling fields are
+    SamplingParams' (batching.py), the rest are the request's. Unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored, nothing generated
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension: 0 = off
     n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension: GPT-2 goes on past <|endoftext|>
     user: str | None = None
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0)  # at most MAX_LOGPROBS (check_request)
     best_of: int | None = None
     suffix: str | None = None
     presence_penalty: float = 0.0
@@ -199,7 +191,7 @@ def check_request(body: CompletionRequest, served: ServedModel) -> None:
         raise ApiError(400, f"max_tokens={body.max_tokens} is over this server's limit of "
                        f"{limit}; ask for fewer, or start the server with "
                        f"--max-tokens-limit={body.max_tokens}", "max_tokens")
-    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    stops = body.stop_strings()
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(400, "stop must be one non-empty string or a list of at most 4 of them",
                        "stop")
@@ -237,20 +229,16 @@ def encode_prompts(body: CompletionRequest, tokenizer, served: ServedModel) -> l
     return out
 
 
-def make_sequences(body: CompletionRequest, prompts: list[list[int]], stop_token: int | None,
+def make_sequences(body: CompletionRequest, prompts: list[list[int]],
                    on_event) -> list[Sequence]:
-    """n sequences per prompt, choice index = prompt * n + i; with a seed, choice j uses
-    seed + j (so one prompt with n=1 uses the seed itself)."""
-    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    """n sequences per prompt, choice index = prompt * n + i, each sampled as the request says
+    (it is a SamplingParams); with a seed, choice j uses seed + j (so one prompt with n=1 uses
+    the seed itself)."""
     seqs = []
     for ids in prompts:
         for _ in range(body.n):
             j = len(seqs)
-            params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
-                                    top_k=body.top_k, top_p=body.top_p, stop=stops,
-                                    seed=None if body.seed is None else body.seed + j,
-                                    stop_token=None if body.ignore_eos else stop_token,
-                                    logprobs=body.logprobs, echo=body.echo)
+            params = body if body.seed is None else body.model_copy(update={"seed": body.seed + j})
             seqs.append(Sequence(ids, params, lambda event, j=j: on_event(j, event)))
     return seqs
 
@@ -264,14 +252,12 @@ class Completion:
     timed for the metrics (None: not counted, the warm-up)."""
 
     def __init__(self, engine: BatchEngine, body: CompletionRequest, prompts: list[list[int]],
-                 served: ServedModel, tokenizer, stop_token: int | None,
-                 metrics: Metrics | None = None):
+                 served: ServedModel, tokenizer, metrics: Metrics | None = None):
         self.engine, self.served, self.metrics = engine, served, metrics
         self.tokenizer, self.logprobs = tokenizer, body.logprobs is not None
         self.events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self.seqs = make_sequences(body, prompts, stop_token,
-                                   lambda j, event: self._arrived(loop, j, event))
+        self.seqs = make_sequences(body, prompts, lambda j, event: self._arrived(loop, j, event))
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.completion_tokens = 0
         self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
@@ -440,8 +426,7 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
 
 
 async def completion(request: Request, body: CompletionRequest, engine: BatchEngine,
-                     served: ServedModel, tokenizer, stop_token: int | None,
-                     metrics: Metrics | None):
+                     served: ServedModel, tokenizer, metrics: Metrics | None):
     """POST /v1/completions: checked, queued, then streamed or answered whole."""
     if not engine.ready.is_set():
         raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
@@ -454,7 +439,7 @@ async def completion(request: Request, body: CompletionRequest, engine: BatchEng
                        f"(prompts x n) but the server holds at most "
                        f"{engine.slots + engine.max_queue}", "n")
     job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, tokenizer,
-                     stop_token, metrics)
+                     metrics)
     job.submit()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -680,7 +665,6 @@ def add_routes(app: FastAPI, engine: BatchEngine, served: ServedModel, tokenizer
     """GET /, POST /v1/completions, GET /v1/models[/{name}], GET /metrics, GET /health."""
     playground = Playground(served.name, bool(served.options.effective_api_key()),
                             served.options.max_tokens_limit)
-    stop_token = getattr(tokenizer, "eot_id", None)
 
     @app.get("/")
     async def page() -> Response:  # open without the key: the page's own requests send it
@@ -688,7 +672,7 @@ def add_routes(app: FastAPI, engine: BatchEngine, served: ServedModel, tokenizer
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await completion(request, body, engine, served, tokenizer, stop_token,
+        return await completion(request, body, engine, served, tokenizer,
                                 None if is_warm_up(request.scope) else metrics)
 
     @app.get("/v1/models")
