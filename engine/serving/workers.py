@@ -49,7 +49,7 @@ def log(text: str) -> None:
 
 
 @dataclass
-class Loaded:
+class LoadedModel:
     """A model ready to serve (on the CPU until a worker moves it), and what describes it."""
 
     model: Any
@@ -59,20 +59,20 @@ class Loaded:
 
 
 def load_for_serving(cfg: Config, options: ServeOptions,
-                     device: torch.device = torch.device("cpu")) -> Loaded:
+                     device: torch.device = torch.device("cpu")) -> LoadedModel:
     """The model generate.py would sample from (options.model_source; int8 layers if
     sample.quantize), on the CPU, with its tokenizer. Served on the CPU (`device`), its weights
-    are prepared here (prepare), before any fork, so the workers share them; a GPU worker
-    prepares them after moving them."""
+    are prepared here (prepare_for_serving), before any fork, so the workers share them; a GPU
+    worker prepares them after moving them."""
     model, meta, label = sources.load_for_inference(cfg, options, "cpu", "serve")
     if device.type == "cpu":
-        prepare(model, cfg, options, device)
+        prepare_for_serving(model, cfg, options, device)
     step = f" (step {meta['step']})" if "step" in meta else ""
     name = options.model_name or served_name(options.model_source(cfg))
-    return Loaded(model.eval(), from_meta(meta["tokenizer"]), name, label + step)
+    return LoadedModel(model.eval(), from_meta(meta["tokenizer"]), name, label + step)
 
 
-def prepare(model, cfg: Config, options: ServeOptions, device: torch.device) -> None:
+def prepare_for_serving(model, cfg: Config, options: ServeOptions, device: torch.device) -> None:
     """generate.py's preparation of the weights (sources.prepare_weights), a pruned model's
     sparse kernels probed at --slots rows (a decode step's), said in the log."""
     prepared = sources.prepare_weights(model, cfg, options, device, options.slots)
@@ -101,7 +101,7 @@ def exit_now(sig: int, frame) -> None:
     os._exit(0)
 
 
-def run_worker(cfg: Config, options: ServeOptions, loaded: Loaded | None, sock: socket.socket,
+def run_worker(cfg: Config, options: ServeOptions, loaded: LoadedModel | None, sock: socket.socket,
                ready_fd: int) -> int:
     """A worker process, after the fork: its engine and uvicorn on the shared socket."""
     import uvicorn
@@ -125,7 +125,7 @@ def run_worker(cfg: Config, options: ServeOptions, loaded: Loaded | None, sock: 
     return 0
 
 
-def start_engine(cfg: Config, options: ServeOptions, loaded: Loaded,
+def start_engine(cfg: Config, options: ServeOptions, loaded: LoadedModel,
                  rt: runtime.Runtime) -> BatchEngine:
     """The worker's model on its device (prepared there, unless the supervisor did it on the
     CPU), compiled if system.compile, in a BatchEngine with the worker's slots and queue."""
@@ -133,7 +133,7 @@ def start_engine(cfg: Config, options: ServeOptions, loaded: Loaded,
 
     raw_model = loaded.model.to(rt.device)
     if rt.device.type != "cpu":  # on the CPU the supervisor did it, before the fork
-        prepare(raw_model, cfg, options, rt.device)
+        prepare_for_serving(raw_model, cfg, options, rt.device)
     model, _ = techniques.compile_model(raw_model, cfg.system, rt)
     return BatchEngine(model, raw_model, loaded.tokenizer, rt.device, options.slots,
                        options.max_queue,
@@ -156,8 +156,8 @@ class Worker:
 class Supervisor:
     """Binds the port, forks the workers, restarts the ones that die, stops on SIGTERM/SIGINT."""
 
-    def __init__(self, cfg: Config, options: ServeOptions, loaded: Loaded | None):
-        """loaded: the weights the workers share (None: each worker loads its own). Loaded
+    def __init__(self, cfg: Config, options: ServeOptions, loaded: LoadedModel | None):
+        """loaded: the weights the workers share (None: each worker loads its own). LoadedModel
         with torch at one thread (see the module docstring)."""
         self.cfg, self.options, self.loaded = cfg, options, loaded
         self.workers: dict[int, Worker] = {}
