@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from config import Config, ConfigError, load_config, opt
-from engine import checkpoint, runtime, sources, sparse, techniques, weights
-from engine.sampling import (generate_tokens, huge_pages_for, set_matvec,
-                             set_weight_layout, warm_up)
+from config import Config, ConfigError, load_config
+from engine import checkpoint, runtime, sources, techniques
+from engine.sampling import generate_tokens, huge_pages_for, set_matvec, warm_up
 from data.tokenizer import TokenizerError, from_meta
 
 
@@ -58,27 +57,20 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
 
 
 @dataclass
-class GenerateOptions:
-    """generate.py's own options (the rest of the command line is the config)."""
-
-    init_from: str = opt("", "sample from gpt2[-medium|-large|-xl] | hf:ORG/NAME | a local HF "
-                         "dir | our checkpoint; default: sample.checkpoint, else train.out_dir")
-    sparse: str = opt("auto", "a pruned checkpoint (prune.py): auto = sparse kernels for the "
-                      "weight shapes a timing probe finds faster here, at one row (decode) | "
-                      "sparse | dense (its weights with zeros)", sparse.MODES)
+class GenerateOptions(sources.InferenceOptions):
+    """generate.py's options: the model's source, shared with serve.py (--init-from, --sparse);
+    the rest of the command line is the config (sample.*, system.*)."""
 
 
-def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
-    """Stream sample.num_samples texts from init_from (or the config's checkpoint) to stdout."""
+def sample(cfg: Config, options: GenerateOptions) -> None:
+    """Stream sample.num_samples texts from options.init_from (or the config's checkpoint) to
+    stdout."""
     rt, s = runtime.setup(cfg.system), cfg.sample
-    model, meta, label = sources.load_for_inference(cfg, init_from, rt.device, "sample from")
-    held = weights.convert(model, s.weights, rt.device)  # bf16/int8/int4: packed Linears
-    # before compile: it traces the strides
-    layout = set_weight_layout(model, s.weight_layout, s.huge_pages)
+    model, meta, label = sources.load_for_inference(cfg, options, rt.device, "sample from")
+    prepared = sources.prepare_weights(model, cfg, options, rt.device)  # decoding: one row
+    if prepared.sparse:
+        print(prepared.sparse, file=sys.stderr)
     matvec = set_matvec(model, s.matvec)
-    # a pruned model: sparse Linears where they timed faster than these dense weights
-    if note := sparse.prepare_for_inference(model, sparse_mode, rt.device):
-        print(note, file=sys.stderr)
     tokenizer = from_meta(meta["tokenizer"])
     prompt_ids = encode_prompt(tokenizer, s.prompt, model.config.block_size)
     bucket = 0
@@ -89,7 +81,8 @@ def sample(cfg: Config, init_from: str = "", sparse_mode: str = "auto") -> None:
         print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     step = f" (step {meta['step']})" if "step" in meta else ""
-    print(f"sampling from {label}{step} on {rt.device} | weights={held} weight_layout={layout} "
+    print(f"sampling from {label}{step} on {rt.device} | weights={prepared.weights} "
+          f"weight_layout={prepared.weight_layout} "
           f"({s.weight_layout}) huge_pages={huge_pages_for(s.huge_pages, rt.device)[1]} "
           f"matvec={matvec} ({s.matvec}) "
           f"kv_cache={'on' if s.kv_cache else 'off'}", file=sys.stderr)
@@ -113,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="generate.py",
                                    script=GenerateOptions, lead=("sample",))
-        sample(cfg, options.init_from, options.sparse)
+        sample(cfg, options)
     except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

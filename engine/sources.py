@@ -1,19 +1,24 @@
-"""Where a model comes from: fresh, one of our checkpoints (or run directories), or a HF GPT-2.
+"""Where a model comes from: fresh, one of our checkpoints (or run directories), or a HF GPT-2;
+and, for sampling and serving, its weights made ready to decode.
 
     model, cfg, meta, label = load_model(source, cfg, device)   # engine/hellaswag.py
-    model, meta, label = load_for_inference(cfg, init_from, device, "sample from")  # generate, serve
     model, source = build_model(cfg, data_meta, device)         # train.py (init_from)
+    # generate.py and serve.py (their options extend InferenceOptions):
+    model, meta, label = load_for_inference(cfg, options, device, "sample from")
+    prepared = prepare_weights(model, cfg, options, device, rows=1)   # -> notes for the banner
 """
 import dataclasses
 import importlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from config import Config, ConfigError
+from config import Config, ConfigError, opt
 from data.dataset import DataError, check_vocab, load_meta
-from engine import checkpoint, hf, quantize
+from engine import checkpoint, hf, quantize, sparse, weights
+from engine.sampling import set_weight_layout
 from data.tokenizer import TokenizerError
 from model import GPT
 
@@ -51,11 +56,55 @@ def load_model(source: str, cfg: Config, device: torch.device | str = "cpu",
     return model.to(device), used, meta, label
 
 
-def load_for_inference(cfg: Config, init_from: str, device: torch.device | str,
+@dataclass
+class InferenceOptions:
+    """The command-line options generate.py and serve.py share: which model, and how a pruned
+    one runs. The rest of what loading reads is the config (sample.checkpoint, sample.weights,
+    sample.quantize, sample.weight_layout, system.device ...)."""
+
+    init_from: str = opt("", "the model: gpt2[-medium|-large|-xl] | hf:ORG/NAME | a local HF "
+                         "dir | our checkpoint; default: sample.checkpoint, else train.out_dir")
+    sparse: str = opt("auto", "a pruned checkpoint (prune.py): auto = sparse kernels for the "
+                      "weight shapes a timing probe finds faster here (generate.py: at one row, "
+                      "as decoding; serve.py: at --slots rows) | sparse | dense (its weights "
+                      "with zeros)", sparse.MODES)
+
+    def model_source(self, cfg: Config) -> str:
+        """--init-from, else sample.checkpoint, else train.out_dir."""
+        if self.init_from in ("", "resume", "auto"):
+            return cfg.sample.checkpoint or cfg.train.out_dir
+        return self.init_from
+
+
+@dataclass
+class PreparedWeights:
+    """What prepare_weights did to a model, for the start-up banner."""
+
+    weights: str  # the Linears' format (weights.convert's note)
+    weight_layout: str  # the layout used (sampling.set_weight_layout)
+    sparse: str  # a pruned model's sparse kernels, what was chosen; '' = not pruned
+
+
+def prepare_weights(model: GPT, cfg: Config, options: InferenceOptions, device: torch.device,
+                    rows: int = 1) -> PreparedWeights:
+    """Ready a loaded model's weights for decoding on `device` (where the model is), before any
+    compile (it traces the strides): their format (sample.weights), their layout
+    (sample.weight_layout, sample.huge_pages), then a pruned model's sparse kernels where a
+    probe at `rows` input rows timed them faster (--sparse)."""
+    held = "torch (as loaded)"  # torch's own products: no CPU kernels to build for that
+    if cfg.sample.weights != "torch":  # bf16/int8/int4 ...: packed Linears
+        held = weights.convert(model, cfg.sample.weights, device)
+    layout = set_weight_layout(model, cfg.sample.weight_layout, cfg.sample.huge_pages)
+    chosen = sparse.prepare_for_inference(model, options.sparse, device, rows)
+    return PreparedWeights(held, layout, chosen)
+
+
+def load_for_inference(cfg: Config, options: InferenceOptions, device: torch.device | str,
                        purpose: str) -> tuple[GPT, dict, str]:
-    """What generate.py samples from and serve.py serves: --init-from, else sample.checkpoint,
-    else train.out_dir; int8 Linears if sample.quantize. -> (model in eval mode, meta, label).
-    purpose ("sample from", "serve") words the errors."""
+    """What generate.py samples from and serve.py serves (options.model_source); int8 Linears
+    if sample.quantize. -> (model in eval mode, meta, label). purpose ("sample from", "serve")
+    words the errors."""
+    init_from = options.init_from
     if init_from and cfg.sample.checkpoint:
         raise ConfigError(f"--init-from {init_from} and --checkpoint {cfg.sample.checkpoint} both "
                           f"name a model to {purpose}; pass one of them")
@@ -64,8 +113,7 @@ def load_for_inference(cfg: Config, init_from: str, device: torch.device | str,
                           "Hugging Face directory or one of our checkpoints")
     if cfg.sample.quantize != "none":
         quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
-    if init_from in ("", "resume", "auto"):
-        init_from = cfg.sample.checkpoint or cfg.train.out_dir
+    init_from = options.model_source(cfg)
     model, _, meta, label = load_model(init_from, cfg, device)
     if meta["tokenizer"]["kind"] == "unknown":
         raise TokenizerError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not "

@@ -25,6 +25,7 @@ from engine import checkpoint, pruning, sources, weights
 from engine.serving import batching, workers
 from engine.sampling import generate_tokens, set_weight_layout
 from engine.serving.batching import BatchEngine, SamplingParams, Sequence, TextStream
+from engine.serving.options import ServeOptions
 from data.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
 
@@ -55,6 +56,13 @@ def tiny_checkpoint(out_dir: Path, attention: str = "sdpa") -> Path:
                 p.mul_(20)
     meta = {"tokenizer": {"kind": "char", "chars": CHARS}}
     return checkpoint.save(out_dir, 1, model, cfg, meta)
+
+
+def tokenizer_ending_at(char: str) -> CharTokenizer:
+    """The char tokenizer with `char` as its end-of-text token (as GPT-2's <|endoftext|>)."""
+    tok = CharTokenizer(CHARS)
+    tok.eot_id = CHARS.index(char)
+    return tok
 
 
 def reference(model: GPT, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
@@ -195,7 +203,8 @@ def test_a_pruned_checkpoint_is_served_with_sparse_kernels_and_the_same_text(tmp
     cfg.model = dense.config
     path = checkpoint.save(tmp_path / "pruned", 1, dense, cfg,
                            {"tokenizer": {"kind": "char", "chars": CHARS}})
-    loaded = workers.load_for_serving(cfg, str(path), sparse_mode="sparse", rows=3)
+    options = ServeOptions(init_from=str(path), sparse="sparse", slots=3)
+    loaded = workers.load_for_serving(cfg, options)
     kinds = {type(m).__name__ for m in loaded.model.modules()}
     assert "CSRLinear" in kinds and loaded.name == "pruned"
     requests = [(p, SamplingParams(max_tokens=30, temperature=0)) for p in ("ab", "what?", "c")]
@@ -227,13 +236,43 @@ def test_stop_token_finishes_without_its_text(tmp_path):
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     first = reference(model, "ab", 1)
     events = []
-    engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=1,
+    engine = BatchEngine(model, model, tokenizer_ending_at(first), torch.device("cpu"), slots=1,
                          max_queue=1, warmup=False)
-    params = SamplingParams(max_tokens=10, temperature=0, stop_token=CHARS.index(first))
+    params = SamplingParams(max_tokens=10, temperature=0)
     engine.start()
     engine.submit([Sequence(CharTokenizer(CHARS).encode("ab"), params, events.append)])
     engine.stop()
     assert events == [("done", "stop", 1)]
+
+
+def test_ignore_eos_goes_on_past_the_stop_token(tmp_path):
+    model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    expected = reference(model, "ab", 10)
+    events = []
+    engine = BatchEngine(model, model, tokenizer_ending_at(expected[0]), torch.device("cpu"),
+                         slots=1, max_queue=1, warmup=False)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    engine.start()
+    engine.submit([Sequence(CharTokenizer(CHARS).encode("ab"), params, events.append)])
+    engine.stop()
+    assert "".join(e[1] for e in events if e[0] == "text") == expected
+    assert events[-1] == ("done", "length", 10)
+
+
+def test_each_choice_is_sampled_as_the_request_says_with_its_own_seed():
+    """The request is the choices' SamplingParams (no field relayed by hand): every sampling
+    field reaches the engine as sent; choice j's seed is seed + j."""
+    from engine.serving.app import CompletionRequest, make_sequences
+    body = CompletionRequest(prompt="ab", n=2, max_tokens=3, temperature=0.5, top_p=0.9,
+                             top_k=3, stop=["x", "y"], seed=7, logprobs=1, echo=True,
+                             ignore_eos=True)
+    seqs = make_sequences(body, [[1, 2], [3]], lambda j, event: None)
+    assert [s.params.seed for s in seqs] == [7, 8, 9, 10]
+    for name in set(SamplingParams.model_fields) - {"seed"}:
+        assert {getattr(s.params, name) == getattr(body, name) for s in seqs} == {True}, name
+    assert seqs[0].params.stop_strings() == ("x", "y")
+    unseeded = body.model_copy(update={"seed": None})
+    assert {s.params.seed for s in make_sequences(unseeded, [[1]], lambda j, e: None)} == {None}
 
 
 def test_stop_token_sends_the_text_held_back_for_a_possible_stop_string(tmp_path):
@@ -242,10 +281,9 @@ def test_stop_token_sends_the_text_held_back_for_a_possible_stop_string(tmp_path
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     first, second = reference(model, "what?", 2)  # two different characters
     events = []
-    engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=1,
-                         max_queue=1, warmup=False)
-    params = SamplingParams(max_tokens=10, temperature=0, stop=(first + "!?",),
-                            stop_token=CHARS.index(second))
+    engine = BatchEngine(model, model, tokenizer_ending_at(second), torch.device("cpu"),
+                         slots=1, max_queue=1, warmup=False)
+    params = SamplingParams(max_tokens=10, temperature=0, stop=[first + "!?"])
     engine.start()
     engine.submit([Sequence(CharTokenizer(CHARS).encode("what?"), params, events.append)])
     engine.stop()

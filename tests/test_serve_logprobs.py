@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 import torch
-from test_serve import CHARS, WAIT_S, post, reference, start_server, tiny_checkpoint
+from test_serve import (CHARS, WAIT_S, post, reference, start_server, tiny_checkpoint,
+                        tokenizer_ending_at)
 
 from config import Config
 from engine import checkpoint, hellaswag, sources, weights
@@ -33,11 +34,13 @@ def _one_thread():
 
 
 def engine_events(model: GPT, requests: list[tuple[list[int], SamplingParams]],
-                  prefill_chunk: int = 0, static: bool = False) -> list[list[tuple]]:
+                  prefill_chunk: int = 0, static: bool = False,
+                  tokenizer: CharTokenizer | None = None) -> list[list[tuple]]:
     """Each request's events through one BatchEngine (char tokenizer), all submitted at once."""
     events: list[list[tuple]] = [[] for _ in requests]
-    engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=3,
-                         max_queue=4, warmup=False, prefill_chunk=prefill_chunk, static=static)
+    engine = BatchEngine(model, model, tokenizer or CharTokenizer(CHARS), torch.device("cpu"),
+                         slots=3, max_queue=4, warmup=False, prefill_chunk=prefill_chunk,
+                         static=static)
     seqs = [Sequence(ids, params, events[i].append) for i, (ids, params) in enumerate(requests)]
     engine.start()
     engine.submit(seqs)
@@ -91,9 +94,9 @@ def test_the_stop_token_is_scored_but_not_in_the_text(tmp_path):
     harness reading a continuation's scores counts on one score per generated token)."""
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     first, second = reference(model, "what?", 2)
-    params = SamplingParams(max_tokens=10, temperature=0, stop_token=CHARS.index(second),
-                            logprobs=0)
-    (events,) = engine_events(model, [(CharTokenizer(CHARS).encode("what?"), params)])
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=0)
+    (events,) = engine_events(model, [(CharTokenizer(CHARS).encode("what?"), params)],
+                              tokenizer=tokenizer_ending_at(second))
     assert [e[0] for e in events] == ["text", "text", "done"]
     assert events[0][1] == first and [s.token for s in events[0][2]] == [CHARS.index(first)]
     assert events[1][1] == "" and [(s.token, s.offset) for s in events[1][2]] == [
@@ -107,7 +110,7 @@ def test_scored_tokens_travel_with_their_text_and_a_stop_string_cuts_both(tmp_pa
     token: the tokens sent so far spell the text sent so far, after every event."""
     model = sources.load_model(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     expected = reference(model, "hello", 8)  # hyhhhy..: 'h' is held back, "hh" stops it
-    params = SamplingParams(max_tokens=8, temperature=0, stop=(expected[3:5],), logprobs=1)
+    params = SamplingParams(max_tokens=8, temperature=0, stop=[expected[3:5]], logprobs=1)
     (events,) = engine_events(model, [(CharTokenizer(CHARS).encode("hello"), params)])
     text, tokens = "", []
     for kind, *rest in events[:-1]:

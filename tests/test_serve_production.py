@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_serve import MAX_TOKENS_LIMIT, WAIT_S, Server, open_stream, tiny_checkpoint
 
 import serve
+from engine.serving.options import API_KEY_ENV, ServeOptions
 
 ENV_KEY, OPTION_KEY = "key-from-the-environment", "key-from-the-option"
 MAX_BODY = 16384
@@ -33,7 +34,7 @@ def guarded(tmp_path_factory):
     """One worker; the key from GPT2S_API_KEY; a 16 KiB body cap."""
     tmp = tmp_path_factory.mktemp("guarded")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv(serve.API_KEY_ENV, ENV_KEY)
+        env.setenv(API_KEY_ENV, ENV_KEY)
         server = Server(tiny_checkpoint(tmp / "run"), tmp / "serve.log",
                         f"--max-body-bytes={MAX_BODY}")
     server.key = ENV_KEY
@@ -46,7 +47,7 @@ def two_workers(tmp_path_factory):
     """--workers 2; the key from --api-key, which wins over the environment's."""
     tmp = tmp_path_factory.mktemp("workers")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv(serve.API_KEY_ENV, ENV_KEY)
+        env.setenv(API_KEY_ENV, ENV_KEY)
         server = Server(tiny_checkpoint(tmp / "run"), tmp / "serve.log", "--workers=2",
                         f"--api-key={OPTION_KEY}")
     server.key = OPTION_KEY
@@ -124,24 +125,25 @@ def test_the_openai_client_with_the_right_key_and_a_wrong_one(guarded):
 def test_the_option_wins_over_the_environment(two_workers, monkeypatch):
     for key, status in ((OPTION_KEY, 200), (ENV_KEY, 401)):
         assert httpx.get(f"{two_workers.url}/v1/models", headers=auth(key)).status_code == status
-    monkeypatch.setenv(serve.API_KEY_ENV, ENV_KEY)
-    assert serve.api_key(serve.ServeOptions(api_key=OPTION_KEY)) == OPTION_KEY
-    assert serve.api_key(serve.ServeOptions()) == ENV_KEY
+    monkeypatch.setenv(API_KEY_ENV, ENV_KEY)
+    assert ServeOptions(api_key=OPTION_KEY).effective_api_key() == OPTION_KEY
+    assert ServeOptions().effective_api_key() == ENV_KEY
+    assert OPTION_KEY not in repr(ServeOptions(api_key=OPTION_KEY))  # logs never show it
 
 
 def test_a_public_host_without_a_key_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     ckpt = tiny_checkpoint(tmp_path)
     assert serve.main([f"--checkpoint={ckpt}", "--host=0.0.0.0", "--device=cpu"]) == 2
     assert capsys.readouterr().err == (
         "error: --host 0.0.0.0 is reachable from other machines but no API key is set; pass "
         "--api-key KEY (or set GPT2S_API_KEY), or --allow-no-key true to serve without one\n")
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
-        serve.check_options(serve.ServeOptions(host=host))  # loopback: no key needed
-    serve.check_options(serve.ServeOptions(host="0.0.0.0", allow_no_key=True))
-    serve.check_options(serve.ServeOptions(host="0.0.0.0", api_key="k"))
-    monkeypatch.setenv(serve.API_KEY_ENV, "k")
-    serve.check_options(serve.ServeOptions(host="10.1.2.3"))
+        ServeOptions(host=host).check()  # loopback: no key needed
+    ServeOptions(host="0.0.0.0", allow_no_key=True).check()
+    ServeOptions(host="0.0.0.0", api_key="k").check()
+    monkeypatch.setenv(API_KEY_ENV, "k")
+    ServeOptions(host="10.1.2.3").check()
 
 
 def test_the_help_says_the_body_cap(capsys):

@@ -94,6 +94,23 @@ def test_generate_rejects_prompt_outside_vocabulary(trained, capsys):
     assert "outside this 65-character vocabulary" in capsys.readouterr().err
 
 
+def test_generate_and_serve_share_their_model_options_and_both_command_lines_take_them(capsys):
+    """--init-from and --sparse are declared once (sources.InferenceOptions): both scripts parse
+    them into their options, list them in --help, and say where a model comes from alike."""
+    from engine.serving.options import ServeOptions
+    argv = ["--init-from=out/x", "--sparse", "dense"]
+    for script, prog in ((generate.GenerateOptions, "generate.py"), (ServeOptions, "serve.py")):
+        cfg, options = load_config(argv, prog=prog, script=script)
+        assert (options.init_from, options.sparse) == ("out/x", "dense")
+        assert options.model_source(cfg) == "out/x"
+        cfg, options = load_config(["--checkpoint=out/y"], prog=prog, script=script)
+        assert options.model_source(cfg) == "out/y"
+        with pytest.raises(SystemExit):
+            load_config(["--help"], prog=prog, script=script)
+        shown = capsys.readouterr().out
+        assert "--init-from=''" in shown and "--sparse='auto'" in shown
+
+
 def test_long_prompt_is_cropped_and_empty_prompt_starts_at_newline(trained, capsys):
     _, _, out = trained
     model, _, meta = checkpoint.load_model(out)

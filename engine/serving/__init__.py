@@ -1,2 +1,3 @@
-"""serve.py's machinery: the HTTP app (app.py), continuous batching (batching.py), the worker
-supervisor (workers.py), log-probabilities (logprobs.py) and the playground page."""
+"""serve.py's machinery: its options (options.py), the HTTP app (app.py), continuous batching
+(batching.py), the worker supervisor (workers.py), log-probabilities (logprobs.py) and the
+playground page (playground.py)."""

@@ -4,8 +4,10 @@
                            n, stream (server-sent events ending in `data: [DONE]`), usage,
                            logprobs (0-5) and echo (engine/serving/logprobs.py)
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
-    GET  /                 the playground page (engine/serving/playground.py): prompt, controls, stream
-    GET  /metrics          Prometheus' text format, summed over the workers (engine/serve_workers)
+    GET  /                 the playground page (playground.py): prompt, controls, stream
+    GET  /metrics          Prometheus' text format, summed over the workers (workers.py)
+
+    app = create_app(engine, ServedModel(name, block_size, vocab_size, options), tokenizer)
 
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (else 401); /, /health and
 /metrics stay open. Every error has OpenAI's shape, {"error": {"message", "type", "param",
@@ -40,6 +42,7 @@ from engine.serving import logprobs
 from engine.serving.logprobs import MAX_LOGPROBS, Scored
 from engine.serving.playground import Playground
 from engine.serving.batching import BatchEngine, QueueFull, SamplingParams, Sequence
+from engine.serving.options import ServeOptions
 from data.tokenizer import TokenizerError
 
 UNSUPPORTED = {"best_of": None, "suffix": None, "presence_penalty": 0.0,
@@ -55,25 +58,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions; OpenAI's defaults. Unknown fields are refused."""
+class CompletionRequest(SamplingParams):
+    """The body of POST /v1/completions; OpenAI's defaults. The sampling fields are
+    SamplingParams' (batching.py), the rest are the request's. Unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored, nothing generated
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension: 0 = off
     n: int = Field(1, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension: GPT-2 goes on past <|endoftext|>
     user: str | None = None
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0)  # at most MAX_LOGPROBS (check_request)
     best_of: int | None = None
     suffix: str | None = None
     presence_penalty: float = 0.0
@@ -83,14 +78,16 @@ class CompletionRequest(BaseModel):
 
 @dataclass
 class ServedModel:
-    """What the API says about the model, and the limits it enforces."""
+    """What the API says about the model, and the options it is served with (its limits)."""
 
     name: str
     block_size: int
     vocab_size: int
-    max_prompt_tokens: int
-    max_tokens: int
-    retry_after_s: int = 1
+    options: ServeOptions
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.options.max_prompt_tokens or self.block_size
 
 
 class ApiError(Exception):
@@ -190,11 +187,11 @@ def check_request(body: CompletionRequest, served: ServedModel) -> None:
         raise ApiError(400, f"logprobs={body.logprobs} is more alternatives than this server "
                        f"returns; ask for 0 to {MAX_LOGPROBS} (as OpenAI's completions)",
                        "logprobs")
-    if body.max_tokens > served.max_tokens:
+    if body.max_tokens > (limit := served.options.max_tokens_limit):
         raise ApiError(400, f"max_tokens={body.max_tokens} is over this server's limit of "
-                       f"{served.max_tokens}; ask for fewer, or start the server with "
+                       f"{limit}; ask for fewer, or start the server with "
                        f"--max-tokens-limit={body.max_tokens}", "max_tokens")
-    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    stops = body.stop_strings()
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(400, "stop must be one non-empty string or a list of at most 4 of them",
                        "stop")
@@ -232,20 +229,16 @@ def encode_prompts(body: CompletionRequest, tokenizer, served: ServedModel) -> l
     return out
 
 
-def make_sequences(body: CompletionRequest, prompts: list[list[int]], stop_token: int | None,
+def make_sequences(body: CompletionRequest, prompts: list[list[int]],
                    on_event) -> list[Sequence]:
-    """n sequences per prompt, choice index = prompt * n + i; with a seed, choice j uses
-    seed + j (so one prompt with n=1 uses the seed itself)."""
-    stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    """n sequences per prompt, choice index = prompt * n + i, each sampled as the request says
+    (it is a SamplingParams); with a seed, choice j uses seed + j (so one prompt with n=1 uses
+    the seed itself)."""
     seqs = []
     for ids in prompts:
         for _ in range(body.n):
             j = len(seqs)
-            params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
-                                    top_k=body.top_k, top_p=body.top_p, stop=stops,
-                                    seed=None if body.seed is None else body.seed + j,
-                                    stop_token=None if body.ignore_eos else stop_token,
-                                    logprobs=body.logprobs, echo=body.echo)
+            params = body if body.seed is None else body.model_copy(update={"seed": body.seed + j})
             seqs.append(Sequence(ids, params, lambda event, j=j: on_event(j, event)))
     return seqs
 
@@ -259,14 +252,12 @@ class Completion:
     timed for the metrics (None: not counted, the warm-up)."""
 
     def __init__(self, engine: BatchEngine, body: CompletionRequest, prompts: list[list[int]],
-                 served: ServedModel, tokenizer, stop_token: int | None,
-                 metrics: Metrics | None = None):
+                 served: ServedModel, tokenizer, metrics: Metrics | None = None):
         self.engine, self.served, self.metrics = engine, served, metrics
         self.tokenizer, self.logprobs = tokenizer, body.logprobs is not None
         self.events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self.seqs = make_sequences(body, prompts, stop_token,
-                                   lambda j, event: self._arrived(loop, j, event))
+        self.seqs = make_sequences(body, prompts, lambda j, event: self._arrived(loop, j, event))
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.completion_tokens = 0
         self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
@@ -289,9 +280,10 @@ class Completion:
         try:
             self.engine.submit(self.seqs)
         except QueueFull as e:
+            retry_after_s = self.served.options.retry_after_s
             raise ApiError(503, f"the server is at capacity ({e}); retry after "
-                           f"{self.served.retry_after_s}s", kind="server_overloaded",
-                           headers={"Retry-After": str(self.served.retry_after_s)}) from None
+                           f"{retry_after_s}s", kind="server_overloaded",
+                           headers={"Retry-After": str(retry_after_s)}) from None
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
@@ -434,12 +426,11 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
 
 
 async def completion(request: Request, body: CompletionRequest, engine: BatchEngine,
-                     served: ServedModel, tokenizer, stop_token: int | None,
-                     metrics: Metrics | None):
+                     served: ServedModel, tokenizer, metrics: Metrics | None):
     """POST /v1/completions: checked, queued, then streamed or answered whole."""
     if not engine.ready.is_set():
         raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
-                       headers={"Retry-After": str(served.retry_after_s)})
+                       headers={"Retry-After": str(served.options.retry_after_s)})
     check_request(body, served)
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not \
         isinstance(body.prompt[0], int) else [body.prompt]
@@ -448,7 +439,7 @@ async def completion(request: Request, body: CompletionRequest, engine: BatchEng
                        f"(prompts x n) but the server holds at most "
                        f"{engine.slots + engine.max_queue}", "n")
     job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, tokenizer,
-                     stop_token, metrics)
+                     metrics)
     job.submit()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -611,12 +602,25 @@ async def refresh_gauges(metrics: Metrics, engine: BatchEngine, every_s: float =
 
 
 def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
-               on_ready: Callable[[], None] | None = None, api_key: str = "",
-               max_body_bytes: int = 0) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine (warm-up first) and stops it.
-    api_key '' = none; max_body_bytes 0 = no limit."""
-    stop_token = getattr(tokenizer, "eot_id", None)
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine (warm-up first) and stops it. The API
+    key and the body limit are served.options' (--api-key, --max-body-bytes)."""
     metrics = Metrics(engine.slots)
+    api_key = served.options.effective_api_key()
+    app = FastAPI(title="gpt2-scratch serve",
+                  lifespan=engine_lifespan(engine, metrics, on_ready, api_key))
+    app.state.healthy = False
+    app.add_middleware(Gate, routes=app.routes, metrics=metrics, api_key=api_key,
+                       max_body_bytes=served.options.max_body_bytes)
+    add_error_handlers(app)
+    add_routes(app, engine, served, tokenizer, metrics)
+    return app
+
+
+def engine_lifespan(engine: BatchEngine, metrics: Metrics, on_ready: Callable[[], None] | None,
+                    api_key: str):
+    """The app's lifespan: the engine's thread, the warm-up watcher (when_ready) and the
+    gauges' refresher run while the app serves; at the end the engine finishes its work."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -628,10 +632,12 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
         refresher.cancel()
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
-    app = FastAPI(title="gpt2-scratch serve", lifespan=lifespan)
-    app.state.healthy = False
-    app.add_middleware(Gate, routes=app.routes, metrics=metrics, api_key=api_key,
-                       max_body_bytes=max_body_bytes)
+    return lifespan
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours (ApiError), a body the schema refuses (400),
+    Starlette's own (404, 405, 413 ...), and any crash (500, its traceback in the log only)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -653,7 +659,12 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
         return ApiError(500, "the server failed on this request (its log has the traceback)",
                         kind="server_error").response()
 
-    playground = Playground(served.name, bool(api_key), served.max_tokens)
+
+def add_routes(app: FastAPI, engine: BatchEngine, served: ServedModel, tokenizer,
+               metrics: Metrics) -> None:
+    """GET /, POST /v1/completions, GET /v1/models[/{name}], GET /metrics, GET /health."""
+    playground = Playground(served.name, bool(served.options.effective_api_key()),
+                            served.options.max_tokens_limit)
 
     @app.get("/")
     async def page() -> Response:  # open without the key: the page's own requests send it
@@ -661,7 +672,7 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await completion(request, body, engine, served, tokenizer, stop_token,
+        return await completion(request, body, engine, served, tokenizer,
                                 None if is_warm_up(request.scope) else metrics)
 
     @app.get("/v1/models")
@@ -687,8 +698,6 @@ def create_app(engine: BatchEngine, served: ServedModel, tokenizer,
                 "worker_pid": os.getpid(), "warmup_s": round(engine.warmup_seconds, 3),
                 **engine.stats()}
         return JSONResponse(body, status_code=200 if ready else 503)
-
-    return app
 
 
 def model_card(served: ServedModel) -> dict:

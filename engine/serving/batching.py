@@ -1,7 +1,7 @@
 """Continuous batching for serve.py: a fixed number of decode slots over one static KV cache
 with a position per slot. New sequences join at the next step, finished ones leave at once.
 
-    engine = BatchEngine(model, tokenizer, device, slots=8, max_queue=32)
+    engine = BatchEngine(model, raw_model, tokenizer, device, slots=8, max_queue=32)
     engine.start()                               # a thread: warm-up, then the decode loop
     engine.submit([Sequence(prompt_ids, params, on_event)])   # events: text, done, error
 
@@ -16,15 +16,14 @@ this step, each straight into its slot's row (weights.forward_tokens). Sampling 
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
 
-Log-probabilities (engine/serving/logprobs.py) cost only the sequences that ask: params.logprobs scores
-each generated token from the logits it was sampled from; with params.echo too, the prompt is
+Log-probabilities (logprobs.py) cost only the sequences that ask: params.logprobs scores each
+generated token from the logits it was sampled from; with params.echo too, the prompt is
 read alone by the uncompiled model with logits at every position, a bounded piece at a time
 (logprobs.prompt_rows), and each prompt token is scored from the position before it.
 """
 from __future__ import annotations
 
 import codecs
-import dataclasses
 import collections
 import contextlib
 import secrets
@@ -32,17 +31,17 @@ import sys
 import threading
 import time
 import traceback
-import types
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from pydantic import BaseModel, Field
 
 from engine import memory, weights
 from engine.serving import logprobs
 from engine.serving.logprobs import Scored
 from engine.sampling import prefill, sample_next
-from model import GPT, KVCache
+from model import GPT
 
 
 # prompt tokens a packed step reads when no sequence is decoding (nothing waits on it): larger
@@ -54,17 +53,25 @@ class QueueFull(RuntimeError):
     """More sequences than the free slots and the queue can hold; retry later (HTTP 503)."""
 
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None  # None: a fresh random seed
-    stop: tuple[str, ...] = ()
-    stop_token: int | None = None  # GPT-2's <|endoftext|>: finish there (not in the text)
-    logprobs: int | None = None  # score each generated token, with this many alternatives
+class SamplingParams(BaseModel):
+    """How one completion is sampled and when it ends: the fields of a completion request that
+    the engine reads, with OpenAI's defaults and bounds. app.CompletionRequest extends this
+    class, so a field declared here is a request field too, validated, and reaches the engine
+    as it was sent (each choice's seed offset: app.make_sequences)."""
+
+    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored, nothing generated
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # extension: 0 = off
+    seed: int | None = Field(None, ge=0, lt=2**63)  # None: a fresh random seed
+    stop: str | list[str] | None = None  # end before this text (not in it); up to 4 strings
+    ignore_eos: bool = False  # extension: GPT-2 goes on past <|endoftext|> (its stop token)
+    logprobs: int | None = Field(None, ge=0)  # score each generated token, with this many
+    # alternatives (at most logprobs.MAX_LOGPROBS: app.check_request)
     echo: bool = False  # hand the prompt back first (with logprobs: each token scored)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
 class TextStream:
@@ -160,6 +167,8 @@ class BatchEngine:
         self.warmup_seconds = 0.0
         self.released_idle = 0  # times cached CUDA memory was handed back in an idle window
         self.thread = threading.Thread(target=self._run, name="batch-engine", daemon=True)
+        # GPT-2's <|endoftext|>: a sequence finishes there (not in its text), unless ignore_eos
+        self.stop_token = getattr(tokenizer, "eot_id", None)
 
     def start(self) -> None:
         self.thread.start()
@@ -303,7 +312,7 @@ class BatchEngine:
                     seq.slot, self.running[i] = i, seq
                     seq.start = max(0, len(seq.tokens) - self.block_size)
                     seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
-                    seq.text = TextStream(self.tokenizer, seq.params.stop)
+                    seq.text = TextStream(self.tokenizer, seq.params.stop_strings())
 
     def _prefill(self, seq: Sequence, budget: float) -> int:
         """Read up to `budget` more tokens of seq's context window alone (as generate.py does);
@@ -440,7 +449,8 @@ class BatchEngine:
         seq.tokens.append(token)
         seq.generated += 1
         begins = len(seq.text.text)
-        if token == seq.params.stop_token:  # the text held back is not a stop string's start
+        if token == self.stop_token and not seq.params.ignore_eos:
+            # the text held back is not a stop string's start: it goes out now
             self._score(seq, token, logits, begins, begins)  # a score per token; not in the text
             self._send(seq, seq.text.finish(), last=True)
             return self._finish(seq, "stop")
@@ -498,8 +508,9 @@ class BatchEngine:
         block = self.block_size
         lengths = ([min(block, k) for k in range(self.bucket, block + self.bucket, self.bucket)]
                    if self.bucket > 0 else sorted({1, block - block // 2, block}))
-        params = [SamplingParams(max_tokens=2, temperature=0),
-                  SamplingParams(max_tokens=2, temperature=1.0, top_k=5, top_p=0.9, seed=0)]
+        params = [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),  # every step
+                  SamplingParams(max_tokens=2, temperature=1.0, top_k=5, top_p=0.9, seed=0,
+                                 ignore_eos=True)]
         for length in lengths:
             self._warm([Sequence([0] * length, params[length % 2], lambda event: None)])
         row_counts = [self.slots] if self.static else range(1, self.slots + 1)

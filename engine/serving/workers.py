@@ -2,7 +2,7 @@
 `workers` processes that share the weights' pages (copy-on-write, never written: one copy in
 memory), restarts a worker that dies, and on SIGTERM lets the workers finish what they run.
 
-    Supervisor(WorkerSpec(...), load_for_serving(cfg, source)).run()   # -> exit code
+    Supervisor(cfg, options, load_for_serving(cfg, options, device)).run()   # -> exit code
 
 Each worker runs uvicorn on the inherited socket with its own BatchEngine (its slots, its queue,
 its share of the cores). The supervisor never runs a multi-threaded torch op before forking:
@@ -25,16 +25,19 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from config import Config, ConfigError
-from engine import runtime, sources, sparse, techniques, weights
-from engine.sampling import set_weight_layout
+from engine import runtime, sources, techniques
+from engine.serving.options import ServeOptions
 from data.tokenizer import from_meta
+
+if TYPE_CHECKING:  # imported by the worker only, after the fork
+    from engine.serving.batching import BatchEngine
 
 RESTARTS_PER_MINUTE = 5  # more crashes than this in a minute: stop, something is wrong
 STOP_GRACE_S = 600.0  # after SIGTERM, running requests get this long before workers are killed
@@ -46,7 +49,7 @@ def log(text: str) -> None:
 
 
 @dataclass
-class Loaded:
+class LoadedModel:
     """A model ready to serve (on the CPU until a worker moves it), and what describes it."""
 
     model: Any
@@ -55,34 +58,27 @@ class Loaded:
     label: str
 
 
-def load_for_serving(cfg: Config, init_from: str, model_name: str = "",
-                     device: torch.device | None = None, sparse_mode: str = "auto",
-                     rows: int = 1) -> Loaded:
-    """The model generate.py would sample from (--init-from, sample.checkpoint or
-    train.out_dir; int8 layers if sample.quantize), on the CPU, with its tokenizer. Served on
-    the CPU (`device`), its weights take sample.weight_layout (and a pruned model its sparse
-    kernels, probed at `rows`) here, before any fork, so the workers share them; a GPU worker
-    does both after moving them (prepare_on_device)."""
-    source = init_from if init_from not in ("", "resume", "auto") else (
-        cfg.sample.checkpoint or cfg.train.out_dir)
-    model, meta, label = sources.load_for_inference(cfg, init_from, "cpu", "serve")
-    if (device or torch.device("cpu")).type == "cpu":
-        prepare_on_device(model, cfg, torch.device("cpu"), sparse_mode, rows)
+def load_for_serving(cfg: Config, options: ServeOptions,
+                     device: torch.device = torch.device("cpu")) -> LoadedModel:
+    """The model generate.py would sample from (options.model_source; int8 layers if
+    sample.quantize), on the CPU, with its tokenizer. Served on the CPU (`device`), its weights
+    are prepared here (prepare_for_serving), before any fork, so the workers share them; a GPU
+    worker prepares them after moving them."""
+    model, meta, label = sources.load_for_inference(cfg, options, "cpu", "serve")
+    if device.type == "cpu":
+        prepare_for_serving(model, cfg, options, device)
     step = f" (step {meta['step']})" if "step" in meta else ""
-    return Loaded(model.eval(), from_meta(meta["tokenizer"]), model_name or served_name(source),
-                  label + step)
+    name = options.model_name or served_name(options.model_source(cfg))
+    return LoadedModel(model.eval(), from_meta(meta["tokenizer"]), name, label + step)
 
 
-def prepare_on_device(model, cfg: Config, device: torch.device, sparse_mode: str,
-                      rows: int) -> None:
-    """generate.py's preparation: the weights' format (sample.weights), the weight layout, then
-    a pruned model's sparse kernels where they timed faster here (engine/sparse.py), said in
-    the log."""
-    if cfg.sample.weights != "torch":
-        log(f"weights={weights.convert(model, cfg.sample.weights, device)}")
-    set_weight_layout(model, cfg.sample.weight_layout, cfg.sample.huge_pages)
-    if note := sparse.prepare_for_inference(model, sparse_mode, device, rows):
-        log(note)
+def prepare_for_serving(model, cfg: Config, options: ServeOptions, device: torch.device) -> None:
+    """generate.py's preparation of the weights (sources.prepare_weights), a pruned model's
+    sparse kernels probed at --slots rows (a decode step's), said in the log."""
+    prepared = sources.prepare_weights(model, cfg, options, device, options.slots)
+    log(f"weights={prepared.weights}")
+    if prepared.sparse:
+        log(prepared.sparse)
 
 
 def served_name(source: str) -> str:
@@ -91,36 +87,6 @@ def served_name(source: str) -> str:
     if path.name.startswith("ckpt_") and path.parent.name:
         return path.parent.name
     return path.name or source
-
-
-@dataclass
-class WorkerSpec:
-    """What every worker is started with (the command line, resolved)."""
-
-    cfg: Config
-    host: str
-    port: int
-    workers: int
-    slots: int
-    max_queue: int
-    max_tokens: int
-    max_prompt_tokens: int  # 0: block_size
-    warmup: bool
-    idle_release_s: float
-    share_weights: bool
-    retry_after_s: int
-    access_log: bool
-    threads: int = 0  # per worker; 0: the cores split between the workers
-    init_from: str = ""
-    model_name: str = ""
-    sparse: str = "auto"  # a pruned model: engine/sparse.prepare_for_inference's mode
-    api_key: str = field(default="", repr=False)  # '' = none; never printed
-    max_body_bytes: int = 0  # 0: no limit
-    extra: dict = field(default_factory=dict)
-
-    def threads_per_worker(self) -> int:
-        cores = self.cfg.system.threads or os.cpu_count() or 1
-        return self.threads or max(1, cores // self.workers)
 
 
 def die_with_parent() -> None:
@@ -135,41 +101,47 @@ def exit_now(sig: int, frame) -> None:
     os._exit(0)
 
 
-def run_worker(spec: WorkerSpec, loaded: Loaded | None, sock: socket.socket, ready_fd: int) -> int:
+def run_worker(cfg: Config, options: ServeOptions, loaded: LoadedModel | None, sock: socket.socket,
+               ready_fd: int) -> int:
     """A worker process, after the fork: its engine and uvicorn on the shared socket."""
     import uvicorn
 
     from engine.serving.app import ServedModel, create_app
-    from engine.serving.batching import BatchEngine
 
     die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before uvicorn: end now; uvicorn takes them
         signal.signal(sig, exit_now)  # over, and raises them again once it has drained
-    torch.set_num_threads(spec.threads_per_worker())
-    cfg = spec.cfg
+    torch.set_num_threads(options.threads_per_worker(cfg))
     rt = runtime.setup(cfg.system)
-    loaded = loaded or load_for_serving(cfg, spec.init_from, spec.model_name, rt.device,
-                                        spec.sparse, spec.slots)
-    raw_model = loaded.model.to(rt.device)
-    if rt.device.type != "cpu":  # on the CPU the supervisor did it, before the fork
-        prepare_on_device(raw_model, cfg, rt.device, spec.sparse, spec.slots)
-    model, _ = techniques.compile_model(raw_model, cfg.system, rt)
-    block = raw_model.config.block_size
-    engine = BatchEngine(model, raw_model, loaded.tokenizer, rt.device, spec.slots, spec.max_queue,
-                         prompt_bucket=cfg.sample.prompt_bucket if cfg.system.compile else 0,
-                         prefill_chunk=cfg.sample.prefill_chunk,
-                         autocast=rt.autocast, static=cfg.system.compile, warmup=spec.warmup,
-                         idle_release_s=spec.idle_release_s, empty_cache=cfg.system.empty_cache,
-                         log=log)
-    served = ServedModel(loaded.name, block, raw_model.config.vocab_size,
-                         spec.max_prompt_tokens or block, spec.max_tokens, spec.retry_after_s)
+    loaded = loaded or load_for_serving(cfg, options, rt.device)
+    engine = start_engine(cfg, options, loaded, rt)
+    served = ServedModel(loaded.name, engine.block_size, engine.raw_model.config.vocab_size,
+                         options)
     app = create_app(engine, served, loaded.tokenizer, on_ready=lambda: os.write(
-        ready_fd, f"{engine.warmup_seconds:.2f}\n".encode()), api_key=spec.api_key,
-        max_body_bytes=spec.max_body_bytes)
-    config = uvicorn.Config(app, log_level="warning", access_log=spec.access_log,
+        ready_fd, f"{engine.warmup_seconds:.2f}\n".encode()))
+    config = uvicorn.Config(app, log_level="warning", access_log=options.access_log,
                             lifespan="on", timeout_graceful_shutdown=None)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def start_engine(cfg: Config, options: ServeOptions, loaded: LoadedModel,
+                 rt: runtime.Runtime) -> BatchEngine:
+    """The worker's model on its device (prepared there, unless the supervisor did it on the
+    CPU), compiled if system.compile, in a BatchEngine with the worker's slots and queue."""
+    from engine.serving.batching import BatchEngine
+
+    raw_model = loaded.model.to(rt.device)
+    if rt.device.type != "cpu":  # on the CPU the supervisor did it, before the fork
+        prepare_for_serving(raw_model, cfg, options, rt.device)
+    model, _ = techniques.compile_model(raw_model, cfg.system, rt)
+    return BatchEngine(model, raw_model, loaded.tokenizer, rt.device, options.slots,
+                       options.max_queue,
+                       prompt_bucket=cfg.sample.prompt_bucket if cfg.system.compile else 0,
+                       prefill_chunk=cfg.sample.prefill_chunk, autocast=rt.autocast,
+                       static=cfg.system.compile, warmup=options.warmup,
+                       idle_release_s=options.idle_release_s,
+                       empty_cache=cfg.system.empty_cache, log=log)
 
 
 @dataclass
@@ -184,10 +156,10 @@ class Worker:
 class Supervisor:
     """Binds the port, forks the workers, restarts the ones that die, stops on SIGTERM/SIGINT."""
 
-    def __init__(self, spec: WorkerSpec, loaded: Loaded | None):
-        """loaded: the weights the workers share (None: each worker loads its own). Loaded
+    def __init__(self, cfg: Config, options: ServeOptions, loaded: LoadedModel | None):
+        """loaded: the weights the workers share (None: each worker loads its own). LoadedModel
         with torch at one thread (see the module docstring)."""
-        self.spec, self.loaded = spec, loaded
+        self.cfg, self.options, self.loaded = cfg, options, loaded
         self.workers: dict[int, Worker] = {}
         self.crashes: list[float] = []
         self.stop_at: float | None = None
@@ -195,22 +167,22 @@ class Supervisor:
         self.sock: socket.socket | None = None
 
     def run(self) -> int:
-        spec = self.spec
+        o = self.options
         try:
-            self.sock = socket.create_server((spec.host, spec.port), backlog=2048)
+            self.sock = socket.create_server((o.host, o.port), backlog=2048)
         except OSError as e:
-            raise ConfigError(f"cannot listen on {spec.host}:{spec.port} ({e.strerror}); pass "
+            raise ConfigError(f"cannot listen on {o.host}:{o.port} ({e.strerror}); pass "
                               "another --port (0: any free one) or --host") from None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         host, port = self.sock.getsockname()[:2]
-        log(f"listening on http://{host}:{port} (workers {spec.workers} x "
-            f"{spec.threads_per_worker()} threads, {spec.slots} slots and a {spec.max_queue} "
-            f"queue each, weights {'shared' if spec.share_weights else 'one copy per worker'}; "
-            f"/v1 {'needs the API key' if spec.api_key else 'is open: no API key'})")
+        log(f"listening on http://{host}:{port} (workers {o.workers} x "
+            f"{o.threads_per_worker(self.cfg)} threads, {o.slots} slots and a {o.max_queue} "
+            f"queue each, weights {'shared' if o.share_weights else 'one copy per worker'}; "
+            f"/v1 {'needs the API key' if o.effective_api_key() else 'is open: no API key'})")
         with metrics_folder() as folder:
             log(f"metrics of every worker in {folder}")
-            for index in range(spec.workers):
+            for index in range(o.workers):
                 self._spawn(index)
             return self._watch()
 
@@ -224,7 +196,7 @@ class Supervisor:
             code = 1
             try:
                 os.close(read_fd)
-                code = run_worker(self.spec, self.loaded, self.sock, write_fd)
+                code = run_worker(self.cfg, self.options, self.loaded, self.sock, write_fd)
             except BaseException:
                 traceback.print_exc()
             finally:
