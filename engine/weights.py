@@ -8,6 +8,7 @@ perplexity (torch, float32, bfloat16, int8: int4 is asked for by name).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from config import ConfigError
 from engine import cpu_kernels
-from model import ACTIVATIONS
+from model import ACTIVATIONS, ModelConfig
 
 FORMATS = ("auto", "torch", "float32", "bfloat16", "int8", "int4")
 # within 0.5% of float32's perplexity (int4: 3%), measured by python bench.py --decode
@@ -161,13 +162,30 @@ def weight_bytes(model: nn.Module) -> int:
     return params + sum(m.nbytes() for m in model.modules() if isinstance(m, PackedLinear))
 
 
+# ModelConfig fields the decode kernel (cpu_kernels.cpp) implements or that leave a block's math
+# as it is; a field outside these away from its default (a technique the kernel lacks) sends
+# decoding through forward(), the one math path
+KERNEL_KNOWS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias",
+                "layer_norm_eps", "attention", "causal_mask", "norm", "activation",
+                "activation_impl", "vocab_pad_multiple", "activation_checkpointing", "loss"}
+
+
+def kernel_has_the_math(cfg: ModelConfig) -> bool:
+    """Whether the decode kernel computes this config's blocks: its activation, and no
+    technique beyond KERNEL_KNOWS."""
+    default = ModelConfig()
+    return ACTIVATIONS[cfg.activation].kernel_id >= 0 and all(
+        getattr(cfg, f.name) == getattr(default, f.name)
+        for f in dataclasses.fields(cfg) if f.name not in KERNEL_KNOWS)
+
+
 def fused(model: nn.Module) -> bool:
     """Whether decode can run each block as one compiled call: every block Linear packed in
     one format for one kernel path, with the kernels built, and the kernel has the model's
     activation."""
     first = model.transformer.h[0].attn.c_attn
     return (isinstance(first, PackedLinear) and first.isa != "torch"
-            and ACTIVATIONS[model.config.activation].kernel_id >= 0
+            and kernel_has_the_math(model.config)
             and all(isinstance(linear, PackedLinear) and (linear.format, linear.isa)
                     == (first.format, first.isa) for _, _, linear in linears(model)[1:]))
 

@@ -296,3 +296,15 @@ def test_one_call_decodes_some_rows_and_reads_a_prompt_into_another(built, fmt):
     torch.testing.assert_close(got[1], want_fresh[2], **block_tolerance(model))
     torch.testing.assert_close(got[2], want_fresh[6], **block_tolerance(model))
     assert all(torch.count_nonzero(k[:, 1]) == 0 for k in kv)  # row 1 untouched
+
+
+def test_the_kernel_decodes_only_the_math_it_has(monkeypatch):
+    """A ModelConfig field the kernel does not know, away from its default (a technique added
+    later), or an activation without a kernel id, sends decoding through forward()."""
+    from model import ACTIVATIONS, GeluErf, ModelConfig
+    assert weights.kernel_has_the_math(ModelConfig(activation="relu2", bias=False))
+    monkeypatch.setattr(GeluErf, "kernel_id", -1)
+    assert not weights.kernel_has_the_math(ModelConfig(activation="gelu_erf"))
+    monkeypatch.setattr(weights, "KERNEL_KNOWS", weights.KERNEL_KNOWS - {"bias"})
+    assert not weights.kernel_has_the_math(ModelConfig(bias=False))
+    assert ACTIVATIONS["gelu_tanh"].kernel_id == 0
