@@ -51,19 +51,17 @@ class AblationOptions:
     only: str = opt("", "all | FLAG,...: each flag alone against the baseline, not the chain")
     warmup_steps: int = opt(2, "untimed steps per row")
     measure_steps: int = opt(5, "timed steps per row")
-    repeat: int = opt(1, "runs of each row (fresh processes); tokens/s: the median of all "
-                      "their timed steps")
-    keep_margin: float = opt(0.03, "chain: a flag is carried into later rows only when its row "
-                             "beats the chain so far by more than this share and than twice "
-                             "the standard error of the medians' difference (else dropped)")
+    repeat: int = opt(1, "runs of each row, fresh processes, their timed steps pooled")
+    keep_margin: float = opt(0.03, "chain: a flag is kept only when its row beats the chain so "
+                             "far by more than this share and twice the noise (else dropped)")
     kernels: str = opt("auto", "CPU kernel rows after the chain (threads, inductor C++, oneDNN "
-                       "bf16; training and batch-1 decoding): auto = on CPU", ("auto", "on", "off"))
+                       "bf16): auto = on CPU", ("auto", "on", "off"))
     decode_rounds: int = opt(3, "kernels: timed batch-1 decode runs per row (medians)")
     decode_tokens: int = opt(64, "kernels: new tokens per batch-1 decode run")
-    clock: str = opt("wall", "time steps by the wall clock or this process's CPU time (CPU, "
-                     "--threads=1)", ("wall", "process"))
-    time_budget: float = opt(0.0, "seconds in all: a row still running then is stopped "
-                             "(failed), rows not started are skipped; 0: no limit")
+    clock: str = opt("wall", "the wall clock or this process's CPU time (CPU, --threads=1)",
+                     ("wall", "process"))
+    time_budget: float = opt(0.0, "seconds in all: a row running then fails, later ones are "
+                             "skipped; 0: no limit")
     ceiling_size: int = opt(0, "N of the ceiling's N^3 matmul (0: 8192 on CUDA, else 2048)")
     results: str = opt("bench_results", "folder for the outputs")
     name: str = opt("", "output file stem (default: the device, _only added for --only)")

@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 
 from engine.benchmarks import kernels
-from engine.benchmarks.report import markdown_table, pyplot, save_figure, write_report
+from engine.benchmarks.report import (markdown_table, not_measured, pyplot, save_figure,
+                                      write_report)
 
 HEADER = ["#", "step", "tok/s", "vs prev", "vs base", "ms/step (est.)", "MFU", "MFU (meas.)",
           "peak memory", "loss", "attention kernel", "note"]
@@ -39,8 +40,7 @@ def row_note(r: dict, kernels_word: str = "", bf16_units: tuple = ()) -> str:
 def cells(i: int, r: dict, ceiling: dict) -> list[str]:
     """One row of HEADER."""
     if r["status"] != "ok":
-        why = r.get("reason") or r.get("error", "")
-        return [str(i), r["label"], *["-"] * 9, f"{r['status']}: {why}"]
+        return [str(i), r["label"], *["-"] * 9, not_measured(r)]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     times = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     ms = lambda x: f"{x:,.0f}" if x >= 10 else f"{x:.2g}"  # noqa: E731

@@ -1,18 +1,14 @@
 """Decoding per weight format, `python bench.py decode`: batch-1 greedy tokens/s per format
-(sample.weights) against the memory-read limit of this machine, beside transformers and, when
-given, llama.cpp on the same weights (an outside row, in its own Python); and the formats'
-quality: perplexity on a checkpoint's held-out split and greedy agreement with the first row.
-Output: RESULTS/decode_NAME.{json,md}.
+(sample.weights) against this machine's memory-read limit, beside transformers and llama.cpp
+(GGUF files, in their own Python) on the same weights; and per format the perplexity on a
+checkpoint's held-out split and greedy agreement with the first row. RESULTS/decode_NAME.{json,md}.
 
-    python bench.py decode --name cpu                           # random GPT-2 124M weights
-    python bench.py decode --checkpoint DIR --gguf f32.gguf,q8_0.gguf \\
-        --llama-python ~/venv_llama/bin/python                  # DIR: the weights of the GGUFs
+    python bench.py decode --checkpoint DIR --gguf f32.gguf,q8_0.gguf --llama-python VENV/bin/python
     python bench.py decode --parts quality --quality out/shakespeare_char,out/gpt2_shaped
 
-The limit: each token reads every weight once (the KV cache is small beside them at these
-lengths), so tokens/s cannot pass read bandwidth / bytes per token. The bandwidth is measured
-here, by summing a buffer the size of each row's weights (a working set that fits a large cache
-reads faster than memory), with the benchmark's threads.
+The limit: each token reads every weight once, so tokens/s cannot pass read bandwidth / bytes
+per token; the bandwidth is measured with the benchmark's threads by summing a buffer the size
+of each row's weights (a working set that fits a cache reads faster than memory).
 """
 from __future__ import annotations
 
@@ -35,7 +31,7 @@ from data.loader import Batches, load_meta
 from engine import checkpoint, runtime, weights
 from engine import hf as hf_weights
 from engine.benchmarks import options
-from engine.benchmarks.report import MIB, markdown_table, write_report
+from engine.benchmarks.report import MIB, section, write_report
 from engine.benchmarks.runner import REPO_ROOT, take_turns
 from engine.sampling import generate_tokens, set_matvec, set_weight_layout
 from model import GPT, ModelConfig
@@ -50,24 +46,22 @@ DECODE_SHAPES = {
 
 @dataclass
 class DecodeOptions:
-    checkpoint: str = opt("", "the weights decoded (a checkpoint or run directory); '': random "
-                          "GPT-2 124M-shaped weights, seed 0")
-    formats: str = opt("torch,float32,bfloat16,int8,int4", "sample.weights choices, a row each "
-                       "(the first is the reference of the greedy tokens and the perplexity)")
+    checkpoint: str = opt("", "the weights decoded (a run directory); '': random GPT-2 "
+                          "124M-shaped weights, seed 0")
+    formats: str = opt("torch,float32,bfloat16,int8,int4", "sample.weights, a row each (the "
+                       "first: the reference of the greedy tokens and the perplexity)")
     prompt_tokens: int = opt(10, "prompt length (random token ids, seed 0)")
     new_tokens: int = opt(128, "greedy tokens per timed run (the prompt's prefill included)")
     rounds: int = opt(3, "timed runs per row, every row taking its turn each round; medians")
     threads: int = opt(0, "torch threads (and llama.cpp's); 0: every core")
     hf: bool = opt(True, "a transformers generate row (float32) where transformers imports")
     gguf: str = opt("", "llama.cpp rows: GGUF files of the same weights, a comma list")
-    llama_python: str = opt("", "the Python with llama-cpp-python for the GGUF rows (default: "
-                            "this one)")
+    llama_python: str = opt("", "the Python with llama-cpp-python (default: this one)")
     llama_extra_buffers: bool = opt(False, "let ggml use its extra (AMX) weight buffers (off: "
-                                    "they stopped with SIGILL on a KVM guest with AMX)")
+                                    "SIGILL on a KVM guest with AMX)")
     parts: str = opt("speed,quality", "speed (tokens/s per row) and/or quality (--quality)")
-    quality: str = opt("", "quality: checkpoints scored per format, a comma list ('': skipped)")
-    eval_batches: int = opt(20, "quality: held-out batches per checkpoint (the same for every "
-                            "format)")
+    quality: str = opt("", "quality: checkpoints scored per format, a comma list")
+    eval_batches: int = opt(20, "quality: held-out batches per checkpoint")
     eval_batch_size: int = opt(4, "quality: windows per batch (each the model's block_size)")
     agreement_tokens: int = opt(256, "quality: greedy tokens compared with the first format's")
     name: str = opt("cpu", "results go to RESULTS/decode_NAME.{md,json}")
@@ -297,10 +291,10 @@ def speed_markdown(s: dict) -> list[str]:
              f"{r['bandwidth'] / 1e9:.1f}", f"{r['ceiling']:.0f}", f"{100 * r['share']:.0f}%",
              f"{r['same_tokens']}/{s['new_tokens']}"] for r in s["rows"].values()]
     notes = "; ".join(f"{label}: {r['note']}" for label, r in s["rows"].items())
-    return [f"Batch 1, greedy, {s['model']}, a {s['prompt_tokens']}-token prompt then "
-            f"{s['new_tokens']} tokens (the prefill counted), {s['threads']} threads; medians "
-            f"of {s['rounds']} rounds, the rows taking turns.", "",
-            markdown_table(header, rows), "", f"Rows: {notes}.", ""]
+    return [*section(f"Batch 1, greedy, {s['model']}, a {s['prompt_tokens']}-token prompt then "
+                     f"{s['new_tokens']} tokens (the prefill counted), {s['threads']} threads; "
+                     f"medians of {s['rounds']} rounds, the rows taking turns.", header, rows),
+            f"Rows: {notes}.", ""]
 
 
 def quality_markdown(quality: list[dict]) -> list[str]:
@@ -311,9 +305,9 @@ def quality_markdown(quality: list[dict]) -> list[str]:
              f"{q['same_tokens']}/{q['new_tokens']}",
              "none" if q["first_difference"] is None else q["first_difference"]]
             for q in quality]
-    return [f"Quality: perplexity over {quality[0]['eval_tokens']:,} held-out tokens per "
-            "checkpoint (the same windows for every format), greedy tokens after 16 held-out "
-            "ones.", "", markdown_table(header, rows), ""]
+    return section(f"Quality: perplexity over {quality[0]['eval_tokens']:,} held-out tokens per "
+                   "checkpoint (the same windows for every format), greedy tokens after 16 "
+                   "held-out ones.", header, rows)
 
 
 def run(o: DecodeOptions, command: str) -> int:

@@ -1,16 +1,15 @@
-"""The ablation's CPU kernel rows: on the chain's best combination, what this CPU's kernels give
-for training and for batch-1 decoding, measured rather than assumed: the thread count,
-torch.compile's inductor C++ kernels (vectorized for the ISA inductor picks), and oneDNN bf16
-where the CPU runs it natively (AMX or AVX512-BF16; elsewhere the row says "not native here" and
-is not run). Each measurement is its own process, by the wall clock (the thread rows compare
-wall time; a process's CPU time would add its threads')."""
+"""The ablation's CPU kernel rows, on the chain's best combination: what this CPU's kernels give
+for training and batch-1 decoding, measured: the thread count, torch.compile's inductor C++
+kernels, and oneDNN bf16 where the CPU runs it natively (AMX or AVX512-BF16; elsewhere the row
+says "not native here" and is not run). Each in its own process, by the wall clock (a process's
+CPU time would add its threads')."""
 from __future__ import annotations
 
 import torch
 
 from config import Config, ConfigError, apply_override, from_dict
 from engine import runtime
-from engine.benchmarks.report import markdown_table
+from engine.benchmarks.report import markdown_table, not_measured
 from engine.benchmarks.runner import run_worker
 
 
@@ -76,8 +75,7 @@ def cell(row: dict, reference: dict, part: str) -> list[str]:
     if row.get("skip"):
         return ["-", "-"]
     if got.get("status") != "ok":
-        why = got.get("error", got.get("reason", ""))
-        return [f"{got.get('status', 'not run')}: {why}"[:80], "-"]
+        return [not_measured(got)[:80], "-"]
     vs = f"{got['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base.get("status") == "ok" else "-"
     return [f"{got['tokens_per_s']:,.0f}", vs]
 

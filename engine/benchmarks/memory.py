@@ -1,8 +1,8 @@
-"""The memory benchmark, `python bench.py memory [--part train,quant,loader,decode]`: train:
-peak memory and tokens/s per setting (each in its own process, built as train.py builds),
-beside the estimate; quant: an int8 model's bytes, decode tok/s, val loss; loader: batches/s;
-decode: batch-1 tok/s, ours vs transformers, against the memory-bandwidth limit.
-Output: RESULTS/memory_NAME.{json,md}."""
+"""The memory benchmark, `python bench.py memory [--part train,quant,loader,decode]`. train: peak
+memory and tokens/s per setting, each in its own process built as train.py builds, beside the
+estimate; quant: an int8 model's bytes, decode tok/s, val loss; loader: batches/s; decode:
+batch-1 tok/s, ours vs transformers, against the memory-bandwidth limit. RESULTS/memory_NAME.*
+"""
 from __future__ import annotations
 
 import copy
@@ -20,7 +20,7 @@ from config import Config, ConfigError, from_dict, load_config, opt
 from data.loader import Batches, load_meta
 from engine import checkpoint, memory, quantize, runtime
 from engine.benchmarks import decode, measure, options
-from engine.benchmarks.report import MIB, markdown_table, write_report
+from engine.benchmarks.report import MIB, markdown_table, not_measured, section, write_report
 from engine.benchmarks.runner import REPO_ROOT, run_worker, take_turns, time_left, timed
 from engine.sampling import huge_pages_for, set_matvec, set_weight_layout
 from engine.step import evaluate
@@ -101,8 +101,7 @@ def train_row(spec: dict) -> dict:
 def train_cells(r: dict) -> list[str]:
     """A train row as the cells of TRAIN_HEADER."""
     if r["status"] != "ok":
-        why = r.get("reason") or r.get("error", "")
-        return [r["setting"], f"{r['status']}{': ' + why if why else ''}", *[""] * 5]
+        return [r["setting"], not_measured(r), *[""] * 5]
     return [r["setting"], f"{r['tokens_per_s']:,.0f}",
             f"{r['step_peak'] / MIB:,.0f} ({r['estimate_step'] / MIB:,.0f})",
             f"{r['step_peak'] / r['estimate_step']:.2f}",
@@ -183,9 +182,9 @@ def quant_part(opts: MemoryOptions, config_args: list[str], rt: runtime.Runtime)
 def quant_markdown(q: dict) -> list[str]:
     rows = [[label, f"{r['weight_bytes'] / MIB:,.2f} MiB", f"{r['decode_tokens_per_s']:,.0f}",
              f"{r['val_loss']:.4f}"] for label, r in q["rows"].items()]
-    return [f"int8 weight-only ({q['layers']}, {q['quantized']} Linears, {q['params'] / 1e6:.2f}M"
-            "-parameter model):", "",
-            markdown_table(["weights", "bytes", "decode tok/s (batch 1)", "val loss"], rows), ""]
+    return section(f"int8 weight-only ({q['layers']}, {q['quantized']} Linears, "
+                   f"{q['params'] / 1e6:.2f}M-parameter model):",
+                   ["weights", "bytes", "decode tok/s (batch 1)", "val loss"], rows)
 
 
 def loader_part(cfg: Config, opts: MemoryOptions, train_rows: list[dict] | None) -> dict:
@@ -224,8 +223,8 @@ def loader_markdown(lo: dict) -> list[str]:
     rows = [[k, f"{v:,.0f}"] for k, v in lo["batches_per_s"].items()]
     if lo["trainer_batches_per_s"]:
         rows.append(["trainer consumes (baseline row)", f"{lo['trainer_batches_per_s']:,.1f}"])
-    return [f"Batches of {lo['batch'][0]}x{lo['batch'][1]} tokens produced per second (reading "
-            "alone):", "", markdown_table(["producer", "batches/s"], rows), ""]
+    return section(f"Batches of {lo['batch'][0]}x{lo['batch'][1]} tokens produced per second "
+                   "(reading alone):", ["producer", "batches/s"], rows)
 
 
 def int8_decode(ours, prompt: torch.Tensor, new: int, rt: runtime.Runtime, layers: str,
@@ -319,11 +318,10 @@ def decode_markdown(d: dict) -> list[str]:
     versus = "".join(f", {d[f'over_{name}']:.2f}x {label}" for name, label in DECODE_ROWS.items()
                      if f"over_{name}" in d)
     versus = f"; ours, the median ratio of the rounds' times{versus}" if versus else ""
-    return [f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
-            f"{d['new_tokens']} new tokens, medians of {d['rounds']} runs each taking turns "
-            f"(the same tokens from all: {d['same_tokens']}{versus}):", "",
-            markdown_table(["implementation", "tokens/s", "share of the bandwidth limit"], rows),
-            ""]
+    return section(f"Batch-1 greedy decode, {shape}, {d['prompt_tokens']}-token prompt, "
+                   f"{d['new_tokens']} new tokens, medians of {d['rounds']} runs each taking "
+                   f"turns (the same tokens from all: {d['same_tokens']}{versus}):",
+                   ["implementation", "tokens/s", "share of the bandwidth limit"], rows)
 
 
 def run(cfg: Config, opts: MemoryOptions, config_args: list[str], command: str) -> int:

@@ -14,6 +14,17 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def section(intro: str, header: list[str], rows: list[list]) -> list[str]:
+    """A page's lines for one table: the sentence that says what it holds, then the table."""
+    return [intro, "", markdown_table(header, rows), ""]
+
+
+def not_measured(row: dict) -> str:
+    """'skipped: why' or 'failed: error' for a row whose status is not ok."""
+    why = row.get("reason") or row.get("error", "")
+    return f"{row.get('status', 'not run')}: {why}" if why else row.get("status", "not run")
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 

@@ -1,14 +1,10 @@
-"""Serving under load, `python bench.py serve`: a bounded load on 127.0.0.1 against serve.py,
-continuous batching (--slots 16) beside the same load served one request at a time (--slots 1)
-at concurrency 1, 4 and 16, and the first request's time to first token (part load); 1 vs 2
-workers splitting the cores (workers); the memory (PSS) of 1, 2 and 4 workers sharing the
-weights against one copy per worker (memory); our weight formats beside outside servers
-(formats); what reading context-length prompts costs the running streams, per
-sample.prefill_chunk (prefill). Output: RESULTS/serve_NAME.{json,md}.
+"""Serving under load, `python bench.py serve`: serve.py on 127.0.0.1 with continuous batching
+beside one request at a time, per concurrency level, and the first request's TTFT (load); 1 vs 2
+workers splitting the cores (workers); the PSS of N workers sharing the weights or not (memory);
+our weight formats beside outside servers (formats); running streams' token gaps while
+context-length prompts are read, per sample.prefill_chunk (prefill). RESULTS/serve_NAME.{json,md}.
 
-    python bench.py serve --checkpoint out/shakespeare_char --threads 1 --rounds 3 \\
-        --parts load,workers                       # bench_results/serve_cpu.{md,json}
-    python bench.py serve --gpt2-shaped --parts memory --name cpu_gpt2
+    python bench.py serve --checkpoint out/shakespeare_char --threads 1 --parts load,workers
     python bench.py serve --gpt2-shaped --parts prefill --weights bfloat16 --name prefill
 """
 from __future__ import annotations
@@ -33,7 +29,7 @@ import torch
 from config import Config, opt
 from engine import checkpoint, runtime
 from engine.benchmarks import decode, options
-from engine.benchmarks.report import MIB, markdown_table, write_report
+from engine.benchmarks.report import MIB, section, write_report
 from engine.benchmarks.runner import REPO_ROOT
 from engine.serving.workers import pss_bytes
 
@@ -55,21 +51,17 @@ class ServeOptions:
     concurrency: str = opt("1,4,16", "client concurrency levels")
     requests: int = opt(36, "requests per level (the fixed mix of prompt and output lengths)")
     slots: int = opt(16, "decode slots of the batched server")
-    rounds: int = opt(2, "batched and one-at-a-time servers alternate this many times; medians")
+    rounds: int = opt(2, "the servers take turns this many times; medians")
     threads: int = opt(0, "torch threads of the server; 0 = every core")
     memory_workers: str = opt("1,2,4", "worker counts whose PSS is measured; '' = skip")
     compile: bool = opt(False, "serve with --compile (warm-up compiles every shape)")
-    weights: str = opt("float32,bfloat16,int8", "formats: our servers' sample.weights, a "
-                       "comma list, each a server")
-    outside: str = opt("", "formats: outside OpenAI-compatible servers already running on the "
-                       "same weights (vLLM, llama.cpp's), LABEL=URL comma list")
+    weights: str = opt("float32,bfloat16,int8", "formats: sample.weights, a server each")
+    outside: str = opt("", "formats: outside OpenAI-compatible servers on the same weights "
+                       "(vLLM, llama.cpp's), LABEL=URL,...")
     fixed_tokens: int = opt(64, "formats: tokens every request generates")
-    parts: str = opt("load,workers,memory", "what to measure: load (throughput, latency, "
-                     "first request), workers (1 vs 2 splitting the cores), memory (PSS), "
-                     "formats (our weight formats beside --outside servers), prefill (running "
-                     "streams' token gaps while context-length prompts are read)")
-    chunks: str = opt("0,128", "prefill: the sample.prefill_chunk settings compared, a server "
-                      "each (0 = every waiting prompt whole in one step)")
+    parts: str = opt("load,workers,memory", "a comma list of " + ", ".join(PARTS))
+    chunks: str = opt("0,128", "prefill: sample.prefill_chunk settings, a server each (0: "
+                      "every waiting prompt whole)")
     streams: int = opt(8, "prefill: streams decoding while the long prompts arrive")
     long_prompts: int = opt(4, "prefill: context-length prompts sent one after another")
     name: str = opt("cpu", "results go to RESULTS/serve_NAME.{md,json}")
@@ -77,26 +69,25 @@ class ServeOptions:
 
 
 class Server:
-    """One serve.py subprocess on a free port."""
+    """One serve.py subprocess on a free port, healthy once every worker has warmed up."""
 
     def __init__(self, args: list[str], workers: int = 1):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "serve.py"), "--port=0",
                                       *args], cwd=REPO_ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT)
-        self.started = time.perf_counter()
+        started = time.perf_counter()
         port = self._wait(r"listening on http://[\d.]+:(\d+)")
         self.url = f"http://127.0.0.1:{port}"
-        self._wait(r"ready, warm-up", count=workers)  # every worker warmed up
-        self.ready_s = time.perf_counter() - self.started
+        self._wait(r"ready, warm-up", count=workers)
+        self.ready_s = time.perf_counter() - started
         assert httpx.get(f"{self.url}/health", timeout=60).status_code == 200  # as a balancer
 
     def _wait(self, pattern: str, count: int = 1) -> str:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             text = Path(self.log.name).read_text()
-            found = re.findall(pattern, text)
-            if len(found) >= count:
+            if len(found := re.findall(pattern, text)) >= count:
                 return found[0]
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve.py exited:\n{text}")
@@ -136,19 +127,16 @@ def servers(args: dict[str, list[str]], workers: int = 1):
 def workload(n: int, gpt2: bool) -> list[dict]:
     """n greedy requests: prompts cut from the bundled text, output lengths cycled."""
     text, outputs = TEXT.read_text(), GPT2_OUTPUT_TOKENS if gpt2 else OUTPUT_TOKENS
-    jobs = []
-    for i in range(n):
-        start = (i * 997) % (len(text) - 200)
-        jobs.append({"prompt": text[start:start + PROMPT_CHARS[i % 3]], "temperature": 0,
-                     "max_tokens": outputs[(i // 3) % 3], "stream": True, "ignore_eos": True,
-                     "stream_options": {"include_usage": True}})
-    return jobs
+    starts = [(i * 997) % (len(text) - 200) for i in range(n)]
+    return [{"prompt": text[start:start + PROMPT_CHARS[i % 3]], "temperature": 0,
+             "max_tokens": outputs[(i // 3) % 3], "stream": True, "ignore_eos": True,
+             "stream_options": {"include_usage": True}} for i, start in enumerate(starts)]
 
 
 async def one_request(client: httpx.AsyncClient, body: dict,
                       arrivals: list[float] | None = None) -> dict:
-    """Stream one completion -> ttft, latency (s), tokens; error: the reason. `arrivals`, if
-    given, gets the time.perf_counter() of each chunk that carries text."""
+    """Stream one completion -> ttft, latency (s), tokens; or error. `arrivals` gets the
+    time.perf_counter() of each chunk that carries text."""
     t0 = time.perf_counter()
     ttft, tokens, done = None, 0, False
     try:
@@ -175,17 +163,21 @@ async def one_request(client: httpx.AsyncClient, body: dict,
     return {"ttft": ttft, "latency": time.perf_counter() - t0, "tokens": tokens}
 
 
+def client(url: str, connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections + 4)
+    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+
+
 async def run_load(url: str, jobs: list[dict], concurrency: int) -> list[dict]:
     """Send jobs from `concurrency` clients, each taking the next job when its last is done."""
     queue: asyncio.Queue = asyncio.Queue()
     for job in jobs:
         queue.put_nowait(job)
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with client(url, concurrency) as http:
         async def client_loop():
             while not queue.empty():
-                results.append(await one_request(client, queue.get_nowait()))
+                results.append(await one_request(http, queue.get_nowait()))
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     return results
 
@@ -195,18 +187,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def quantiles(name: str, values: list[float]) -> dict:
+    """NAME_p50_ms and NAME_p99_ms of values in seconds."""
+    ms = [1e3 * v for v in values]
+    return {f"{name}_p50_ms": statistics.median(ms), f"{name}_p99_ms": percentile(ms, .99)}
+
+
 def measured_load(url: str, jobs: list[dict], concurrency: int) -> dict:
     """run_load, summed up: req/s, tok/s, TTFT and latency p50/p99 (ms), errors."""
     t0 = time.perf_counter()
     results = asyncio.run(run_load(url, jobs, concurrency))
     wall, ok = time.perf_counter() - t0, [r for r in results if "error" not in r]
-    ttft, latency = [r["ttft"] for r in ok if r["ttft"] is not None], [r["latency"] for r in ok]
     return {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
             "req_per_s": len(ok) / wall, "tok_per_s": sum(r["tokens"] for r in ok) / wall,
-            "ttft_p50_ms": 1e3 * statistics.median(ttft),
-            "ttft_p99_ms": 1e3 * percentile(ttft, .99),
-            "latency_p50_ms": 1e3 * statistics.median(latency),
-            "latency_p99_ms": 1e3 * percentile(latency, .99)}
+            **quantiles("ttft", [r["ttft"] for r in ok if r["ttft"] is not None]),
+            **quantiles("latency", [r["latency"] for r in ok])}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -233,8 +228,8 @@ def take_turns(urls: dict[str, str], jobs: list[dict], levels: list[int], rounds
             runs[label].append({})
         for level in levels:
             for label, url in turns:
-                m = measured_load(url, [{**j, **({"model": models[label]} if models else {})}
-                                        for j in jobs], level)
+                model = {"model": models[label]} if models else {}
+                m = measured_load(url, [{**j, **model} for j in jobs], level)
                 runs[label][-1][str(level)] = m
                 print(f"  {label:<16} concurrency {level:>2}: {m['req_per_s']:.2f} req/s, "
                       f"{m['tok_per_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
@@ -256,9 +251,9 @@ async def warm_client() -> None:
         writer.close()
 
     stand_in = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = stand_in.sockets[0].getsockname()[1]
     async with stand_in:
-        await run_load(f"http://127.0.0.1:{port}", [{"prompt": "x"}], 1)
+        await run_load(f"http://127.0.0.1:{stand_in.sockets[0].getsockname()[1]}",
+                       [{"prompt": "x"}], 1)
 
 
 def request_ttft(server: Server, job: dict, when: str) -> dict:
@@ -295,28 +290,27 @@ def load_part(o: ServeOptions, ckpt: Path, base: list[str], levels: list[int]) -
 
 
 def load_markdown(report: dict) -> list[str]:
-    runs = report["runs"]
-    header = ["server", "concurrency", "req/s", "tokens/s", "vs one at a time", "TTFT p50 ms",
-              "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "errors"]
+    runs, keys = report["runs"], ("ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms",
+                                  "latency_p99_ms", "errors")
     rows = []
-    for level in report["levels"]:
-        for mode in ("batched", "one_at_a_time"):
-            m = runs[mode][str(level)]
-            ratio = m["tok_per_s"] / runs["one_at_a_time"][str(level)]["tok_per_s"]
-            rows.append([mode.replace("_", " ") + f" (slots {report['slots'][mode]})", level,
-                         f"{m['req_per_s']:.2f}", f"{m['tok_per_s']:.0f}", f"{ratio:.2f}x",
-                         *(f"{m[k]:.0f}" for k in ("ttft_p50_ms", "ttft_p99_ms",
-                                                   "latency_p50_ms", "latency_p99_ms",
-                                                   "errors"))])
+    for level, mode in ((str(level), mode) for level in report["levels"]
+                        for mode in ("batched", "one_at_a_time")):
+        m = runs[mode][level]
+        ratio = m["tok_per_s"] / runs["one_at_a_time"][level]["tok_per_s"]
+        rows.append([mode.replace("_", " ") + f" (slots {report['slots'][mode]})", level,
+                     f"{m['req_per_s']:.2f}", f"{m['tok_per_s']:.0f}", f"{ratio:.2f}x",
+                     *(f"{m[k]:.0f}" for k in keys)])
     starts = {**runs, "batched, --warmup=false": report["cold"]}
     first = [[name.replace("_", " "), f"{m['first_request_ttft_ms']:.0f}",
               f"{m['later_request_ttft_ms']:.0f}", f"{m['ready_s']:.1f}"]
              for name, m in starts.items()]
-    return [report["load"], "", markdown_table(header, rows), "",
-            "The very first request after /health is 200 against the same request sent later "
-            "from a new client (time to first token, ms; start: launch to healthy, s):", "",
-            markdown_table(["server", "first request TTFT ms", "later request TTFT ms",
-                            "start s"], first)]
+    header = ["server", "concurrency", "req/s", "tokens/s", "vs one at a time", "TTFT p50 ms",
+              "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "errors"]
+    return [*section(report["load"], header, rows),
+            *section("The very first request after /health is 200 against the same request "
+                     "sent later from a new client (time to first token, ms; start: launch to "
+                     "healthy, s):", ["server", "first request TTFT ms", "later request TTFT "
+                                      "ms", "start s"], first)]
 
 
 def workers_part(o: ServeOptions, ckpt: Path, common: list[str], levels: list[int]
@@ -335,6 +329,14 @@ def workers_part(o: ServeOptions, ckpt: Path, common: list[str], levels: list[in
     return rows
 
 
+def workers_markdown(rows: list[dict]) -> list[str]:
+    cells = [[r["workers"], r["threads"], r["slots"], r["concurrency"], f"{r['req_per_s']:.2f}",
+              f"{r['tok_per_s']:.0f}", f"{r['latency_p50_ms']:.0f}", r["errors"]] for r in rows]
+    return section("Workers splitting the cores and the slots (the same load, the top "
+                   "concurrency):", ["workers", "threads each", "slots each", "concurrency",
+                                     "req/s", "tokens/s", "latency p50 ms", "errors"], cells)
+
+
 def memory_part(o: ServeOptions, ckpt: Path) -> list[dict]:
     """Total PSS of serve.py with N workers sharing the weights, and with one copy each."""
     rows = []
@@ -351,6 +353,14 @@ def memory_part(o: ServeOptions, ckpt: Path) -> list[dict]:
             print(f"  workers {workers} shared={shared}: PSS {rows[-1]['pss_total_mib']:.0f} MiB",
                   flush=True)
     return rows
+
+
+def memory_markdown(rows: list[dict]) -> list[str]:
+    cells = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
+              f"{r['pss_total_mib']:.0f}"] for r in rows]
+    return section("Memory: total PSS (/proc/PID/smaps_rollup) of the supervisor and its "
+                   "workers, after a few requests:", ["workers", "weights", "total PSS MiB"],
+                   cells)
 
 
 def formats_part(o: ServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
@@ -374,17 +384,17 @@ def formats_part(o: ServeOptions, ckpt: Path, base: list[str], levels: list[int]
 
 
 def formats_markdown(f: dict) -> list[str]:
-    header = ["server", *(f"tok/s at {c}" for c in f["levels"]),
-              *(f"TTFT p50 ms at {c}" for c in f["levels"]), "errors"]
-    rows = [[label, *(f"{m[str(c)]['tok_per_s']:.0f}" for c in f["levels"]),
-             *(f"{m[str(c)]['ttft_p50_ms']:.0f}" for c in f["levels"]),
-             sum(m[str(c)]["errors"] for c in f["levels"])] for label, m in f["runs"].items()]
-    return [f"Formats: {f['requests']} greedy streamed requests of {f['tokens']} tokens per "
-            f"level (prompts of {'/'.join(map(str, PROMPT_CHARS))} characters), our servers "
-            f"with --slots {f['slots']}; every server up at once, taking turns at each level; "
-            "medians over the rounds. Outside: "
-            + (", ".join(f"{k} {v}" for k, v in f["outside"].items()) or "none") + ".", "",
-            markdown_table(header, rows)]
+    levels = [str(c) for c in f["levels"]]
+    header = ["server", *(f"tok/s at {c}" for c in levels),
+              *(f"TTFT p50 ms at {c}" for c in levels), "errors"]
+    rows = [[label, *(f"{m[c]['tok_per_s']:.0f}" for c in levels),
+             *(f"{m[c]['ttft_p50_ms']:.0f}" for c in levels),
+             sum(m[c]["errors"] for c in levels)] for label, m in f["runs"].items()]
+    outside = ", ".join(f"{k} {v}" for k, v in f["outside"].items()) or "none"
+    return section(f"Formats: {f['requests']} greedy streamed requests of {f['tokens']} tokens "
+                   f"per level (prompts of {'/'.join(map(str, PROMPT_CHARS))} characters), our "
+                   f"servers with --slots {f['slots']}; every server up at once, taking turns "
+                   f"at each level; medians over the rounds. Outside: {outside}.", header, rows)
 
 
 def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -405,9 +415,8 @@ async def wait_chunks(arrivals: list[list[float]], streams: list[asyncio.Task],
 
 
 def gap_figures(window: str, gaps: list[float]) -> dict:
-    ms = [1e3 * gap for gap in gaps]
-    return {f"{window}_gaps": len(ms), f"{window}_gap_p50_ms": statistics.median(ms),
-            f"{window}_gap_p99_ms": percentile(ms, .99), f"{window}_gap_max_ms": max(ms)}
+    return {f"{window}_gaps": len(gaps), **quantiles(f"{window}_gap", gaps),
+            f"{window}_gap_max_ms": 1e3 * max(gaps)}
 
 
 async def prefill_round(url: str, shape: dict, o: ServeOptions) -> dict:
@@ -418,16 +427,15 @@ async def prefill_round(url: str, shape: dict, o: ServeOptions) -> dict:
     block, vocab = shape["block_size"], shape["vocab_size"]
     body = {"temperature": 0, "max_tokens": STREAM_TOKENS, "stream": True, "ignore_eos": True}
     arrivals: list[list[float]] = [[] for _ in range(o.streams)]
-    limits = httpx.Limits(max_connections=o.streams + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with client(url, o.streams) as http:
         streams = [asyncio.create_task(one_request(
-            client, {**body, "prompt": token_prompt(8, vocab, i)}, times))
+            http, {**body, "prompt": token_prompt(8, vocab, i)}, times))
             for i, times in enumerate(arrivals)]
         try:
             running = await wait_chunks(arrivals, streams, [1] * o.streams)
             start = await wait_chunks(arrivals, streams, [len(times) + QUIET_CHUNKS
                                                           for times in arrivals])
-            longs = [await one_request(client, {**body, "max_tokens": 1, "prompt": token_prompt(
+            longs = [await one_request(http, {**body, "max_tokens": 1, "prompt": token_prompt(
                 block - LONG_MARGIN, vocab, 1000 + k)}) for k in range(o.long_prompts)]
             end = time.perf_counter()  # then each stream's gap that spans the end, too
             await wait_chunks(arrivals, streams, [len(times) + 1 for times in arrivals])
@@ -479,49 +487,23 @@ def prefill_markdown(p: dict) -> list[str]:
     rows = [[f"{c} (whole prompts)" if c == 0 else f"{c} tokens a step",
              *(f"{m[key]:.0f}" for key in PREFILL_COLUMNS.values()),
              f"{m['quiet_gaps']:.0f} / {m['reading_gaps']:.0f}"] for c, m in runs.items()]
-    lines = [f"Prefill: {p['streams']} greedy streams (8-token prompts) decode on our server "
-             f"(--weights {p['weights']}, --slots {p['slots']}); after {QUIET_CHUNKS} text "
-             f"chunks each (quiet), {p['long_prompts']} prompts of {p['prompt_tokens']} tokens "
-             "(the context) asking 1 token go one after another (reading: the gaps that overlap "
-             "that time). A gap: the time between two text chunks of one stream, at the client; "
-             "long prompt TTFT: send to its token. One server at a time; medians of "
-             f"{p['rounds_run']} rounds.", "",
-             markdown_table(["prefill chunk", *PREFILL_COLUMNS, "gaps (quiet / reading)"], rows)]
+    lines = section(
+        f"Prefill: {p['streams']} greedy streams (8-token prompts) decode on our server "
+        f"(--weights {p['weights']}, --slots {p['slots']}); after {QUIET_CHUNKS} text chunks "
+        f"each (quiet), {p['long_prompts']} prompts of {p['prompt_tokens']} tokens (the context) "
+        "asking 1 token go one after another (reading: the gaps that overlap that time). A gap: "
+        "the time between two text chunks of one stream, at the client; long prompt TTFT: send "
+        f"to its token. One server at a time; medians of {p['rounds_run']} rounds.",
+        ["prefill chunk", *PREFILL_COLUMNS, "gaps (quiet / reading)"], rows)
     if len(runs) > 1:
         (a, before), (b, after) = list(runs.items())[0], list(runs.items())[-1]
-        lines += ["", f"While the long prompts are read, a running stream waits "
+        lines += [f"While the long prompts are read, a running stream waits "
                   f"{after['reading_gap_p99_ms']:.0f} ms (p99) for its next token with prefill "
                   f"chunk {b}, against {before['reading_gap_p99_ms']:.0f} ms with chunk {a} "
                   f"(quiet: {before['quiet_gap_p99_ms']:.0f} ms); a long prompt's token takes "
                   f"{after['long_ttft_p50_ms']:.0f} ms against "
                   f"{before['long_ttft_p50_ms']:.0f} ms (p50)."]
     return lines
-
-
-def markdown(report: dict) -> str:
-    page = [f"# Serving benchmark ({report['name']})", "", f"Machine: {report['machine']}", "",
-            f"Model: {report['model']}", "", f"Command: `{report['command']}`"]
-    if "runs" in report:
-        page += ["", *load_markdown(report)]
-    if report.get("workers"):
-        rows = [[r["workers"], r["threads"], r["slots"], r["concurrency"],
-                 f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.0f}", f"{r['latency_p50_ms']:.0f}",
-                 r["errors"]] for r in report["workers"]]
-        page += ["", "Workers splitting the cores and the slots (the same load, the top "
-                 "concurrency):", "", markdown_table(["workers", "threads each", "slots each",
-                                                      "concurrency", "req/s", "tokens/s",
-                                                      "latency p50 ms", "errors"], rows)]
-    if report.get("formats"):
-        page += ["", *formats_markdown(report["formats"])]
-    if report.get("prefill"):
-        page += ["", *prefill_markdown(report["prefill"])]
-    if report.get("memory"):
-        mem = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
-                f"{r['pss_total_mib']:.0f}"] for r in report["memory"]]
-        page += ["", "Memory: total PSS (/proc/PID/smaps_rollup) of the supervisor and its "
-                 "workers, after a few requests:", "",
-                 markdown_table(["workers", "weights", "total PSS MiB"], mem)]
-    return "\n".join(page)
 
 
 def served_model(o: ServeOptions, folder: Path) -> tuple[Path, str]:
@@ -559,6 +541,13 @@ def run(o: ServeOptions, command: str) -> int:
             report["prefill"] = prefill_part(o, ckpt, base)
         if "memory" in parts and o.memory_workers:
             report["memory"] = memory_part(o, ckpt)
-    print(markdown(report))
-    write_report(report, markdown(report), o.results, f"serve_{o.name}")
+    page = [f"# Serving benchmark ({o.name})", "", f"Machine: {report['machine']}", "",
+            f"Model: {report['model']}", "", f"Command: `{command}`", "",
+            *(load_markdown(report) if "runs" in report else [])]
+    for part, to_markdown in (("workers", workers_markdown), ("formats", formats_markdown),
+                              ("prefill", prefill_markdown), ("memory", memory_markdown)):
+        if report.get(part):
+            page += to_markdown(report[part])
+    print("\n".join(page))
+    write_report(report, "\n".join(page), o.results, f"serve_{o.name}")
     return 0

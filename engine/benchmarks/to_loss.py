@@ -1,17 +1,13 @@
-"""Time to a loss, `python bench.py to-loss 1.886`: recipes trained one after another, each in a
-fresh train.py process on the same data and evaluation schedule; per recipe the wall-clock time
-from launch (start-up and evaluations included: what a user waits for) and the step at which the
-validation loss first reached the target, and a plot of val loss against wall-clock time. The
-recipes share nanoGPT's CPU recipe (char Shakespeare, 4 layers, 4 heads, 128 wide, context 64,
-batch 12, no dropout, lr 1e-3 cosine to 2000 steps); --nanogpt DIR adds a row running nanoGPT's
-own train.py from DIR with the same recipe. Output: RESULTS/to_loss_NAME.{json,md,png}.
+"""Time to a loss, `python bench.py to-loss 1.886`: each recipe in a fresh train.py process on
+nanoGPT's CPU recipe (char Shakespeare, 4 x 4 x 128, context 64, batch 12, lr 1e-3 cosine to
+2000 steps); per recipe the wall-clock time from launch to the first evaluation at or below the
+target, and a plot of val loss against time. --nanogpt DIR adds nanoGPT's own train.py as a row.
+RESULTS/to_loss_NAME.{json,md,png}.
 
-`python bench.py vs-nanogpt DIR [--rounds=2] [--max-iters=2000]` runs whole runs side by side
-instead: nanoGPT's own command for its CPU recipe and ours at the same shape and math (evaluation
-every 250 steps on 20 batches per split, a log line per step, checkpoints written), each to its
-end, taking turns (A B C C B A); the whole-run wall time from launch to exit, the median step
-time read from the log lines, and per round our time over nanoGPT's, with the median of those
-ratios. Output: RESULTS/to_loss_cpu_vs_nanogpt.{json,md}.
+`python bench.py vs-nanogpt DIR [--rounds=2] [--max-iters=2000]`: whole runs to their end, taking
+turns (A B C C B A): nanoGPT's CPU recipe and ours at the same shape and math; the wall time from
+launch to exit, the median logged step time, and the median of the per-round ratios to nanoGPT.
+RESULTS/to_loss_cpu_vs_nanogpt.{json,md}.
 """
 from __future__ import annotations
 
@@ -38,10 +34,10 @@ RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd
           "--block_size=64", "--batch_size=12", "--dropout=0", "--learning_rate=1e-3",
           "--warmup_iters=100", "--min_lr_ratio=0.1", "--beta2=0.99", "--max_iters=2000",
           "--bias=false"]
-REFERENCE = ["--attention=scratch", "--causal_mask=buffer", "--norm=scratch", "--activation_impl=scratch",
-             "--fused_adamw=false", "--loss=full", "--optimizer=adamw"]
-SPEEDUPS = ["--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native", "--activation_impl=native",
-            "--fused_adamw=true"]
+REFERENCE = ["--attention=scratch", "--causal_mask=buffer", "--norm=scratch",
+             "--activation_impl=scratch", "--fused_adamw=false", "--loss=full", "--optimizer=adamw"]
+SPEEDUPS = ["--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
+            "--activation_impl=native", "--fused_adamw=true"]
 RECIPES = {  # name -> train.py arguments
     "reference": RECIPE + REFERENCE,
     "every speedup": RECIPE + REFERENCE + SPEEDUPS,
@@ -65,10 +61,8 @@ class ToLossOptions:
     target: float = opt(0.0, "the val loss to reach (also the first bare argument)")
     recipes: str = opt("", "only these recipes, a comma list (default: all)")
     eval_every: int = opt(100, "steps between evaluations (the target is checked there)")
-    recipe_seconds: float = opt(300.0, "a recipe still short of the target after this many "
-                                "seconds is stopped (not reached)")
-    nanogpt: str = opt("", "a nanoGPT checkout with data/shakespeare_char prepared, run side by "
-                       "side as a row")
+    recipe_seconds: float = opt(300.0, "a recipe short of the target by then is stopped")
+    nanogpt: str = opt("", "a nanoGPT checkout (data/shakespeare_char prepared): a row")
     results: str = opt("bench_results", "folder for the outputs")
     name: str = opt("cpu", "outputs: RESULTS/to_loss_NAME.{json,md,png}")
 
@@ -76,8 +70,7 @@ class ToLossOptions:
 @dataclass
 class VsNanoGPTOptions:
     positional: ClassVar[str] = "nanogpt"
-    nanogpt: str = opt("", "a nanoGPT checkout with data/shakespeare_char prepared (also the "
-                       "first bare argument)")
+    nanogpt: str = opt("", "a nanoGPT checkout, data/shakespeare_char prepared (or bare)")
     rounds: int = opt(2, "rounds; each runs every program once, in turn")
     max_iters: int = opt(2000, "steps per run (nanoGPT's recipe: 2000)")
     threads: int = opt(0, "OMP_NUM_THREADS for every program; 0 = torch's default")
