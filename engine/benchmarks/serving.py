@@ -1,8 +1,9 @@
-"""Serving under load, `python bench.py serve`: serve.py on 127.0.0.1 with continuous batching
-beside one request at a time, per concurrency level, and the first request's TTFT (load); 1 vs 2
-workers splitting the cores (workers); the PSS of N workers sharing the weights or not (memory);
-our weight formats beside outside servers (formats); running streams' token gaps while
-context-length prompts are read, per sample.prefill_chunk (prefill). RESULTS/serve_NAME.{json,md}.
+"""Serving under load, `python bench.py serve`: serve.py on 127.0.0.1, in parts. load: continuous
+batching beside one request at a time per concurrency level, and the first request's TTFT;
+workers: 1 vs 2 workers splitting the cores; formats: our weight formats beside outside servers
+(vLLM, llama.cpp's); prefill: running streams' token gaps while context-length prompts are read,
+per sample.prefill_chunk; memory: the PSS of N workers sharing the weights or not.
+Results: RESULTS/serve_NAME.{json,md}.
 
     python bench.py serve --checkpoint out/shakespeare_char --threads 1 --parts load,workers
     python bench.py serve --gpt2-shaped --parts prefill --weights bfloat16 --name prefill
@@ -22,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import torch
@@ -37,91 +39,85 @@ TEXT = REPO_ROOT / "data" / "tinyshakespeare.txt"
 PROMPT_CHARS = (8, 32, 96)  # the fixed mix: request i takes PROMPT_CHARS[i % 3] ...
 OUTPUT_TOKENS = (16, 64, 128)  # ... and OUTPUT_TOKENS[(i // 3) % 3]
 GPT2_OUTPUT_TOKENS = (8, 16, 32)
-START_S = 600  # bound on a server's start-up (a compile on a busy CPU is slow)
+START_S = 600  # bound on a server's start-up
 QUIET_CHUNKS = 16  # prefill: text chunks per stream, all running, before the first long prompt
 STREAM_TOKENS = 100_000  # prefill: the streams' max_tokens; they are cut off once measured
 LONG_MARGIN = 4  # prefill: a long prompt is block_size - LONG_MARGIN tokens
-PARTS = ("load", "workers", "memory", "formats", "prefill")
+PARTS = ("load", "workers", "formats", "prefill", "memory")
 
 
 @dataclass
 class ServeOptions:
     checkpoint: str = opt("out/shakespeare_char", "the checkpoint served (the default run's)")
     gpt2_shaped: bool = opt(False, "serve a random-weight GPT-2 124M-shaped model instead")
+    parts: str = opt("load,workers,memory", "a comma list of " + ", ".join(PARTS))
     concurrency: str = opt("1,4,16", "client concurrency levels")
     requests: int = opt(36, "requests per level (the fixed mix of prompt and output lengths)")
     slots: int = opt(16, "decode slots of the batched server")
     rounds: int = opt(2, "the servers take turns this many times; medians")
     threads: int = opt(0, "torch threads of the server; 0 = every core")
-    memory_workers: str = opt("1,2,4", "worker counts whose PSS is measured; '' = skip")
-    compile: bool = opt(False, "serve with --compile (warm-up compiles every shape)")
+    memory_workers: str = opt("1,2,4", "memory: worker counts whose PSS is measured")
     weights: str = opt("float32,bfloat16,int8", "formats: sample.weights, a server each")
-    outside: str = opt("", "formats: outside OpenAI-compatible servers on the same weights "
-                       "(vLLM, llama.cpp's), LABEL=URL,...")
+    outside: str = opt("", "formats: outside OpenAI-compatible servers, LABEL=URL,...")
     fixed_tokens: int = opt(64, "formats: tokens every request generates")
-    parts: str = opt("load,workers,memory", "a comma list of " + ", ".join(PARTS))
-    chunks: str = opt("0,128", "prefill: sample.prefill_chunk settings, a server each (0: "
-                      "every waiting prompt whole)")
+    chunks: str = opt("0,128", "prefill: sample.prefill_chunk settings, a server each")
     streams: int = opt(8, "prefill: streams decoding while the long prompts arrive")
     long_prompts: int = opt(4, "prefill: context-length prompts sent one after another")
     name: str = opt("cpu", "results go to RESULTS/serve_NAME.{md,json}")
     results: str = opt("bench_results", "the results directory")
 
 
+@dataclass
 class Server:
-    """One serve.py subprocess on a free port, healthy once every worker has warmed up."""
+    url: str
+    ready_s: float  # launch to healthy
+    pid: int
 
-    def __init__(self, args: list[str], workers: int = 1):
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "serve.py"), "--port=0",
-                                      *args], cwd=REPO_ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        started = time.perf_counter()
-        port = self._wait(r"listening on http://[\d.]+:(\d+)")
-        self.url = f"http://127.0.0.1:{port}"
-        self._wait(r"ready, warm-up", count=workers)
-        self.ready_s = time.perf_counter() - started
-        assert httpx.get(f"{self.url}/health", timeout=60).status_code == 200  # as a balancer
 
-    def _wait(self, pattern: str, count: int = 1) -> str:
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            text = Path(self.log.name).read_text()
-            if len(found := re.findall(pattern, text)) >= count:
-                return found[0]
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve.py exited:\n{text}")
-            time.sleep(0.1)
-        raise RuntimeError(f"serve.py did not start in {START_S}s:\n"
-                           + Path(self.log.name).read_text())
-
-    def pss(self) -> dict[str, int]:
-        """PSS of the supervisor and each worker (its children)."""
-        pids = [self.proc.pid] + [int(p) for p in Path(
-            f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
-        return {str(pid): pss_bytes(pid) for pid in pids}
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        Path(self.log.name).unlink(missing_ok=True)
+def wait_for(proc: subprocess.Popen, log: Path, pattern: str, count: int = 1) -> str:
+    """The first match of `pattern` in serve.py's log, once it has `count` of them."""
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if len(found := re.findall(pattern, text := log.read_text())) >= count:
+            return found[0]
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve.py exited:\n{text}")
+        time.sleep(0.1)
+    raise RuntimeError(f"serve.py did not start in {START_S}s:\n{log.read_text()}")
 
 
 @contextlib.contextmanager
-def servers(args: dict[str, list[str]], workers: int = 1):
-    """label -> Server for each label's arguments, all up at once, stopped on the way out."""
-    up: dict[str, Server] = {}
-    try:
-        for label, server_args in args.items():
-            up[label] = Server(server_args, workers)
-        yield up
-    finally:
-        for server in up.values():
-            server.stop()
+def server(args: list[str], workers: int = 1) -> Iterator[Server]:
+    """serve.py on a free port, healthy once every worker has warmed up; stopped on the way out."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "serve.py"), "--port=0", *args],
+                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            started = time.perf_counter()
+            url = "http://127.0.0.1:" + wait_for(proc, Path(log.name), r"listening on .*:(\d+)")
+            wait_for(proc, Path(log.name), r"ready, warm-up", workers)
+            up = Server(url, time.perf_counter() - started, proc.pid)
+            assert asyncio.run(health(url)) == 200  # as a balancer would
+            yield up
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def servers(args: dict[str, list[str]], workers: int = 1) -> Iterator[dict[str, Server]]:
+    """label -> server(its arguments), all up at once."""
+    with contextlib.ExitStack() as stack:
+        yield {label: stack.enter_context(server(a, workers)) for label, a in args.items()}
+
+
+def serve_args(o: ServeOptions, ckpt: Path, *flags: str) -> list[str]:
+    threads = [f"--threads={o.threads}"] if o.threads else []
+    return ["--device=cpu", "--max_queue=64", f"--checkpoint={ckpt}", *threads, *flags]
 
 
 def workload(n: int, gpt2: bool) -> list[dict]:
@@ -131,6 +127,17 @@ def workload(n: int, gpt2: bool) -> list[dict]:
     return [{"prompt": text[start:start + PROMPT_CHARS[i % 3]], "temperature": 0,
              "max_tokens": outputs[(i // 3) % 3], "stream": True, "ignore_eos": True,
              "stream_options": {"include_usage": True}} for i, start in enumerate(starts)]
+
+
+def client(url: str, connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections + 4)
+    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+
+
+async def health(url: str) -> int:
+    """GET /health through the async client, whose first use is then not a request's."""
+    async with client(url, 1) as http:
+        return (await http.get("/health")).status_code
 
 
 async def one_request(client: httpx.AsyncClient, body: dict,
@@ -163,40 +170,27 @@ async def one_request(client: httpx.AsyncClient, body: dict,
     return {"ttft": ttft, "latency": time.perf_counter() - t0, "tokens": tokens}
 
 
-def client(url: str, connections: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections + 4)
-    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
-
-
-async def run_load(url: str, jobs: list[dict], concurrency: int) -> list[dict]:
-    """Send jobs from `concurrency` clients, each taking the next job when its last is done."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for job in jobs:
-        queue.put_nowait(job)
-    results: list[dict] = []
-    async with client(url, concurrency) as http:
-        async def client_loop():
-            while not queue.empty():
-                results.append(await one_request(http, queue.get_nowait()))
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return results
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def quantiles(name: str, values: list[float]) -> dict:
-    """NAME_p50_ms and NAME_p99_ms of values in seconds."""
-    ms = [1e3 * v for v in values]
-    return {f"{name}_p50_ms": statistics.median(ms), f"{name}_p99_ms": percentile(ms, .99)}
+    """NAME_p50_ms and NAME_p99_ms (the nearest rank) of values in seconds."""
+    ms = sorted(1e3 * v for v in values)
+    return {f"{name}_p50_ms": statistics.median(ms),
+            f"{name}_p99_ms": ms[round(0.99 * (len(ms) - 1))]}
 
 
 def measured_load(url: str, jobs: list[dict], concurrency: int) -> dict:
-    """run_load, summed up: req/s, tok/s, TTFT and latency p50/p99 (ms), errors."""
+    """The jobs from `concurrency` clients, each taking the next job when its last is done ->
+    req/s, tok/s, TTFT and latency p50/p99 (ms), errors."""
+    async def send() -> list[dict]:
+        queue, results = list(jobs), []
+        async with client(url, concurrency) as http:
+            async def one_client() -> None:
+                while queue:
+                    results.append(await one_request(http, queue.pop(0)))
+            await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return results
+
     t0 = time.perf_counter()
-    results = asyncio.run(run_load(url, jobs, concurrency))
+    results = asyncio.run(send())
     wall, ok = time.perf_counter() - t0, [r for r in results if "error" not in r]
     return {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
             "req_per_s": len(ok) / wall, "tok_per_s": sum(r["tokens"] for r in ok) / wall,
@@ -216,8 +210,8 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def take_turns(urls: dict[str, str], jobs: list[dict], levels: list[int], rounds: int,
-               rotate: bool = False, models: dict[str, str] | None = None) -> dict:
+def take_turns(urls: dict[str, str], jobs: dict[str, list[dict]], levels: list[int],
+               rounds: int, rotate: bool = False) -> dict[str, list[dict]]:
     """label -> one dict per round of level -> measured_load, the servers taking turns at each
     level (A B A B: load on the machine hits each alike); rotate: each round starts one later."""
     runs: dict[str, list[dict]] = {label: [] for label in urls}
@@ -228,217 +222,159 @@ def take_turns(urls: dict[str, str], jobs: list[dict], levels: list[int], rounds
             runs[label].append({})
         for level in levels:
             for label, url in turns:
-                model = {"model": models[label]} if models else {}
-                m = measured_load(url, [{**j, **model} for j in jobs], level)
-                runs[label][-1][str(level)] = m
+                m = runs[label][-1][str(level)] = measured_load(url, jobs[label], level)
                 print(f"  {label:<16} concurrency {level:>2}: {m['req_per_s']:.2f} req/s, "
                       f"{m['tok_per_s']:.0f} tok/s, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
                       f"errors {m['errors']}", flush=True)
     return runs
 
 
-async def warm_client() -> None:
-    """One streamed request to a stand-in server in this process, so the client's own first
-    use (imports, connection machinery) is not counted as a server's first request."""
-    body = (b'data: {"choices": [{"text": "x"}]}\n\ndata: {"choices": [], "usage": '
-            b'{"completion_tokens": 1}}\n\ndata: [DONE]\n\n')
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
-        await writer.drain()
-        writer.close()
-
-    stand_in = await asyncio.start_server(answer, "127.0.0.1", 0)
-    async with stand_in:
-        await run_load(f"http://127.0.0.1:{stand_in.sockets[0].getsockname()[1]}",
-                       [{"prompt": "x"}], 1)
+def figures(m: dict, keys: tuple[str, ...]) -> list[str]:
+    """A table row's cells: req/s to 2 decimals, every other figure to a whole number."""
+    return [f"{m[k]:.2f}" if k == "req_per_s" else f"{m[k]:.0f}" for k in keys]
 
 
-def request_ttft(server: Server, job: dict, when: str) -> dict:
-    """Time to first token of one request (a fresh client: each pays a new connection)."""
-    result = asyncio.run(run_load(server.url, [job], 1))[0]
-    return {f"{when}_request_ttft_ms": 1e3 * result["ttft"], "ready_s": server.ready_s}
-
-
-def load_part(o: ServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
-    """The batched and the one-at-a-time server, both up, take turns at each level in each
-    round; the first request of each before round 1; then a cold server (no warm-up)."""
+def load_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
+    """The batched and the one-at-a-time server take turns at each level in each round; first,
+    each one's first request and a later one, and those of a batched server without warm-up."""
     jobs, slots = workload(o.requests, o.gpt2_shaped), {"batched": o.slots, "one_at_a_time": 1}
-    asyncio.run(warm_client())
-    with servers({mode: [*base, f"--checkpoint={ckpt}", f"--slots={n}"]
-                  for mode, n in slots.items()}) as up:
-        first = {mode: request_ttft(server, jobs[0], "first") for mode, server in up.items()}
-        later = {mode: request_ttft(server, jobs[0], "later") for mode, server in up.items()}
-        rounds = take_turns({mode: s.url for mode, s in up.items()}, jobs, levels, o.rounds)
-    print("cold: batched, --warmup=false", flush=True)
-    with servers({"cold": [*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
-                           "--warmup=false"]}) as up:
-        cold = request_ttft(up["cold"], jobs[0], "first")
+    args = {mode: serve_args(o, ckpt, f"--slots={n}") for mode, n in slots.items()}
+    cold = "batched, --warmup=false"
+    args[cold] = serve_args(o, ckpt, f"--slots={o.slots}", "--warmup=false")
+    with servers(args) as up:
+        first = {mode: measured_load(s.url, jobs[:1], 1)["ttft_p50_ms"] for mode, s in up.items()}
         time.sleep(1)
-        cold.update(request_ttft(up["cold"], jobs[0], "later"))
-    outputs = GPT2_OUTPUT_TOKENS if o.gpt2_shaped else OUTPUT_TOKENS
-    return {"levels": levels, "slots": slots, "requests": o.requests, "cold": cold,
-            "runs": {mode: {**median_run(runs), **first[mode], **later[mode]}
-                     for mode, runs in rounds.items()}, "rounds": rounds,
-            "load": (f"Load: {o.requests} greedy streamed requests per level, prompts of "
-                     f"{'/'.join(map(str, PROMPT_CHARS))} characters cut from tinyshakespeare, "
-                     f"outputs of {'/'.join(map(str, outputs))} tokens, in a fixed mix. Both "
-                     f"servers up at once, taking turns at each level; medians of {o.rounds} "
-                     "rounds; with this few requests p99 is about the slowest.")}
-
-
-def load_markdown(report: dict) -> list[str]:
-    runs, keys = report["runs"], ("ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms",
-                                  "latency_p99_ms", "errors")
-    rows = []
-    for level, mode in ((str(level), mode) for level in report["levels"]
-                        for mode in ("batched", "one_at_a_time")):
-        m = runs[mode][level]
-        ratio = m["tok_per_s"] / runs["one_at_a_time"][level]["tok_per_s"]
-        rows.append([mode.replace("_", " ") + f" (slots {report['slots'][mode]})", level,
-                     f"{m['req_per_s']:.2f}", f"{m['tok_per_s']:.0f}", f"{ratio:.2f}x",
-                     *(f"{m[k]:.0f}" for k in keys)])
-    starts = {**runs, "batched, --warmup=false": report["cold"]}
-    first = [[name.replace("_", " "), f"{m['first_request_ttft_ms']:.0f}",
-              f"{m['later_request_ttft_ms']:.0f}", f"{m['ready_s']:.1f}"]
-             for name, m in starts.items()]
+        starts = {mode: {"first_request_ttft_ms": first[mode], "ready_s": s.ready_s,
+                         "later_request_ttft_ms": measured_load(s.url, jobs[:1], 1)["ttft_p50_ms"]}
+                  for mode, s in up.items()}
+        rounds = take_turns({mode: up[mode].url for mode in slots}, dict.fromkeys(slots, jobs),
+                            levels, o.rounds)
+    runs = {mode: {**median_run(rounds[mode]), **starts[mode]} for mode in slots}
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "latency_p99_ms", "errors")
+    rows = [[mode.replace("_", " ") + f" (slots {n})", level,
+             *figures(runs[mode][level], ("req_per_s", "tok_per_s")),
+             f"{runs[mode][level]['tok_per_s'] / runs['one_at_a_time'][level]['tok_per_s']:.2f}x",
+             *figures(runs[mode][level], keys)]
+            for level in map(str, levels) for mode, n in slots.items()]
+    outputs = "/".join(map(str, GPT2_OUTPUT_TOKENS if o.gpt2_shaped else OUTPUT_TOKENS))
+    intro = (f"Load: {o.requests} greedy streamed requests per level, prompts of "
+             f"{'/'.join(map(str, PROMPT_CHARS))} characters cut from tinyshakespeare, outputs "
+             f"of {outputs} tokens, in a fixed mix. Both servers up at once, taking turns at each "
+             f"level; medians of {o.rounds} rounds; with this few requests p99 is the slowest.")
     header = ["server", "concurrency", "req/s", "tokens/s", "vs one at a time", "TTFT p50 ms",
               "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "errors"]
-    return [*section(report["load"], header, rows),
-            *section("The very first request after /health is 200 against the same request "
-                     "sent later from a new client (time to first token, ms; start: launch to "
-                     "healthy, s):", ["server", "first request TTFT ms", "later request TTFT "
-                                      "ms", "start s"], first)]
+    start_keys = ("first_request_ttft_ms", "later_request_ttft_ms")
+    start_rows = [[mode.replace("_", " "), *figures(m, start_keys), f"{m['ready_s']:.1f}"]
+                  for mode, m in {**runs, cold: starts[cold]}.items()]
+    return ({"levels": levels, "slots": slots, "requests": o.requests, "cold": starts[cold],
+             "runs": runs, "rounds": rounds},
+            [*section(intro, header, rows),
+             *section("The first request after /health is 200 against the same request sent "
+                      "later from a new client (TTFT ms; start: launch to healthy, s):",
+                      ["server", "first request TTFT ms", "later request TTFT ms", "start s"],
+                      start_rows)])
 
 
-def workers_part(o: ServeOptions, ckpt: Path, common: list[str], levels: list[int]
-                 ) -> list[dict]:
+def workers_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
     """Throughput of 1 and 2 workers splitting the cores and the slots, at the top concurrency."""
-    rows, cores, jobs = [], os.cpu_count() or 1, workload(o.requests, o.gpt2_shaped)
+    rows, jobs = [], workload(o.requests, o.gpt2_shaped)
     for workers in (1, 2):
-        threads, slots = max(1, cores // workers), max(1, o.slots // workers)
-        with servers({"w": [*common, f"--checkpoint={ckpt}", f"--workers={workers}",
-                            f"--threads={threads}", f"--slots={slots}"]}, workers) as up:
+        threads, slots = max(1, (os.cpu_count() or 1) // workers), max(1, o.slots // workers)
+        with server(serve_args(o, ckpt, f"--workers={workers}", f"--threads={threads}",
+                               f"--slots={slots}"), workers) as up:
             rows.append({"workers": workers, "threads": threads, "slots": slots,
-                         "concurrency": max(levels),
-                         **measured_load(up["w"].url, jobs, max(levels))})
-        print(f"  workers {workers} x {threads} threads: {rows[-1]['tok_per_s']:.0f} tok/s",
-              flush=True)
-    return rows
+                         "concurrency": max(levels), **measured_load(up.url, jobs, max(levels))})
+        print(f"  workers {workers} x {threads} threads: {rows[-1]['tok_per_s']:.0f} tok/s")
+    columns = {"workers": "workers", "threads each": "threads", "slots each": "slots",
+               "concurrency": "concurrency", "req/s": "req_per_s", "tokens/s": "tok_per_s",
+               "latency p50 ms": "latency_p50_ms", "errors": "errors"}
+    return {"workers": rows}, section(
+        "Workers splitting the cores and the slots (the same load, the top concurrency):",
+        list(columns), [figures(r, tuple(columns.values())) for r in rows])
 
 
-def workers_markdown(rows: list[dict]) -> list[str]:
-    cells = [[r["workers"], r["threads"], r["slots"], r["concurrency"], f"{r['req_per_s']:.2f}",
-              f"{r['tok_per_s']:.0f}", f"{r['latency_p50_ms']:.0f}", r["errors"]] for r in rows]
-    return section("Workers splitting the cores and the slots (the same load, the top "
-                   "concurrency):", ["workers", "threads each", "slots each", "concurrency",
-                                     "req/s", "tokens/s", "latency p50 ms", "errors"], cells)
-
-
-def memory_part(o: ServeOptions, ckpt: Path) -> list[dict]:
+def memory_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
     """Total PSS of serve.py with N workers sharing the weights, and with one copy each."""
     rows = []
-    for workers in (int(n) for n in options.comma_list(o.memory_workers)):
+    for workers in map(int, options.comma_list(o.memory_workers)):
         for shared in (True, False):
-            with servers({"m": ["--device=cpu", f"--checkpoint={ckpt}", f"--workers={workers}",
-                                "--threads=1", "--slots=4", f"--share-weights={shared}"]},
-                         workers) as up:
-                asyncio.run(run_load(up["m"].url, workload(2 * workers, o.gpt2_shaped),
-                                     2 * workers))
-                pss = up["m"].pss()
-            rows.append({"workers": workers, "shared": shared, "pss_total_mib": sum(
-                pss.values()) / MIB, "pss_mib": {pid: v / MIB for pid, v in pss.items()}})
-            print(f"  workers {workers} shared={shared}: PSS {rows[-1]['pss_total_mib']:.0f} MiB",
-                  flush=True)
-    return rows
-
-
-def memory_markdown(rows: list[dict]) -> list[str]:
+            with server(["--device=cpu", f"--checkpoint={ckpt}", f"--workers={workers}",
+                         "--threads=1", "--slots=4", f"--share-weights={shared}"],
+                        workers) as up:
+                measured_load(up.url, workload(2 * workers, o.gpt2_shaped), 2 * workers)
+                pids = [up.pid, *map(int, Path(
+                    f"/proc/{up.pid}/task/{up.pid}/children").read_text().split())]
+                pss = {str(pid): pss_bytes(pid) / MIB for pid in pids}
+            rows.append({"workers": workers, "shared": shared,
+                         "pss_total_mib": sum(pss.values()), "pss_mib": pss})
+            print(f"  workers {workers} shared={shared}: PSS {sum(pss.values()):.0f} MiB")
     cells = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
               f"{r['pss_total_mib']:.0f}"] for r in rows]
-    return section("Memory: total PSS (/proc/PID/smaps_rollup) of the supervisor and its "
-                   "workers, after a few requests:", ["workers", "weights", "total PSS MiB"],
-                   cells)
+    return {"memory": rows}, section(
+        "Memory: total PSS (/proc/PID/smaps_rollup) of the supervisor and its workers, after a "
+        "few requests:", ["workers", "weights", "total PSS MiB"], cells)
 
 
-def formats_part(o: ServeOptions, ckpt: Path, base: list[str], levels: list[int]) -> dict:
-    """Our server once per weight format beside the --outside servers, all up at once and taking
-    turns at each level (each round starting one server later), on one load: --requests greedy
-    requests of --fixed-tokens tokens each."""
+def formats_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
+    """Our server per weight format beside the --outside servers, all up at once, taking turns
+    at each level (each round starting one server later): greedy requests of --fixed-tokens."""
     outside = dict(item.split("=", 1) for item in options.comma_list(o.outside))
     jobs = [{**job, "max_tokens": o.fixed_tokens} for job in workload(o.requests, o.gpt2_shaped)]
-    asyncio.run(warm_client())
-    with servers({f"ours {fmt}": [*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
-                                  f"--weights={fmt}"]
+    with servers({f"ours {fmt}": serve_args(o, ckpt, f"--slots={o.slots}", f"--weights={fmt}")
                   for fmt in options.comma_list(o.weights)}) as ours:
         urls = {**{label: s.url for label, s in ours.items()}, **outside}
-        # the model id each lists first (GET /v1/models): outside servers want it named
+        # the model id each lists first: outside servers want it named
         models = {label: httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
                   for label, url in urls.items()}
-        rounds = take_turns(urls, jobs, levels, o.rounds, rotate=True, models=models)
-    return {"levels": levels, "requests": o.requests, "tokens": o.fixed_tokens,
-            "slots": o.slots, "outside": outside, "models": models,
-            "runs": {label: median_run(runs) for label, runs in rounds.items()}}
-
-
-def formats_markdown(f: dict) -> list[str]:
-    levels = [str(c) for c in f["levels"]]
-    header = ["server", *(f"tok/s at {c}" for c in levels),
-              *(f"TTFT p50 ms at {c}" for c in levels), "errors"]
-    rows = [[label, *(f"{m[c]['tok_per_s']:.0f}" for c in levels),
-             *(f"{m[c]['ttft_p50_ms']:.0f}" for c in levels),
-             sum(m[c]["errors"] for c in levels)] for label, m in f["runs"].items()]
-    outside = ", ".join(f"{k} {v}" for k, v in f["outside"].items()) or "none"
-    return section(f"Formats: {f['requests']} greedy streamed requests of {f['tokens']} tokens "
-                   f"per level (prompts of {'/'.join(map(str, PROMPT_CHARS))} characters), our "
-                   f"servers with --slots {f['slots']}; every server up at once, taking turns "
-                   f"at each level; medians over the rounds. Outside: {outside}.", header, rows)
-
-
-def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
-    """A prompt of `length` token ids spread over the vocabulary (any tokenizer takes it)."""
-    return [(seed * 7919 + 31 * i) % vocab for i in range(length)]
+        rounds = take_turns(urls, {label: [{**job, "model": models[label]} for job in jobs]
+                                   for label in urls}, levels, o.rounds, rotate=True)
+    runs = {label: median_run(r) for label, r in rounds.items()}
+    at = [str(c) for c in levels]
+    header = ["server", *(f"tok/s at {c}" for c in at), *(f"TTFT p50 ms at {c}" for c in at),
+              "errors"]
+    rows = [[label, *(f"{m[c]['tok_per_s']:.0f}" for c in at),
+             *(f"{m[c]['ttft_p50_ms']:.0f}" for c in at), sum(m[c]["errors"] for c in at)]
+            for label, m in runs.items()]
+    named = ", ".join(f"{k} {v}" for k, v in outside.items()) or "none"
+    intro = (f"Formats: {o.requests} greedy streamed requests of {o.fixed_tokens} tokens per "
+             f"level, our servers with --slots {o.slots}; every server up at once, taking turns "
+             f"at each level; medians over the rounds. Outside: {named}.")
+    return ({"formats": {"levels": levels, "requests": o.requests, "tokens": o.fixed_tokens,
+                         "slots": o.slots, "outside": outside, "models": models, "runs": runs}},
+            section(intro, header, rows))
 
 
 async def wait_chunks(arrivals: list[list[float]], streams: list[asyncio.Task],
                       targets: list[int]) -> float:
     """Wait until stream i has had targets[i] text chunks -> the time then. A stream that has
     ended is an error: it would leave the window it was to measure."""
-    while True:
+    while not all(len(times) >= n for times, n in zip(arrivals, targets)):
         if ended := [task.result() for task in streams if task.done()]:
             raise RuntimeError(f"a stream ended before it was measured: {ended[0]}")
-        if all(len(times) >= n for times, n in zip(arrivals, targets)):
-            return time.perf_counter()
         await asyncio.sleep(0.01)
+    return time.perf_counter()
 
 
-def gap_figures(window: str, gaps: list[float]) -> dict:
-    return {f"{window}_gaps": len(gaps), **quantiles(f"{window}_gap", gaps),
-            f"{window}_gap_max_ms": 1e3 * max(gaps)}
-
-
-async def prefill_round(url: str, shape: dict, o: ServeOptions) -> dict:
+async def prefill_round(url: str, block: int, vocab: int, o: ServeOptions) -> dict:
     """--streams greedy streams, once all running, get QUIET_CHUNKS more text chunks each, then
-    --long-prompts prompts of the context minus LONG_MARGIN tokens (1 token asked) go one after
-    another -> the gaps between the streams' chunks before them (quiet) and overlapping the
-    time they took (reading), and the long prompts' time to their token (send to [DONE])."""
-    block, vocab = shape["block_size"], shape["vocab_size"]
+    --long-prompts prompts of block - LONG_MARGIN tokens (1 token asked) go one after another ->
+    the streams' gaps between chunks before them (quiet) and overlapping them (reading), and the
+    long prompts' time to their token (send to [DONE])."""
+    def prompt(length: int, seed: int) -> list[int]:  # token ids any tokenizer takes
+        return [(seed * 7919 + 31 * i) % vocab for i in range(length)]
+
     body = {"temperature": 0, "max_tokens": STREAM_TOKENS, "stream": True, "ignore_eos": True}
     arrivals: list[list[float]] = [[] for _ in range(o.streams)]
     async with client(url, o.streams) as http:
-        streams = [asyncio.create_task(one_request(
-            http, {**body, "prompt": token_prompt(8, vocab, i)}, times))
-            for i, times in enumerate(arrivals)]
+        streams = [asyncio.create_task(one_request(http, {**body, "prompt": prompt(8, i)}, times))
+                   for i, times in enumerate(arrivals)]
         try:
             running = await wait_chunks(arrivals, streams, [1] * o.streams)
-            start = await wait_chunks(arrivals, streams, [len(times) + QUIET_CHUNKS
-                                                          for times in arrivals])
-            longs = [await one_request(http, {**body, "max_tokens": 1, "prompt": token_prompt(
-                block - LONG_MARGIN, vocab, 1000 + k)}) for k in range(o.long_prompts)]
+            start = await wait_chunks(arrivals, streams, [len(t) + QUIET_CHUNKS for t in arrivals])
+            longs = [await one_request(http, {**body, "max_tokens": 1, "prompt": prompt(
+                block - LONG_MARGIN, 1000 + k)}) for k in range(o.long_prompts)]
             end = time.perf_counter()  # then each stream's gap that spans the end, too
-            await wait_chunks(arrivals, streams, [len(times) + 1 for times in arrivals])
+            await wait_chunks(arrivals, streams, [len(t) + 1 for t in arrivals])
         finally:
             for task in streams:
                 task.cancel()
@@ -446,33 +382,14 @@ async def prefill_round(url: str, shape: dict, o: ServeOptions) -> dict:
     if errors := [r["error"] for r in longs if "error" in r]:
         raise RuntimeError(f"long prompts failed: {errors}")
     gaps = [(a, b) for times in arrivals for a, b in zip(times, times[1:])]
-    return {**gap_figures("quiet", [b - a for a, b in gaps if a >= running and b <= start]),
-            **gap_figures("reading", [b - a for a, b in gaps if b > start and a < end]),
-            "long_ttft_p50_ms": 1e3 * statistics.median(r["latency"] for r in longs),
-            "long_requests": len(longs), "reading_s": end - start}
-
-
-def prefill_part(o: ServeOptions, ckpt: Path, base: list[str]) -> dict:
-    """Per round, our server once per prefill chunk setting, one up at a time (two would share
-    the cores), each measured by prefill_round; medians over the rounds."""
-    shape = json.loads((ckpt / "config.json").read_text())["model"]
-    chunks, weights = options.comma_list(o.chunks), options.comma_list(o.weights)[0]
-    rounds: dict[str, list[dict]] = {chunk: [] for chunk in chunks}
-    asyncio.run(warm_client())
-    for _ in range(o.rounds):
-        for chunk in chunks:
-            with servers({"p": [*base, f"--checkpoint={ckpt}", f"--slots={o.slots}",
-                                f"--weights={weights}", f"--sample.prefill_chunk={chunk}",
-                                f"--max-tokens-limit={STREAM_TOKENS}"]}) as up:
-                rounds[chunk].append(asyncio.run(prefill_round(up["p"].url, shape, o)))
-            m = rounds[chunk][-1]
-            print(f"  prefill chunk {chunk:>4}: gap p99 {m['quiet_gap_p99_ms']:.0f} ms quiet, "
-                  f"{m['reading_gap_p99_ms']:.0f} ms reading; long TTFT p50 "
-                  f"{m['long_ttft_p50_ms']:.0f} ms", flush=True)
-    return {"chunks": [int(c) for c in chunks], "streams": o.streams, "weights": weights,
-            "long_prompts": o.long_prompts, "prompt_tokens": shape["block_size"] - LONG_MARGIN,
-            "slots": o.slots, "rounds_run": o.rounds, "rounds": rounds,
-            "runs": {chunk: median_run(runs) for chunk, runs in rounds.items()}}
+    out = {"long_ttft_p50_ms": 1e3 * statistics.median(r["latency"] for r in longs),
+           "long_requests": len(longs), "reading_s": end - start}
+    for window, inside in (("quiet", lambda a, b: a >= running and b <= start),
+                           ("reading", lambda a, b: b > start and a < end)):
+        window_gaps = [b - a for a, b in gaps if inside(a, b)]
+        out.update({f"{window}_gaps": len(window_gaps), **quantiles(f"{window}_gap", window_gaps),
+                    f"{window}_gap_max_ms": 1e3 * max(window_gaps)})
+    return out
 
 
 PREFILL_COLUMNS = {"quiet gap p50 ms": "quiet_gap_p50_ms", "quiet gap p99 ms": "quiet_gap_p99_ms",
@@ -482,28 +399,45 @@ PREFILL_COLUMNS = {"quiet gap p50 ms": "quiet_gap_p50_ms", "quiet gap p99 ms": "
                    "long prompt TTFT p50 ms": "long_ttft_p50_ms"}
 
 
-def prefill_markdown(p: dict) -> list[str]:
-    runs = {c: p["runs"][str(c)] for c in p["chunks"]}
-    rows = [[f"{c} (whole prompts)" if c == 0 else f"{c} tokens a step",
-             *(f"{m[key]:.0f}" for key in PREFILL_COLUMNS.values()),
+def prefill_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
+    """Per round, our server once per prefill chunk setting, one up at a time (two would share
+    the cores), each measured by prefill_round; medians over the rounds."""
+    shape = json.loads((ckpt / "config.json").read_text())["model"]
+    chunks, weights = options.comma_list(o.chunks), options.comma_list(o.weights)[0]
+    rounds: dict[str, list[dict]] = {chunk: [] for chunk in chunks}
+    for _ in range(o.rounds):
+        for chunk in chunks:
+            with server(serve_args(o, ckpt, f"--slots={o.slots}", f"--weights={weights}",
+                                   f"--sample.prefill_chunk={chunk}",
+                                   f"--max-tokens-limit={STREAM_TOKENS}")) as up:
+                m = asyncio.run(prefill_round(up.url, shape["block_size"], shape["vocab_size"], o))
+            rounds[chunk].append(m)
+            print(f"  prefill chunk {chunk:>4}: gap p99 {m['quiet_gap_p99_ms']:.0f} ms quiet, "
+                  f"{m['reading_gap_p99_ms']:.0f} ms reading", flush=True)
+    runs = {chunk: median_run(r) for chunk, r in rounds.items()}
+    rows = [[f"{c} (whole prompts)" if c == "0" else f"{c} tokens a step",
+             *figures(m, tuple(PREFILL_COLUMNS.values())),
              f"{m['quiet_gaps']:.0f} / {m['reading_gaps']:.0f}"] for c, m in runs.items()]
     lines = section(
-        f"Prefill: {p['streams']} greedy streams (8-token prompts) decode on our server "
-        f"(--weights {p['weights']}, --slots {p['slots']}); after {QUIET_CHUNKS} text chunks "
-        f"each (quiet), {p['long_prompts']} prompts of {p['prompt_tokens']} tokens (the context) "
-        "asking 1 token go one after another (reading: the gaps that overlap that time). A gap: "
-        "the time between two text chunks of one stream, at the client; long prompt TTFT: send "
-        f"to its token. One server at a time; medians of {p['rounds_run']} rounds.",
+        f"Prefill: {o.streams} greedy streams (8-token prompts) decode on our server (--weights "
+        f"{weights}, --slots {o.slots}); after {QUIET_CHUNKS} text chunks each (quiet), "
+        f"{o.long_prompts} prompts of {shape['block_size'] - LONG_MARGIN} tokens asking 1 token "
+        "go one after another (reading: the gaps that overlap that time). A gap: the time between "
+        "two text chunks of one stream, at the client; long prompt TTFT: send to its token. One "
+        f"server at a time; medians of {o.rounds} rounds.",
         ["prefill chunk", *PREFILL_COLUMNS, "gaps (quiet / reading)"], rows)
     if len(runs) > 1:
         (a, before), (b, after) = list(runs.items())[0], list(runs.items())[-1]
-        lines += [f"While the long prompts are read, a running stream waits "
-                  f"{after['reading_gap_p99_ms']:.0f} ms (p99) for its next token with prefill "
-                  f"chunk {b}, against {before['reading_gap_p99_ms']:.0f} ms with chunk {a} "
-                  f"(quiet: {before['quiet_gap_p99_ms']:.0f} ms); a long prompt's token takes "
-                  f"{after['long_ttft_p50_ms']:.0f} ms against "
-                  f"{before['long_ttft_p50_ms']:.0f} ms (p50)."]
-    return lines
+        lines.append(f"While the long prompts are read, a running stream waits "
+                     f"{after['reading_gap_p99_ms']:.0f} ms (p99) for its next token with prefill "
+                     f"chunk {b}, against {before['reading_gap_p99_ms']:.0f} ms with chunk {a} "
+                     f"(quiet: {before['quiet_gap_p99_ms']:.0f} ms); a long prompt's token takes "
+                     f"{after['long_ttft_p50_ms']:.0f} ms against "
+                     f"{before['long_ttft_p50_ms']:.0f} ms (p50).")
+    return {"prefill": {"chunks": [int(c) for c in chunks], "streams": o.streams,
+                        "weights": weights, "long_prompts": o.long_prompts,
+                        "prompt_tokens": shape["block_size"] - LONG_MARGIN, "slots": o.slots,
+                        "rounds_run": o.rounds, "rounds": rounds, "runs": runs}}, lines
 
 
 def served_model(o: ServeOptions, folder: Path) -> tuple[Path, str]:
@@ -522,32 +456,24 @@ def served_model(o: ServeOptions, folder: Path) -> tuple[Path, str]:
 
 def run(o: ServeOptions, command: str) -> int:
     """The parts asked for; the page to stdout and RESULTS/serve_NAME.{json,md}."""
-    parts = options.check_list(o, "parts", PARTS)
+    asked = options.check_list(o, "parts", PARTS)
     levels = [int(c) for c in options.comma_list(o.concurrency)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # servers stopped on the way out
     report = {"name": o.name, "machine": runtime.machine_line(torch.device("cpu")),
               "command": command}
+    page: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, report["model"] = served_model(o, Path(tmp))
-        common = ["--device=cpu", "--max_queue=64", *(["--compile=true"] if o.compile else [])]
-        base = [*common, *([f"--threads={o.threads}"] if o.threads else [])]
-        if "load" in parts:
-            report.update(load_part(o, ckpt, base, levels))
-        if "workers" in parts:
-            report["workers"] = workers_part(o, ckpt, common, levels)
-        if "formats" in parts:
-            report["formats"] = formats_part(o, ckpt, base, levels)
-        if "prefill" in parts:
-            report["prefill"] = prefill_part(o, ckpt, base)
-        if "memory" in parts and o.memory_workers:
-            report["memory"] = memory_part(o, ckpt)
+        for part in (p for p in PARTS if p in asked):
+            data, lines = MEASURE[part](o, ckpt, levels)
+            report.update(data)
+            page += lines
     page = [f"# Serving benchmark ({o.name})", "", f"Machine: {report['machine']}", "",
-            f"Model: {report['model']}", "", f"Command: `{command}`", "",
-            *(load_markdown(report) if "runs" in report else [])]
-    for part, to_markdown in (("workers", workers_markdown), ("formats", formats_markdown),
-                              ("prefill", prefill_markdown), ("memory", memory_markdown)):
-        if report.get(part):
-            page += to_markdown(report[part])
+            f"Model: {report['model']}", "", f"Command: `{command}`", "", *page]
     print("\n".join(page))
     write_report(report, "\n".join(page), o.results, f"serve_{o.name}")
     return 0
+
+
+MEASURE = {"load": load_part, "workers": workers_part, "formats": formats_part,
+           "prefill": prefill_part, "memory": memory_part}
