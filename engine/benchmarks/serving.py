@@ -1,9 +1,7 @@
-"""Serving under load, `python bench.py serve`: serve.py on 127.0.0.1, in parts. load: continuous
-batching beside one request at a time per concurrency level, and the first request's TTFT;
-workers: 1 vs 2 workers splitting the cores; formats: our weight formats beside outside servers
-(vLLM, llama.cpp's); prefill: running streams' token gaps while context-length prompts are read,
-per sample.prefill_chunk; memory: the PSS of N workers sharing the weights or not.
-Results: RESULTS/serve_NAME.{json,md}.
+"""Serving under load, `python bench.py serve`, one part each (RESULTS/serve_NAME.{json,md}):
+load (batching beside one request at a time; the first request), workers (1 vs 2 splitting the
+cores), formats (our weight formats beside outside servers such as vLLM), prefill (running
+streams' token gaps while long prompts are read, per prefill chunk), memory (PSS of N workers).
 
     python bench.py serve --checkpoint out/shakespeare_char --threads 1 --parts load,workers
     python bench.py serve --gpt2-shaped --parts prefill --weights bfloat16 --name prefill
@@ -144,30 +142,22 @@ async def one_request(client: httpx.AsyncClient, body: dict,
                       arrivals: list[float] | None = None) -> dict:
     """Stream one completion -> ttft, latency (s), tokens; or error. `arrivals` gets the
     time.perf_counter() of each chunk that carries text."""
-    t0 = time.perf_counter()
-    ttft, tokens, done = None, 0, False
+    t0, tokens, arrivals = time.perf_counter(), 0, [] if arrivals is None else arrivals
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}"}
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if done := line == "data: [DONE]":
-                    break
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    now = time.perf_counter()
-                    ttft = now - t0 if ttft is None else ttft
-                    if arrivals is not None:
-                        arrivals.append(now)
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                if line == "data: [DONE]":
+                    return {"ttft": arrivals[0] - t0 if arrivals else None, "tokens": tokens,
+                            "latency": time.perf_counter() - t0}
+                chunk = json.loads(line[6:]) if line.startswith("data: ") else {}
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    arrivals.append(time.perf_counter())
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     except httpx.HTTPError as e:
         return {"error": type(e).__name__}
-    if not done:
-        return {"error": "no [DONE]"}
-    return {"ttft": ttft, "latency": time.perf_counter() - t0, "tokens": tokens}
+    return {"error": "no [DONE]"}
 
 
 def quantiles(name: str, values: list[float]) -> dict:
@@ -344,17 +334,6 @@ def formats_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, 
             section(intro, header, rows))
 
 
-async def wait_chunks(arrivals: list[list[float]], streams: list[asyncio.Task],
-                      targets: list[int]) -> float:
-    """Wait until stream i has had targets[i] text chunks -> the time then. A stream that has
-    ended is an error: it would leave the window it was to measure."""
-    while not all(len(times) >= n for times, n in zip(arrivals, targets)):
-        if ended := [task.result() for task in streams if task.done()]:
-            raise RuntimeError(f"a stream ended before it was measured: {ended[0]}")
-        await asyncio.sleep(0.01)
-    return time.perf_counter()
-
-
 async def prefill_round(url: str, block: int, vocab: int, o: ServeOptions) -> dict:
     """--streams greedy streams, once all running, get QUIET_CHUNKS more text chunks each, then
     --long-prompts prompts of block - LONG_MARGIN tokens (1 token asked) go one after another ->
@@ -363,18 +342,25 @@ async def prefill_round(url: str, block: int, vocab: int, o: ServeOptions) -> di
     def prompt(length: int, seed: int) -> list[int]:  # token ids any tokenizer takes
         return [(seed * 7919 + 31 * i) % vocab for i in range(length)]
 
+    async def wait(more: int) -> float:  # until every stream has `more` chunks more -> when
+        targets = [len(times) + more for times in arrivals]
+        while not all(len(times) >= n for times, n in zip(arrivals, targets)):
+            if ended := [task.result() for task in streams if task.done()]:  # left its window
+                raise RuntimeError(f"a stream ended before it was measured: {ended[0]}")
+            await asyncio.sleep(0.01)
+        return time.perf_counter()
+
     body = {"temperature": 0, "max_tokens": STREAM_TOKENS, "stream": True, "ignore_eos": True}
     arrivals: list[list[float]] = [[] for _ in range(o.streams)]
     async with client(url, o.streams) as http:
         streams = [asyncio.create_task(one_request(http, {**body, "prompt": prompt(8, i)}, times))
                    for i, times in enumerate(arrivals)]
         try:
-            running = await wait_chunks(arrivals, streams, [1] * o.streams)
-            start = await wait_chunks(arrivals, streams, [len(t) + QUIET_CHUNKS for t in arrivals])
+            running, start = await wait(1), await wait(QUIET_CHUNKS)
             longs = [await one_request(http, {**body, "max_tokens": 1, "prompt": prompt(
                 block - LONG_MARGIN, 1000 + k)}) for k in range(o.long_prompts)]
-            end = time.perf_counter()  # then each stream's gap that spans the end, too
-            await wait_chunks(arrivals, streams, [len(t) + 1 for t in arrivals])
+            end = time.perf_counter()
+            await wait(1)  # each stream's gap that spans the end, too
         finally:
             for task in streams:
                 task.cancel()
