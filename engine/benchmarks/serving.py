@@ -85,10 +85,13 @@ def wait_for(proc: subprocess.Popen, log: Path, pattern: str, count: int = 1) ->
 
 
 @contextlib.contextmanager
-def server(args: list[str], workers: int = 1) -> Iterator[Server]:
-    """serve.py on a free port, healthy once every worker has warmed up; stopped on the way out."""
+def server(o: ServeOptions, ckpt: Path, *flags: str, workers: int = 1) -> Iterator[Server]:
+    """serve.py on a free port with these flags, healthy once every worker has warmed up;
+    stopped on the way out."""
+    threads = [f"--threads={o.threads}"] if o.threads else []  # before flags: theirs win
+    args = ["--port=0", "--device=cpu", "--max_queue=64", f"--checkpoint={ckpt}", *threads]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "serve.py"), "--port=0", *args],
+        proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "serve.py"), *args, *flags],
                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             started = time.perf_counter()
@@ -107,15 +110,11 @@ def server(args: list[str], workers: int = 1) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def servers(args: dict[str, list[str]], workers: int = 1) -> Iterator[dict[str, Server]]:
-    """label -> server(its arguments), all up at once."""
+def servers(o: ServeOptions, ckpt: Path, flags: dict[str, list[str]]
+            ) -> Iterator[dict[str, Server]]:
+    """label -> server(its flags), all up at once."""
     with contextlib.ExitStack() as stack:
-        yield {label: stack.enter_context(server(a, workers)) for label, a in args.items()}
-
-
-def serve_args(o: ServeOptions, ckpt: Path, *flags: str) -> list[str]:
-    threads = [f"--threads={o.threads}"] if o.threads else []
-    return ["--device=cpu", "--max_queue=64", f"--checkpoint={ckpt}", *threads, *flags]
+        yield {label: stack.enter_context(server(o, ckpt, *f)) for label, f in flags.items()}
 
 
 def workload(n: int, gpt2: bool) -> list[dict]:
@@ -228,10 +227,10 @@ def load_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, lis
     """The batched and the one-at-a-time server take turns at each level in each round; first,
     each one's first request and a later one, and those of a batched server without warm-up."""
     jobs, slots = workload(o.requests, o.gpt2_shaped), {"batched": o.slots, "one_at_a_time": 1}
-    args = {mode: serve_args(o, ckpt, f"--slots={n}") for mode, n in slots.items()}
     cold = "batched, --warmup=false"
-    args[cold] = serve_args(o, ckpt, f"--slots={o.slots}", "--warmup=false")
-    with servers(args) as up:
+    flags = {**{mode: [f"--slots={n}"] for mode, n in slots.items()},
+             cold: [f"--slots={o.slots}", "--warmup=false"]}
+    with servers(o, ckpt, flags) as up:
         first = {mode: measured_load(s.url, jobs[:1], 1)["ttft_p50_ms"] for mode, s in up.items()}
         time.sleep(1)
         starts = {mode: {"first_request_ttft_ms": first[mode], "ready_s": s.ready_s,
@@ -270,8 +269,8 @@ def workers_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, 
     rows, jobs = [], workload(o.requests, o.gpt2_shaped)
     for workers in (1, 2):
         threads, slots = max(1, (os.cpu_count() or 1) // workers), max(1, o.slots // workers)
-        with server(serve_args(o, ckpt, f"--workers={workers}", f"--threads={threads}",
-                               f"--slots={slots}"), workers) as up:
+        with server(o, ckpt, f"--workers={workers}", f"--threads={threads}", f"--slots={slots}",
+                    workers=workers) as up:
             rows.append({"workers": workers, "threads": threads, "slots": slots,
                          "concurrency": max(levels), **measured_load(up.url, jobs, max(levels))})
         print(f"  workers {workers} x {threads} threads: {rows[-1]['tok_per_s']:.0f} tok/s")
@@ -288,16 +287,14 @@ def memory_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, l
     rows = []
     for workers in map(int, options.comma_list(o.memory_workers)):
         for shared in (True, False):
-            with server(["--device=cpu", f"--checkpoint={ckpt}", f"--workers={workers}",
-                         "--threads=1", "--slots=4", f"--share-weights={shared}"],
-                        workers) as up:
+            with server(o, ckpt, f"--workers={workers}", "--threads=1", "--slots=4",
+                        f"--share-weights={shared}", workers=workers) as up:
                 measured_load(up.url, workload(2 * workers, o.gpt2_shaped), 2 * workers)
                 pids = [up.pid, *map(int, Path(
                     f"/proc/{up.pid}/task/{up.pid}/children").read_text().split())]
                 pss = {str(pid): pss_bytes(pid) / MIB for pid in pids}
             rows.append({"workers": workers, "shared": shared,
                          "pss_total_mib": sum(pss.values()), "pss_mib": pss})
-            print(f"  workers {workers} shared={shared}: PSS {sum(pss.values()):.0f} MiB")
     cells = [[r["workers"], "one shared copy" if r["shared"] else "a copy per worker",
               f"{r['pss_total_mib']:.0f}"] for r in rows]
     return {"memory": rows}, section(
@@ -310,8 +307,8 @@ def formats_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, 
     at each level (each round starting one server later): greedy requests of --fixed-tokens."""
     outside = dict(item.split("=", 1) for item in options.comma_list(o.outside))
     jobs = [{**job, "max_tokens": o.fixed_tokens} for job in workload(o.requests, o.gpt2_shaped)]
-    with servers({f"ours {fmt}": serve_args(o, ckpt, f"--slots={o.slots}", f"--weights={fmt}")
-                  for fmt in options.comma_list(o.weights)}) as ours:
+    with servers(o, ckpt, {f"ours {fmt}": [f"--slots={o.slots}", f"--weights={fmt}"]
+                           for fmt in options.comma_list(o.weights)}) as ours:
         urls = {**{label: s.url for label, s in ours.items()}, **outside}
         # the model id each lists first: outside servers want it named
         models = {label: httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
@@ -378,11 +375,8 @@ async def prefill_round(url: str, block: int, vocab: int, o: ServeOptions) -> di
     return out
 
 
-PREFILL_COLUMNS = {"quiet gap p50 ms": "quiet_gap_p50_ms", "quiet gap p99 ms": "quiet_gap_p99_ms",
-                   "reading gap p50 ms": "reading_gap_p50_ms",
-                   "reading gap p99 ms": "reading_gap_p99_ms",
-                   "reading gap max ms": "reading_gap_max_ms",
-                   "long prompt TTFT p50 ms": "long_ttft_p50_ms"}
+PREFILL_KEYS = ("quiet_gap_p50_ms", "quiet_gap_p99_ms", "reading_gap_p50_ms",
+                "reading_gap_p99_ms", "reading_gap_max_ms", "long_ttft_p50_ms")
 
 
 def prefill_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
@@ -393,16 +387,16 @@ def prefill_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, 
     rounds: dict[str, list[dict]] = {chunk: [] for chunk in chunks}
     for _ in range(o.rounds):
         for chunk in chunks:
-            with server(serve_args(o, ckpt, f"--slots={o.slots}", f"--weights={weights}",
-                                   f"--sample.prefill_chunk={chunk}",
-                                   f"--max-tokens-limit={STREAM_TOKENS}")) as up:
+            with server(o, ckpt, f"--slots={o.slots}", f"--weights={weights}",
+                        f"--sample.prefill_chunk={chunk}",
+                        f"--max-tokens-limit={STREAM_TOKENS}") as up:
                 m = asyncio.run(prefill_round(up.url, shape["block_size"], shape["vocab_size"], o))
             rounds[chunk].append(m)
             print(f"  prefill chunk {chunk:>4}: gap p99 {m['quiet_gap_p99_ms']:.0f} ms quiet, "
                   f"{m['reading_gap_p99_ms']:.0f} ms reading", flush=True)
     runs = {chunk: median_run(r) for chunk, r in rounds.items()}
     rows = [[f"{c} (whole prompts)" if c == "0" else f"{c} tokens a step",
-             *figures(m, tuple(PREFILL_COLUMNS.values())),
+             *figures(m, PREFILL_KEYS),
              f"{m['quiet_gaps']:.0f} / {m['reading_gaps']:.0f}"] for c, m in runs.items()]
     lines = section(
         f"Prefill: {o.streams} greedy streams (8-token prompts) decode on our server (--weights "
@@ -411,7 +405,8 @@ def prefill_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, 
         "go one after another (reading: the gaps that overlap that time). A gap: the time between "
         "two text chunks of one stream, at the client; long prompt TTFT: send to its token. One "
         f"server at a time; medians of {o.rounds} rounds.",
-        ["prefill chunk", *PREFILL_COLUMNS, "gaps (quiet / reading)"], rows)
+        ["prefill chunk", *(k.replace("_", " ").replace("long ttft", "long prompt TTFT")
+                            for k in PREFILL_KEYS), "gaps (quiet / reading)"], rows)
     if len(runs) > 1:
         (a, before), (b, after) = list(runs.items())[0], list(runs.items())[-1]
         lines.append(f"While the long prompts are read, a running stream waits "
