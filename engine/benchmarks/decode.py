@@ -127,16 +127,15 @@ def time_rows(rows: dict[str, dict], runs: dict[str, Callable], new: int, rounds
     turns, bandwidth = take_turns(runs, new, rounds, rt), {}
     first = turns[next(iter(turns))]
     for label, row in rows.items():
-        seconds, size = turns[label]["seconds"], row["bytes"]
+        seconds, tokens, size = turns[label]["seconds"], turns[label]["tokens"], row["bytes"]
         if size not in bandwidth:
             buffer = torch.ones(max(size // 4, 1024), device=rt.device)
             bandwidth[size] = max(buffer.nbytes / timed(buffer.sum, rt)[0] for _ in range(8))
         row.update(seconds=seconds, bandwidth=bandwidth[size], ceiling=bandwidth[size] / size,
                    tok_per_s=new / statistics.median(seconds),
-                   time_vs_first=statistics.median(b / a for a, b in zip(first["seconds"],
-                                                                         seconds)),
-                   same_tokens=sum(a == b for a, b in zip(turns[label]["tokens"],
-                                                          first["tokens"])))
+                   time_vs_first=statistics.median(
+                       s / f for s, f in zip(seconds, first["seconds"])),
+                   same_tokens=sum(a == b for a, b in zip(tokens, first["tokens"])))
         row["share"] = row["tok_per_s"] / row["ceiling"]
         print(f"  {label}: {row['tok_per_s']:.1f} tok/s, {size / MIB:.0f} MiB a token, "
               f"ceiling {row['ceiling']:.0f} ({100 * row['share']:.0f}%)", flush=True)

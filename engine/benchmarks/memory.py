@@ -51,9 +51,7 @@ LOADER_BATCHES, EVAL_BATCHES = 200, 20  # loader: batches timed; quant: val batc
 
 
 @dataclass
-class MemoryOptions:
-    """bench.py memory's own options (the rest of the command line is the config)."""
-
+class MemoryOptions:  # the rest of the command line is the config
     part: str = opt(",".join(PARTS), "the parts to run, a comma list")
     rows: str = opt("", "train: only these rows (" + ", ".join(TRAIN_ROWS) + ")")
     steps: int = opt(3, "train: steps before and after the evaluation")
@@ -142,7 +140,6 @@ def quant_part(opts: MemoryOptions, config_args: list[str]) -> dict:
     n = opts.quant_steps
     cfg, _ = load_config(config_args + [f"--max_iters={n}", f"--warmup_iters={min(20, n)}",
                                         "--compile=false"], prog="bench.py memory")
-    print(f"  quant: training {n} steps to have a model to quantize ...", flush=True)
     run, _ = measure.build(cfg)
     step = measure.stepper(run)
     for i in range(n):
@@ -155,8 +152,8 @@ def quant_part(opts: MemoryOptions, config_args: list[str]) -> dict:
     for label in ("float32", "int8"):
         if label == "int8":
             chosen = quantize.quantize_linears(model, opts.quantize_layers)
-        runs = {label: decode.our_generate(model, prompt, rt)}
-        seconds = take_turns(runs, new, DECODE_ROUNDS, rt)[label]["seconds"]
+        run_n = decode.our_generate(model, prompt, rt)
+        seconds = take_turns({label: run_n}, new, DECODE_ROUNDS, rt)[label]["seconds"]
         rows[label] = {"weight_bytes": quantize.weight_bytes(model),
                        "decode_tokens_per_s": new / statistics.median(seconds),
                        "val_loss": evaluate(model, {"val": val}, eval_set, rt)["val"]}
