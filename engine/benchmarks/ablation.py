@@ -62,14 +62,6 @@ class AblationOptions:
     name: str = opt("", "output file stem (default: the device, _only added for --only)")
 
 
-def check(opts: AblationOptions, cfg: Config) -> None:
-    options.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
-                         "time_budget": 0, "ceiling_size": 0})
-    if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
-        raise ConfigError("--clock=process times this process's CPU time: it needs "
-                          "--device=cpu and --threads=1 (several threads' CPU time adds up)")
-
-
 def parse_steps(text: str) -> list[tuple[str, str]]:
     """'attention,compile=max-autotune' -> [('attention', 'sdpa'), ('compile', 'max-autotune')]."""
     steps: list[tuple[str, str]] = []
@@ -150,14 +142,18 @@ def verdict(candidate: dict, head: dict, margin: float) -> tuple[bool, str]:
     return False, f"dropped: {how} ({100 * gain:+.1f}%, noise {100 * noise:.1f}%)"
 
 
-def merge_pass(first: dict, again: dict) -> None:
-    """Fold a later run of a row into its first: all timed steps count toward the median."""
+def merge_pass(first: dict | None, again: dict) -> dict:
+    """Fold a later run of a row into its first (if any): all timed steps count toward the
+    median -> the row."""
+    if first is None:
+        return again
     if again["status"] != "ok":
         first.setdefault("later_pass_errors", []).append(again.get("error", again["status"]))
-        return
+        return first
     first["step_s"] += again["step_s"]
     first["tokens_per_s"] = first["tokens_per_step"] / statistics.median(first["step_s"])
     first["memory"] = {k: max(v, again["memory"].get(k, 0)) for k, v in first["memory"].items()}
+    return first
 
 
 class Measurer:
@@ -167,6 +163,7 @@ class Measurer:
         self.opts, self.workdir, self.left = opts, workdir, time_left(opts.time_budget)
 
     def once(self, spec: dict, name: str) -> dict:
+        """The spec's result, or skipped once the time budget is spent."""
         if self.left() <= 0:
             why = f"the --time-budget of {self.opts.time_budget:g} s ran out"
             print(f"    skipped: {why}", flush=True)
@@ -188,19 +185,13 @@ class Measurer:
         for run in range(self.opts.repeat):
             if self.opts.repeat > 1:
                 print(f"    run {run + 1}/{self.opts.repeat}", flush=True)
-            first = pooled(first, self.train(config, previous, f"row{i}"))
+            first = merge_pass(first, self.train(config, previous, f"row{i}"))
             if first["status"] != "ok":
                 break  # skipped and failed rows are not retried
             if head is not None:
                 print("    and the row it is tried on, alongside", flush=True)
-                alongside = pooled(alongside, self.train(head, None, f"row{i}head"))
+                alongside = merge_pass(alongside, self.train(head, None, f"row{i}head"))
         return first, alongside
-
-
-def pooled(first: dict | None, again: dict) -> dict:
-    if first:
-        merge_pass(first, again)
-    return first or again
 
 
 def run_chain(rows: list[dict], only: bool, measurer: Measurer) -> tuple[list[dict], int]:
@@ -249,16 +240,12 @@ def derive(rows: list[dict], ceiling: dict) -> None:
     and against the baseline, and MFU against the datasheet and the measured ceiling."""
     base = rows[0] if rows[0]["status"] == "ok" else None
     flops_per_token = next((r["flops_per_token"] for r in rows if "flops_per_token" in r), 0)
-    for i, row in enumerate(rows):
-        if row["status"] != "ok":
-            continue
-        prev = row["previous"]
-        while prev is not None and rows[prev]["status"] != "ok":
-            prev = rows[prev]["previous"]
-        reference = row.get("alongside", rows[prev] if prev is not None else None)
+    for row in filter(lambda r: r["status"] == "ok", rows):
+        prev = rows[row["previous"]] if row["previous"] is not None else {}  # the head: ok
+        reference = row.get("alongside") or (prev if prev.get("status") == "ok" else None)
         speed = row["tokens_per_s"]
         row["vs_previous"] = speed / reference["tokens_per_s"] if reference else None
-        row["vs_baseline"] = speed / base["tokens_per_s"] if base and i else None
+        row["vs_baseline"] = speed / base["tokens_per_s"] if base and row is not base else None
         row["model_flops_per_s"] = achieved = speed * flops_per_token
         row["mfu"] = achieved / ceiling["datasheet"] if ceiling.get("datasheet") else None
         row["mfu_measured"] = achieved / ceiling["measured"] if ceiling.get("measured") else None
@@ -291,7 +278,11 @@ def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, only: bool,
 
 def run(cfg: Config, opts: AblationOptions, command: str) -> int:
     """Plan (every flag checked first), measure, print and write RESULTS/NAME.{json,md,png}."""
-    check(opts, cfg)
+    options.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
+                         "time_budget": 0, "ceiling_size": 0})
+    if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
+        raise ConfigError("--clock=process times this process's CPU time: it needs "
+                          "--device=cpu and --threads=1 (several threads' CPU time adds up)")
     cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
     only = bool(opts.only)
     rows = plan(cfg, parse_steps(opts.order if opts.only in ("", "all") else opts.only), only)

@@ -87,25 +87,23 @@ def describe(r: dict) -> str:
     c, ceiling, load = r["config"], r["ceiling"], r.get("load_average")
     m, t = c["model"], c["train"]
     first = next((row for row in r["rows"] if "params" in row), {})
-    shared = (f" | load average {load[0]:.1f}, then {load[1]:.1f}: the machine was shared"
-              if load and max(load) > 0.5 * os.cpu_count() else "")
+    shared = " | the machine was shared (load average {:.1f}, then {:.1f})".format(*load) if (
+        load and max(load) > 0.5 * os.cpu_count()) else ""
     clock = ", timed by CPU time (--clock=process)" if r.get("clock") == "process" else ""
     peak = ceiling.get("datasheet") and f"{ceiling['datasheet'] / 1e12:.0f} TFLOP/s (datasheet)"
-    measured = ceiling.get("measured") and (f"{ceiling['measured'] / 1e12:.2f} TFLOP/s measured "
-                                            f"({ceiling['measured_dtype']} matmul)")
+    measured = ceiling.get("measured") and f"{ceiling['measured'] / 1e12:.2f} TFLOP/s measured"
     ratios = [statistics.median(row["step_s"]) / row["estimate_step_s"] for row in r["rows"]
               if row["status"] == "ok" and row.get("estimate_step_s")]
     lines = [
         f"hardware: {ceiling.get('hardware', r['device'])} | torch {r['torch']} | {r['date']}"
         + shared,
-        f"model: {m['n_layer']} layers, {m['n_head']} heads, {m['n_embd']} wide, context "
-        f"{m['block_size']}, vocab {first.get('settings', {}).get('vocab', m['vocab_size'])} "
-        f"({first.get('params', 0) / 1e6:.1f}M parameters) | data: {c['data']['dataset']} | "
-        f"{t['batch_size']} x {t['grad_accum_steps']} sequences per step | {r['warmup']} "
-        f"warm-up + {r['measure']} timed steps x {r.get('repeat', 1)} run(s) per row, each in "
-        f"a fresh process{clock}",
-        f"MFU: {first.get('flops_per_token', 0) / 1e6:,.1f}M FLOPs per token x tokens/s, "
-        f"against {peak or 'no datasheet peak'}; MFU (meas.) against {measured or 'not measured'}"]
+        f"model: {m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, context "
+        f"{m['block_size']}, {first.get('params', 0) / 1e6:.1f}M parameters | "
+        f"{c['data']['dataset']}, {t['batch_size']} x {t['grad_accum_steps']} sequences a step | "
+        f"{r['warmup']} warm-up + {r['measure']} timed steps x {r.get('repeat', 1)} run(s) a "
+        f"row, each in a fresh process{clock}",
+        f"MFU: {first.get('flops_per_token', 0) / 1e6:,.1f}M FLOPs a token x tokens/s, against "
+        f"{peak or 'no datasheet peak'}; MFU (meas.) against {measured or 'not measured'}"]
     if ratios:
         lines.append("ms/step (est.): the median step (train.py's start-up estimate); measured "
                      f"/ estimate {min(ratios):.1f}-{max(ratios):.1f}x")

@@ -87,7 +87,8 @@ def check_nanogpt(folder: str) -> None:
 def follow(cwd: Path, args: list[str], target: float = 0.0, limit: float = math.inf,
            threads: int = 0) -> dict:
     """Run `python train.py ARGS` in cwd, reading its evaluations and step times as they are
-    printed; stopped at the first evaluation at or below target, or after limit seconds."""
+    printed; stopped at the first evaluation at or below target, or after limit seconds. The
+    curve [[step, val, seconds], ...], the median step time, the last val."""
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], cwd=cwd, env=env,
@@ -107,8 +108,9 @@ def follow(cwd: Path, args: list[str], target: float = 0.0, limit: float = math.
     returncode = proc.wait()
     status = "ok" if reached else ("not reached" if returncode in (0, -15) else "failed")
     return {"status": status, "returncode": 0 if reached else returncode, "curve": curve,
-            "reached": reached, "seconds": time.perf_counter() - start, "step_ms": step_ms,
-            "tail": tail if status == "failed" else []}
+            "reached": reached, "seconds": time.perf_counter() - start,
+            "step_ms": statistics.median(step_ms) if step_ms else None,
+            "val": curve[-1][1] if curve else None, "tail": tail if status == "failed" else []}
 
 
 def page(report: dict, about: list[str], header: list[str], rows: list[list],
@@ -211,10 +213,7 @@ def vs_nanogpt(opts: VsNanoGPTOptions, command: str) -> int:
         for name in programs if round_ % 2 == 0 else reversed(programs):
             with tempfile.TemporaryDirectory() as out:  # a fresh out_dir for every run
                 cwd, args = programs[name]
-                got = follow(cwd, args + [f"--out_dir={out}"], threads=opts.threads)
-            result = {"seconds": got["seconds"], "returncode": got["returncode"],
-                      "step_ms": statistics.median(got["step_ms"]) if got["step_ms"] else None,
-                      "val": got["curve"][-1][1] if got["curve"] else None, "tail": got["tail"]}
+                result = follow(cwd, args + [f"--out_dir={out}"], threads=opts.threads)
             runs.setdefault(name, []).append(result)
             print(f"round {round_ + 1}: {name}: {result['seconds']:.1f} s, step "
                   f"{result['step_ms']} ms, val {result['val']}", flush=True)
