@@ -115,13 +115,10 @@ def ceiling(spec: dict) -> dict:
     """The device's dense matmul ceiling (the best of its fast dtypes) and its datasheet peak."""
     system = from_dict(spec["config"]).system
     rt = runtime.setup(system)
-    if rt.device.type == "cuda":
-        dtypes = [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
-        n, iters = spec.get("matmul_n") or 8192, 30
-    else:
-        dtypes = [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else [])
-        n, iters = spec.get("matmul_n") or 2048, 5
-    measured = {}
+    cuda, measured = rt.device.type == "cuda", {}
+    n, iters = spec.get("matmul_n") or (8192 if cuda else 2048), 30 if cuda else 5
+    dtypes = ([torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16] if cuda else
+              [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else []))
     for dtype in dtypes:
         a, b = (torch.randn(n, n, device=rt.device, dtype=dtype) for _ in range(2))
         [a @ b for _ in range(2)]  # warm-up
