@@ -1,5 +1,5 @@
 """Benchmarks, one sub-command each (engine/benchmarks/); `python bench.py COMMAND --help` lists
-a command's options.
+a command's options. Results go to bench_results/ (--results).
 
     python bench.py                          # ablation: the baseline, then each flag in turn
     python bench.py ablation --only all      # each flag alone against the baseline
@@ -11,8 +11,7 @@ a command's options.
     python bench.py vs-nanogpt ../nanoGPT --rounds 3          # whole runs beside nanoGPT's
 
 ablation and memory take the config as train.py does (configs/bench_gpu.toml on CUDA, else
-bench_cpu, unless --config is given); the others take only their own options. Results go to
-bench_results/ (--results).
+bench_cpu, unless --config is given); the others take only their own options.
 """
 from __future__ import annotations
 
@@ -47,8 +46,8 @@ COMMANDS = {
 
 
 def load_bench_config(name: str, argv: list[str]) -> tuple[Config, object, list[str]]:
-    """(config, the command's options, the config's own arguments, for a train.py subprocess
-    to rebuild it); by default bench_gpu on CUDA, else bench_cpu."""
+    """(config, the command's options, the config's own arguments for a train.py subprocess);
+    by default bench_gpu on CUDA, else bench_cpu."""
     script, prog = COMMANDS[name].options, f"bench.py {name}"
     line = parse_command_line(argv, script)
     given = any(a == "--config" or a.startswith("--config=") for a in argv)

@@ -1,8 +1,7 @@
-"""The speedup ablation, `python bench.py [ablation]`: what each flag buys here, alone (--only)
-or chained, each row in a fresh process from the same seed. The chain puts each flag on the
-fastest combination so far and carries it on only when it measured faster beyond the noise
-(verdict); a row that hurt is shown and dropped, so the last kept row is the best this machine
-has. On a CPU the kernel rows follow (kernels.py). The table and plot: ablation_report.py."""
+"""The speedup ablation, `python bench.py [ablation]`: the baseline (every flag at its reference
+value), then each flag put on the fastest combination so far and kept only when faster beyond
+the noise (--only: each flag alone on the baseline). Each row runs in a fresh process from the
+same seed; on a CPU the kernel rows (kernels.py) follow. The page: ablation_report.py."""
 from __future__ import annotations
 
 import collections
@@ -15,7 +14,6 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -52,29 +50,16 @@ class AblationOptions:
     warmup_steps: int = opt(2, "untimed steps per row")
     measure_steps: int = opt(5, "timed steps per row")
     repeat: int = opt(1, "runs of each row, fresh processes, their timed steps pooled")
-    keep_margin: float = opt(0.03, "chain: a flag is kept only when its row beats the chain so "
-                             "far by more than this share and twice the noise (else dropped)")
-    kernels: str = opt("auto", "CPU kernel rows after the chain (threads, inductor C++, oneDNN "
-                       "bf16): auto = on CPU", ("auto", "on", "off"))
-    decode_rounds: int = opt(3, "kernels: timed batch-1 decode runs per row (medians)")
-    decode_tokens: int = opt(64, "kernels: new tokens per batch-1 decode run")
+    keep_margin: float = opt(0.03, "chain: a flag is kept only when faster than the chain so "
+                             "far by more than this share and twice the noise")
+    kernels: str = opt("auto", "CPU kernel rows after the chain: auto = on CPU",
+                       ("auto", "on", "off"))
     clock: str = opt("wall", "the wall clock or this process's CPU time (CPU, --threads=1)",
                      ("wall", "process"))
-    time_budget: float = opt(0.0, "seconds in all: a row running then fails, later ones are "
-                             "skipped; 0: no limit")
+    time_budget: float = opt(0.0, "seconds in all, then rows are skipped; 0: no limit")
     ceiling_size: int = opt(0, "N of the ceiling's N^3 matmul (0: 8192 on CUDA, else 2048)")
     results: str = opt("bench_results", "folder for the outputs")
     name: str = opt("", "output file stem (default: the device, _only added for --only)")
-
-
-def check(opts: AblationOptions, cfg: Config) -> None:
-    options.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
-                         "decode_rounds": 1, "decode_tokens": 1, "time_budget": 0,
-                         "ceiling_size": 0})
-    if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
-        raise ConfigError("--clock=process times this process's CPU time: it needs "
-                          "--device=cpu and --threads=1 (the CPU time of several threads "
-                          "adds up, and a GPU's work is not CPU time)")
 
 
 def parse_steps(text: str) -> list[tuple[str, str]]:
@@ -115,9 +100,8 @@ def with_flag(cfg: Config, name: str, value: str) -> Config:
 
 
 def plan(cfg: Config, steps: list[tuple[str, str]], only: bool) -> list[dict]:
-    """The baseline (every listed flag at its reference value), then a row per flag: on the
-    baseline (only), or on the chain's best combination when it runs (chain: config None here;
-    each flag is checked on the baseline now, so a bad value stops the bench before it runs)."""
+    """The baseline, then a row per flag: on the baseline (only), or on the chain's head when it
+    runs (config None until then); every flag is checked now, before anything runs."""
     base = cfg
     for name, _ in steps:
         base = with_flag(base, name, FLAGS[name].reference)
@@ -138,15 +122,13 @@ def spread(step_s: list[float]) -> float:
 
 
 def median_error(step_s: list[float]) -> float:
-    """The relative standard error of a row's median step: 1.25 sigma / sqrt(n), sigma from
-    the interquartile range (IQR / 1.35 for a normal spread), robust to a few stalled steps."""
+    """The relative standard error of the median step: 1.25 sigma / sqrt(n), sigma = IQR / 1.35."""
     return 1.2533 * spread(step_s) / 1.349 / math.sqrt(len(step_s)) if step_s else 0.0
 
 
 def verdict(candidate: dict, head: dict, margin: float) -> tuple[bool, str]:
-    """Whether the chain keeps a row's flag: (keep, why not). Kept when its tokens/s beats the
-    chain's head (the fastest combination so far) by more than the noise: the larger of margin
-    and twice the standard error of the difference of the two medians."""
+    """(keep, why not): kept when its tokens/s beats the head's by more than the noise, the
+    larger of margin and twice the standard error of the difference of the two medians."""
     if candidate["status"] != "ok":
         return False, "" if candidate["status"] == "skipped" else "dropped: failed"
     if head["status"] != "ok":
@@ -160,61 +142,61 @@ def verdict(candidate: dict, head: dict, margin: float) -> tuple[bool, str]:
     return False, f"dropped: {how} ({100 * gain:+.1f}%, noise {100 * noise:.1f}%)"
 
 
-def merge_pass(first: dict, again: dict) -> None:
-    """Fold a later pass of a row into its first: all timed steps count toward the median."""
+def merge_pass(first: dict | None, again: dict) -> dict:
+    """Fold a later run of a row into its first (if any): all timed steps count toward the
+    median -> the row."""
+    if first is None:
+        return again
     if again["status"] != "ok":
         first.setdefault("later_pass_errors", []).append(again.get("error", again["status"]))
-        return
+        return first
     first["step_s"] += again["step_s"]
     first["tokens_per_s"] = first["tokens_per_step"] / statistics.median(first["step_s"])
     first["memory"] = {k: max(v, again["memory"].get(k, 0)) for k, v in first["memory"].items()}
+    return first
 
 
 class Measurer:
-    """Runs rows in fresh processes within the --time-budget, each --repeat times, pooled."""
+    """Runs specs in fresh processes within the --time-budget."""
 
     def __init__(self, opts: AblationOptions, workdir: Path):
         self.opts, self.workdir, self.left = opts, workdir, time_left(opts.time_budget)
 
-    def once(self, config: Config, previous: dict | None, name: str) -> dict:
-        """One run of a config (skipped once the time budget is spent)."""
+    def once(self, spec: dict, name: str) -> dict:
+        """The spec's result, or skipped once the time budget is spent."""
         if self.left() <= 0:
             why = f"the --time-budget of {self.opts.time_budget:g} s ran out"
             print(f"    skipped: {why}", flush=True)
             return {"status": "skipped", "reason": why + " before this row"}
-        o = self.opts
-        spec = {"kind": "train_row", "config": config.to_dict(), "clock": o.clock,
-                "warmup": o.warmup_steps, "measure": o.measure_steps,
-                "previous": previous if previous and "settings" in previous else None}
         return run_worker(spec, self.workdir, name, self.left())
 
-    def row(self, row: dict, i: int, title: Callable[[str], None], previous: dict | None,
-            head: dict | None) -> tuple[dict, dict | None]:
-        """A row, --repeat times, its timed steps pooled; with a head (the chain), each run is
-        followed by one of the head's config, A B A B, so that the verdict compares steps
-        measured side by side, not minutes apart under another load."""
-        first, alongside, repeat = None, None, self.opts.repeat
-        for run in range(repeat):
-            runs = f" (run {run + 1}/{repeat})" if repeat > 1 else ""
-            title(runs)
-            first = pooled(first, self.once(row["config"], previous, f"row{i}"))
+    def train(self, config: Config, previous: dict | None, name: str, clock: str = "") -> dict:
+        """A training row (skipped when its settings are previous's)."""
+        o, previous = self.opts, previous if previous and "settings" in previous else None
+        return self.once({"kind": "train_row", "config": config.to_dict(), "previous": previous,
+                          "clock": clock or o.clock, "warmup": o.warmup_steps,
+                          "measure": o.measure_steps}, name)
+
+    def row(self, config: Config, previous: dict | None, i: int,
+            head: Config | None) -> tuple[dict, dict | None]:
+        """A row, --repeat times, steps pooled; each run followed by one of the head's config
+        (A B A B), so that the verdict compares steps measured side by side."""
+        first, alongside = None, None
+        for run in range(self.opts.repeat):
+            if self.opts.repeat > 1:
+                print(f"    run {run + 1}/{self.opts.repeat}", flush=True)
+            first = merge_pass(first, self.train(config, previous, f"row{i}"))
             if first["status"] != "ok":
                 break  # skipped and failed rows are not retried
             if head is not None:
-                print(f"    row {row['previous']} again, alongside{runs}", flush=True)
-                alongside = pooled(alongside, self.once(head["config"], None, f"row{i}head"))
+                print("    and the row it is tried on, alongside", flush=True)
+                alongside = merge_pass(alongside, self.train(head, None, f"row{i}head"))
         return first, alongside
 
 
-def pooled(first: dict | None, again: dict) -> dict:
-    if first:
-        merge_pass(first, again)
-    return first or again
-
-
 def run_chain(rows: list[dict], only: bool, measurer: Measurer) -> tuple[list[dict], int]:
-    """Every row; in the chain each flag goes onto the fastest combination so far (the head),
-    which it replaces only when it measured faster beyond the noise -> (results, head)."""
+    """Every row -> (results, head); in the chain each flag goes onto the head, the fastest
+    combination so far, which it replaces only when faster beyond the noise."""
     results: list[dict] = []
     head = 0
     for i, row in enumerate(rows):
@@ -223,29 +205,27 @@ def run_chain(rows: list[dict], only: bool, measurer: Measurer) -> tuple[list[di
             row["previous"] = head
             row["config"] = with_flag(rows[head]["config"], row["flag"], row["value"])
         prev = results[row["previous"]] if row["previous"] is not None else None
-        title = lambda runs: print(f"[{i + 1}/{len(rows)}] {label(row, only)}{runs}",  # noqa
-                                   flush=True)
-        result, alongside = measurer.row(row, i, title, prev, rows[head] if chained and
-                                         prev["status"] == "ok" else None)
+        print(f"[{i + 1}/{len(rows)}] {label(row, only)}", flush=True)
+        beside = rows[head]["config"] if chained and prev["status"] == "ok" else None
+        result, alongside = measurer.row(row["config"], prev, i, beside)
         result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
                       previous_notes=prev.get("notes", []) if prev else [])
         result["label"] = label(result, only)
         if alongside and alongside["status"] == "ok":
             result["alongside"] = {k: alongside[k] for k in ("tokens_per_s", "step_s")}
         if chained:
-            keep, why = verdict(result, {"status": "ok", **result["alongside"]}
-                                if "alongside" in result else results[head],
-                                measurer.opts.keep_margin)
+            against = {"status": "ok", **result["alongside"]} if "alongside" in result else prev
+            keep, why = verdict(result, against, measurer.opts.keep_margin)
             result["chain"] = "kept" if keep else why
             head = i if keep else head
-            if why or keep:
+            if result["chain"]:
                 print(f"    chain: {result['chain']}", flush=True)
         results.append(result)
     return results, head
 
 
 def label(row: dict, only: bool) -> str:
-    """'baseline', '+ tf32', '+ attention=sdpa', '+ dtype=bfloat16' ('only ...' alone)."""
+    """'baseline', '+ tf32', '+ attention=sdpa', '+ dtype=auto (bfloat16)', 'only ...'."""
     if row["flag"] is None:
         return "baseline"
     value = row["value"]
@@ -256,20 +236,16 @@ def label(row: dict, only: bool) -> str:
 
 
 def derive(rows: list[dict], ceiling: dict) -> None:
-    """Speedups against the previous measured row (its runs alongside this one's, in the chain)
-    and the baseline, and MFU, in place."""
+    """In place: speedups against the row each was tried on (measured alongside, in the chain)
+    and against the baseline, and MFU against the datasheet and the measured ceiling."""
     base = rows[0] if rows[0]["status"] == "ok" else None
     flops_per_token = next((r["flops_per_token"] for r in rows if "flops_per_token" in r), 0)
-    for i, row in enumerate(rows):
-        if row["status"] != "ok":
-            continue
-        prev = row["previous"]
-        while prev is not None and rows[prev]["status"] != "ok":
-            prev = rows[prev]["previous"]
+    for row in filter(lambda r: r["status"] == "ok", rows):
+        prev = rows[row["previous"]] if row["previous"] is not None else {}  # the head: ok
+        reference = row.get("alongside") or (prev if prev.get("status") == "ok" else None)
         speed = row["tokens_per_s"]
-        reference = row.get("alongside", rows[prev] if prev is not None else {})
-        row["vs_previous"] = speed / reference["tokens_per_s"] if prev is not None else None
-        row["vs_baseline"] = speed / base["tokens_per_s"] if base and i else None
+        row["vs_previous"] = speed / reference["tokens_per_s"] if reference else None
+        row["vs_baseline"] = speed / base["tokens_per_s"] if base and row is not base else None
         row["model_flops_per_s"] = achieved = speed * flops_per_token
         row["mfu"] = achieved / ceiling["datasheet"] if ceiling.get("datasheet") else None
         row["mfu_measured"] = achieved / ceiling["measured"] if ceiling.get("measured") else None
@@ -278,7 +254,7 @@ def derive(rows: list[dict], ceiling: dict) -> None:
 def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, only: bool,
             command: str) -> dict:
     """The ceiling, every row, then the kernel rows on the best combination -> the report."""
-    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         measurer = Measurer(opts, Path(tmp))
         print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
@@ -287,13 +263,13 @@ def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, only: bool,
                              measurer.left())
         results, head = run_chain(rows, only, measurer)
         wanted = opts.kernels == "on" or (opts.kernels == "auto" and cfg.system.device == "cpu")
-        kernel_rows = kernels.run(rows[head]["config"], opts, measurer) if wanted else []
+        kernel_rows = kernels.run(rows[head]["config"], measurer) if wanted else []
     if ceiling["status"] != "ok":
         print(f"matmul ceiling not measured: {ceiling.get('error')}")
     derive(results, ceiling)
     return {"mode": "only" if only else "chain", "device": cfg.system.device.split(":")[0],
             "torch": torch.__version__, "python": platform.python_version(), "date": utc_now(),
-            "load_average": [load_start, os.getloadavg()[0]] if load_start is not None else None,
+            "load_average": load + [os.getloadavg()[0]] if load else None,
             "command": command, "warmup": opts.warmup_steps, "measure": opts.measure_steps,
             "repeat": opts.repeat, "clock": opts.clock, "time_budget": opts.time_budget,
             "keep_margin": opts.keep_margin, "ceiling": ceiling, "config": cfg.to_dict(),
@@ -302,14 +278,18 @@ def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, only: bool,
 
 def run(cfg: Config, opts: AblationOptions, command: str) -> int:
     """Plan (every flag checked first), measure, print and write RESULTS/NAME.{json,md,png}."""
-    check(opts, cfg)
+    options.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
+                         "time_budget": 0, "ceiling_size": 0})
+    if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
+        raise ConfigError("--clock=process times this process's CPU time: it needs "
+                          "--device=cpu and --threads=1 (several threads' CPU time adds up)")
     cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
     only = bool(opts.only)
     rows = plan(cfg, parse_steps(opts.order if opts.only in ("", "all") else opts.only), only)
     dataset_meta(cfg.data.dataset)  # prepared once here, not in every row's process
     print(f"bench: {len(rows)} rows on {cfg.system.device}, each {opts.warmup_steps} warm-up + "
-          f"{opts.measure_steps} timed steps in its own process" + (
-              f", {opts.repeat} runs of each" if opts.repeat > 1 else ""), flush=True)
+          f"{opts.measure_steps} timed steps in its own process, {opts.repeat} run(s) each",
+          flush=True)
     report = run_all(rows, cfg, opts, only, command)
     print("\n" + ablation_report.describe(report) + "\n\n" + ablation_report.results(report))
     paths = ablation_report.write(report, Path(opts.results), opts.name)

@@ -1,8 +1,6 @@
-"""The ablation's CPU kernel rows, on the chain's best combination: what this CPU's kernels give
-for training and batch-1 decoding, measured: the thread count, torch.compile's inductor C++
-kernels, and oneDNN bf16 where the CPU runs it natively (AMX or AVX512-BF16; elsewhere the row
-says "not native here" and is not run). Each in its own process, by the wall clock (a process's
-CPU time would add its threads')."""
+"""The ablation's CPU kernel rows, on the chain's best combination: training and batch-1
+decoding per thread count, inductor C++ kernels (compile) and oneDNN bf16 where the CPU runs it
+natively (AMX or AVX512-BF16). Each in its own process, by the wall clock."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +8,8 @@ import torch
 from config import Config, ConfigError, apply_override, from_dict
 from engine import runtime
 from engine.benchmarks.report import markdown_table, not_measured
-from engine.benchmarks.runner import run_worker
+
+DECODE_ROUNDS, DECODE_TOKENS = 3, 64  # timed batch-1 runs per row (the median), tokens per run
 
 
 def variants(threads: int, bf16_units: list[str]) -> list[dict]:
@@ -24,8 +23,7 @@ def variants(threads: int, bf16_units: list[str]) -> list[dict]:
         rows.append({"label": "eager float32, 1 thread", "set": {**eager, "system.threads": "1"},
                      "isa": f"the same kernels on one core ({isa})"})
     rows.append({"label": f"inductor C++ (compile), float32, {threads} threads",
-                 "set": {**eager, "system.compile": "true"},
-                 "isa": "compile"})  # the ceiling's compile_kernels, filled in by markdown
+                 "set": {**eager, "system.compile": "true"}, "isa": "compile"})
     bf16 = {"label": "oneDNN bf16 (autocast), eager", "set": {**eager, "system.dtype": "bfloat16"}}
     if bf16_units:
         return rows + [{**bf16, "isa": f"oneDNN bf16 on {', '.join(bf16_units)}"}]
@@ -35,7 +33,6 @@ def variants(threads: int, bf16_units: list[str]) -> list[dict]:
 
 
 def configured(best: Config, overrides: dict[str, str]) -> Config:
-    """A copy of the best combination with the variant's settings."""
     cfg, problems = from_dict(best.to_dict()), []
     for key, value in overrides.items():
         apply_override(cfg, key, value, problems)
@@ -44,28 +41,16 @@ def configured(best: Config, overrides: dict[str, str]) -> Config:
     return cfg
 
 
-def run(best: Config, opts, measurer) -> list[dict]:
-    """Each variant's training row and batch-1 decode run (opts: ablation.AblationOptions,
-    measurer: its Measurer, whose clock is the --time-budget)."""
-    rows, left = variants(torch.get_num_threads(), runtime.cpu_bf16_units()), measurer.left
-    for i, row in enumerate(rows):
-        if row.get("skip"):
-            print(f"[kernels] {row['label']}: {row['isa']}", flush=True)
-            continue
-        if left() <= 0:
-            row["train"] = row["decode"] = {"status": "skipped",
-                                            "reason": "the --time-budget ran out"}
-            continue
-        cfg = configured(best, row["set"]).to_dict()
-        print(f"[kernels] {row['label']}: training", flush=True)
-        row["train"] = run_worker({
-            "kind": "train_row", "config": cfg, "clock": "wall", "previous": None,
-            "warmup": opts.warmup_steps, "measure": opts.measure_steps},
-            measurer.workdir, f"k{i}t", left())
-        print(f"[kernels] {row['label']}: batch-1 decoding", flush=True)
-        row["decode"] = run_worker({"kind": "decode", "config": cfg, "rounds": opts.decode_rounds,
-                                    "new_tokens": opts.decode_tokens},
-                                   measurer.workdir, f"k{i}d", left())
+def run(best: Config, measurer) -> list[dict]:
+    """Each variant's training row and batch-1 decode run (measurer: ablation.Measurer)."""
+    rows = variants(torch.get_num_threads(), runtime.cpu_bf16_units())
+    for i, row in enumerate(r for r in rows if not r.get("skip")):
+        cfg = configured(best, row["set"])
+        print(f"[kernels] {row['label']}: training, then batch-1 decoding", flush=True)
+        row["train"] = measurer.train(cfg, None, f"k{i}t", clock="wall")
+        row["decode"] = measurer.once({"kind": "decode", "config": cfg.to_dict(),
+                                       "rounds": DECODE_ROUNDS, "new_tokens": DECODE_TOKENS},
+                                      f"k{i}d")
     return rows
 
 
@@ -85,9 +70,8 @@ def markdown(rows: list[dict], ceiling: dict) -> str:
     out = [[r["label"], *cell(r, rows[0], "train"), *cell(r, rows[0], "decode"),
             ceiling.get("compile_kernels", "inductor") if r["isa"] == "compile" else r["isa"]]
            for r in rows]
-    decode = next((r["decode"] for r in rows if r.get("decode", {}).get("status") == "ok"), {})
-    return ("CPU kernels on the best combination, by the wall clock (training: tok/s of the "
-            f"timed steps; decoding: batch 1, greedy, KV cache, {decode.get('new_tokens', '?')} "
-            "new tokens, the median of the runs; each in its own process):\n\n"
+    return ("CPU kernels on the best combination, by the wall clock (training: tok/s of the timed "
+            f"steps; decoding: batch 1, greedy, KV cache, the median of {DECODE_ROUNDS} runs of "
+            f"up to {DECODE_TOKENS} tokens; each in its own process):\n\n"
             + markdown_table(["kernels", "train tok/s", "vs first", "decode tok/s", "vs first",
                               "what the ISA allowed"], out))

@@ -1,6 +1,5 @@
-"""What a worker process measures for the ablation and its kernel rows: a training row (built
-by engine/run.py as train.py builds it, then timed steps), a batch-1 decode run, and the
-device's matmul ceiling."""
+"""What a worker process measures: a training row (built by engine/run.py as train.py builds
+it, then timed steps), a batch-1 decode run, and the device's matmul ceiling."""
 from __future__ import annotations
 
 import statistics
@@ -29,7 +28,7 @@ def build(cfg: Config) -> tuple[Run, dict]:
 
 
 def stepper(run: Run) -> Callable[[float], tuple[float, torch.Tensor]]:
-    """step(lr) -> (mean loss, a float; the gradient norm): one train.py step."""
+    """step(lr) -> (mean loss, the gradient norm): one train.py step."""
     t, state, trainer = run.cfg.train, {"batch": run.batches.next()}, run.trainer()
 
     def step(lr: float) -> tuple[float, torch.Tensor]:
@@ -41,7 +40,7 @@ def stepper(run: Run) -> Callable[[float], tuple[float, torch.Tensor]]:
 
 
 def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict:
-    """warmup untimed steps, then measure timed ones, then one more for the attention kernels."""
+    """warmup untimed steps, measure timed ones, then one more for the attention kernels."""
     cfg, rt, step = run.cfg, run.rt, stepper(run)
     times, losses = [], []
     for i in range(warmup + measure):
@@ -64,39 +63,38 @@ def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict
 def time_row(spec: dict) -> dict:
     """Build, then time the steps; skipped when its settings here are the previous row's."""
     cfg, start = from_dict(spec["config"]), time.perf_counter()
-    run, values = build(cfg)  # compiles here, when asked: techniques.warm_up
-    raw_model, t, rt = run.raw_model, cfg.train, run.rt
+    run, values = build(cfg)  # compiles here, when asked
+    model, t, rt = run.raw_model, cfg.train, run.rt
     # the model's useful FLOPs: padded vocabulary rows are extra work, not extra model
-    padding = (raw_model.padded_vocab - raw_model.vocab_size) * cfg.model.n_embd
+    padding = (model.padded_vocab - model.vocab_size) * cfg.model.n_embd
     result = {"settings": values, "notes": rt.notes, "dtype": cfg.system.dtype,
               "micro_batch": t.batch_size, "grad_accum_steps": t.grad_accum_steps,
-              "params": raw_model.num_params(False), "build_s": time.perf_counter() - start,
-              "flops_per_token": raw_model.flops_per_token() - 6 * padding}
+              "params": model.num_params(False), "build_s": time.perf_counter() - start,
+              "flops_per_token": model.flops_per_token() - 6 * padding}
     previous = spec.get("previous")
     if previous and techniques.effective(values) == techniques.effective(previous["settings"]):
         changed = [f"{k}={v}" for k, v in values.items() if v != previous["settings"].get(k)]
         changed += [n for n in rt.notes if n not in previous.get("notes", [])]
         return {**result, "status": "skipped",
                 "reason": "changes nothing here: " + "; ".join(changed or ["same settings"])}
-    raw_model.train()
+    model.train()
     timing = time_steps(run, spec["warmup"], spec["measure"], spec["clock"])
     rate = runtime.matmul_rate(rt.device, rt.dtype)  # train.py's start-up estimate, the same way
-    work = raw_model.flops_per_token() * timing["tokens_per_step"]  # padded rows included
+    work = model.flops_per_token() * timing["tokens_per_step"]  # padded rows included
     return {**result, **timing, "matmul_rate": rate, "estimate_step_s": work / rate}
 
 
 def decode_row(spec: dict) -> dict:
-    """Batch-1 greedy decoding with the KV cache, as generate.py does it, on the config's model
-    (random weights from the seed): tokens/s, the median of spec["rounds"] timed runs of
-    spec["new_tokens"] tokens after a warm-up (compiled first, when asked)."""
+    """Batch-1 greedy decoding with the KV cache, as generate.py does it (random weights):
+    tokens/s, the median of spec["rounds"] runs of spec["new_tokens"] after a warm-up."""
     cfg = from_dict(spec["config"])
     rt = runtime.setup(cfg.system)
     model, _ = build_model(cfg, dataset_meta(cfg.data.dataset), rt.device)
     model.eval()
-    new, bucket, start = min(spec["new_tokens"], cfg.model.block_size - 1), 0, time.perf_counter()
+    new, start = min(spec["new_tokens"], cfg.model.block_size - 1), time.perf_counter()
     runner, note = techniques.compile_model(model, cfg.system, rt)
+    bucket = cfg.sample.prompt_bucket if cfg.system.compile else 0
     if cfg.system.compile:
-        bucket = cfg.sample.prompt_bucket
         sampling.warm_up(runner, 1, new, bucket, rt.autocast)
     prompt = torch.zeros((1, 1), dtype=torch.long, device=rt.device)
 
@@ -117,13 +115,10 @@ def ceiling(spec: dict) -> dict:
     """The device's dense matmul ceiling (the best of its fast dtypes) and its datasheet peak."""
     system = from_dict(spec["config"]).system
     rt = runtime.setup(system)
-    if rt.device.type == "cuda":
-        dtypes = [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
-        n, iters = 8192, 30
-    else:
-        dtypes = [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else [])
-        n, iters = 2048, 5
-    n, measured = spec.get("matmul_n") or n, {}
+    cuda, measured = rt.device.type == "cuda", {}
+    n, iters = spec.get("matmul_n") or (8192 if cuda else 2048), 30 if cuda else 5
+    dtypes = ([torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16] if cuda else
+              [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else []))
     for dtype in dtypes:
         a, b = (torch.randn(n, n, device=rt.device, dtype=dtype) for _ in range(2))
         [a @ b for _ in range(2)]  # warm-up

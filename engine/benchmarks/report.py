@@ -1,4 +1,4 @@
-"""What every benchmark writes: markdown tables, RESULTS/STEM.{json,md}, and plots."""
+"""What every benchmark writes: markdown tables, RESULTS/STEM.{json,md}, and figures."""
 from __future__ import annotations
 
 import json
@@ -39,20 +39,17 @@ def write_report(report: dict, markdown: str, folder: str | Path, stem: str) -> 
     return paths
 
 
-def pyplot():
-    """matplotlib.pyplot drawing to files, or None (said once) where it is not installed."""
+def figure(**kwargs):
+    """A matplotlib Figure (no pyplot, no display needed), or None where it is not installed."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
         return None
-    return plt
+    return Figure(**kwargs)
 
 
-def save_figure(plt, fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

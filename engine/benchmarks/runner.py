@@ -1,15 +1,12 @@
-"""Each measurement in a fresh process, so that its peak memory and compile state are its own:
-run_worker writes a spec, runs `python -m engine.benchmarks.worker SPEC.json` and reads the
-result back. Also the clocks the benchmarks share."""
+"""Each measurement in a fresh process, so that its peak memory and compile state are its own
+(run_worker runs `python -m engine.benchmarks.worker SPEC.json`), and the clocks they share."""
 from __future__ import annotations
 
-import collections
 import json
 import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,8 +26,8 @@ def time_left(budget: float) -> Callable[[], float]:
 
 def timed(fn: Callable[[], object], rt: runtime.Runtime, clock: str = "wall"
           ) -> tuple[float, object]:
-    """(seconds, fn()) with the device synced around it; the process clock counts only this
-    process's CPU time, not its waits for the cores."""
+    """(seconds, fn()) with the device synced around it; clock "process": this process's CPU
+    time, not its waits for the cores."""
     now = time.process_time if clock == "process" else time.perf_counter
     rt.synchronize()
     start = now()
@@ -42,8 +39,7 @@ def timed(fn: Callable[[], object], rt: runtime.Runtime, clock: str = "wall"
 def take_turns(runs: dict[str, Callable[[int], torch.Tensor]], new: int, rounds: int,
                rt: runtime.Runtime) -> dict[str, dict]:
     """name -> {each round's seconds, the last `new` tokens} of each run(n) generating n tokens,
-    every run timed once a round (A B C A B C: load on the machine hits each alike), after
-    run(4) each to warm up."""
+    timed in turns (A B C A B C: load on the machine hits each alike) after a warm-up run(4)."""
     for run in runs.values():
         run(4)
     out: dict[str, dict] = {name: {"seconds": []} for name in runs}
@@ -57,35 +53,20 @@ def take_turns(runs: dict[str, Callable[[int], torch.Tensor]], new: int, rounds:
 
 def run_worker(spec: dict, workdir: Path, name: str, timeout: float = math.inf,
                env: dict | None = None) -> dict:
-    """Run spec["kind"] in a fresh worker process, streaming its output, and return the result
-    it wrote; stop it after timeout seconds (what is left of --time-budget)."""
+    """Run spec["kind"] in a fresh worker process (its output shown as it runs) and return the
+    result it wrote; stop it after timeout seconds (what is left of --time-budget)."""
     spec_path, result_path = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
     spec_path.write_text(json.dumps({**spec, "result": str(result_path)}))
-    proc = subprocess.Popen([sys.executable, "-m", "engine.benchmarks.worker", str(spec_path)],
-                            cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    tail: collections.deque[str] = collections.deque(maxlen=5)
-
-    def relay() -> None:  # a thread, so that the wait below can time out
-        for line in proc.stdout:
-            print("    " + line, end="", flush=True)
-            if line.strip():
-                tail.append(line.strip())
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
     limit = max(timeout, 1.0)
     try:
-        rc = proc.wait(timeout=None if limit == math.inf else limit)
+        proc = subprocess.run([sys.executable, "-m", "engine.benchmarks.worker", str(spec_path)],
+                              cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                  **(env or {})},
+                              timeout=None if limit == math.inf else limit)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        reader.join(timeout=5)
         return {"status": "failed", "error": f"stopped after {limit:.0f} s: the --time-budget "
                 "ran out"}
-    reader.join()
     if result_path.is_file():
         return json.loads(result_path.read_text())
-    last = tail[-1] if tail else "no output"
-    return {"status": "failed", "error": f"the row's process exited with {rc} ({last})"[:300]}
+    return {"status": "failed", "error": f"the row's process exited with {proc.returncode} "
+            "and wrote no result"}

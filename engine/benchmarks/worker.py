@@ -1,5 +1,5 @@
-"""The measuring side of runner.run_worker: `python -m engine.benchmarks.worker SPEC.json` runs
-spec["kind"] and writes its result (or its error) to spec["result"]."""
+"""`python -m engine.benchmarks.worker SPEC.json` (started by runner.run_worker): runs
+spec["kind"] and writes its result, or its error, to spec["result"]."""
 from __future__ import annotations
 
 import json
