@@ -104,7 +104,7 @@ def convert(model: nn.Module, fmt: str, device: torch.device) -> str:
     for parent, attr, linear in linears(model):
         if not isinstance(linear, PackedLinear):  # auto packed them already
             setattr(parent, attr, PackedLinear(linear, fmt))
-    model._decode_blocks = None
+    model._decode_blocks = model._fused = None
     if fmt != "float32":  # the embedding is read a row a token: bf16 halves its memory
         model.transformer.wte.weight.data = model.transformer.wte.weight.data.to(torch.bfloat16)
     return f"{fmt}{note} ({weight_bytes(model) / 2**20:.0f} MiB)"
@@ -139,7 +139,7 @@ def swap(model: nn.Module, found: list[tuple[nn.Module, str, nn.Linear]],
     are made again from them at the next step."""
     for (parent, attr, _), module in zip(found, modules):
         setattr(parent, attr, module)
-    model._decode_blocks = None
+    model._decode_blocks = model._fused = None
 
 
 @torch.no_grad()
@@ -182,12 +182,14 @@ def kernel_has_the_math(cfg: ModelConfig) -> bool:
 def fused(model: nn.Module) -> bool:
     """Whether decode can run each block as one compiled call: every block Linear packed in
     one format for one kernel path, with the kernels built, and the kernel has the model's
-    activation."""
-    first = model.transformer.h[0].attn.c_attn
-    return (isinstance(first, PackedLinear) and first.isa != "torch"
-            and kernel_has_the_math(model.config)
-            and all(isinstance(linear, PackedLinear) and (linear.format, linear.isa)
-                    == (first.format, first.isa) for _, _, linear in linears(model)[1:]))
+    math. Asked every decoded token, so decided once per packing (convert and swap forget it)."""
+    if getattr(model, "_fused", None) is None:
+        first = model.transformer.h[0].attn.c_attn
+        same = all(isinstance(linear, PackedLinear) and (linear.format, linear.isa)
+                   == (first.format, first.isa) for _, _, linear in linears(model)[1:])
+        model._fused = (isinstance(first, PackedLinear) and first.isa != "torch" and same
+                        and kernel_has_the_math(model.config))
+    return model._fused
 
 
 def block_arguments(model: nn.Module) -> list[tuple]:
