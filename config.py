@@ -57,7 +57,10 @@ class TrainConfig:
     learning_rate: float = opt(1e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
     warmup_iters: int = opt(100, "linear warmup steps")
-    lr_schedule: str = opt("cosine", "decay after warmup", ("cosine", "constant"))
+    lr_schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio, constant, or wsd "
+                           "(warmup-stable-decay: the peak until the last cooldown_frac of the "
+                           "steps, then linear to min_lr_ratio)", ("cosine", "constant", "wsd"))
+    cooldown_frac: float = opt(0.4, "lr_schedule=wsd: the fraction of max_iters spent decaying")
     weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
@@ -69,6 +72,13 @@ class TrainConfig:
     muon_lr: float = opt(0.01, "Muon's peak learning rate (best of a sweep in docs/speedups.md); "
                          "it follows the same warmup and decay")
     muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)")
+    muon_momentum_warmup: int = opt(0, "steps over which Muon's momentum rises linearly from "
+                                    "muon_momentum_start to muon_momentum (the speedrun: 300 "
+                                    "from 0.85); 0 = off")
+    muon_momentum_start: float = opt(0.85, "Muon's momentum at step 0 with muon_momentum_warmup")
+    muon_ns_steps: int = opt(5, "Newton-Schulz iterations per Muon update (torch's 5); each "
+                             "costs about 3 matmuls per matrix, which at small batches on a CPU "
+                             "rivals the model's own step")
     muon_adjust_lr: str = opt("match_rms_adamw", "Muon's per-matrix lr scale: match_rms_adamw "
                               "(0.2 x sqrt(max(rows, cols)): updates the size of AdamW's, so "
                               "weight_decay carries over) | original (sqrt(max(1, rows/cols)))",
@@ -287,15 +297,19 @@ RULES = {  # dotted key -> (what it must be, the test)
                     "train.grad_accum_steps train.learning_rate train.eval_iters "
                     "train.eval_interval train.log_interval train.keep_checkpoints "
                     "train.max_nonfinite_steps train.muon_lr system.dist_timeout "
+                    "train.muon_ns_steps "
                     "sample.prompt_bucket".split(), POSITIVE),
     **dict.fromkeys("model.vocab_size train.max_iters train.warmup_iters train.weight_decay "
                     "train.grad_clip train.stop_after_iters train.tokens_per_step "
                     "train.hellaswag_interval train.hellaswag_examples sample.max_new_tokens "
+                    "train.muon_momentum_warmup model.logit_softcap "
                     "sample.temperature sample.top_k system.threads system.peak_flops "
                     "data.loader_workers sample.prefill_chunk".split(), NON_NEGATIVE),
-    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2", "train.muon_momentum"),
-                    ("in [0, 1)", lambda v: 0 <= v < 1)),
+    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2", "train.muon_momentum",
+                     "train.muon_momentum_start"), ("in [0, 1)", lambda v: 0 <= v < 1)),
     "train.min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "train.cooldown_frac": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "model.rope_base": ("> 1", lambda v: v > 1),
     "sample.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
     "sample.num_samples": (">= 1", lambda v: v >= 1),
 }
@@ -326,6 +340,12 @@ def validate(cfg: Config) -> list[str]:
         problems.append(str(e))
     if m.n_head > 0 and m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    elif m.position == "rotary" and m.n_head > 0 and m.n_embd // m.n_head % 2:
+        problems.append(f"model.position=rotary needs an even head size, got n_embd / n_head = "
+                        f"{m.n_embd // m.n_head}")
+    if m.zero_init_head and m.tie_embeddings:
+        problems.append("model.zero_init_head needs model.tie_embeddings=false: a tied head is "
+                        "the token embedding, which must not start at zero")
     per_sequence = t.batch_size * m.block_size
     if t.tokens_per_step > 0 and per_sequence > 0 and t.tokens_per_step % per_sequence:
         problems.append(f"train.tokens_per_step={t.tokens_per_step} must be a multiple of "

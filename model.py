@@ -51,6 +51,32 @@ class ModelConfig:
     loss: str = opt("full", "LM head + cross-entropy: the whole (tokens, vocab) logits, or in "
                     "chunks of tokens so they never exist (same loss and gradients)",
                     ("full", "chunked"))
+    # the speedrun's techniques (docs/speedrun.md): each off by default, and with every one off
+    # the model is GPT-2
+    position: str = opt("learned", "positions: GPT-2's learned embedding added to the tokens, or "
+                        "rotary (RoPE: each head's queries and keys rotated by their position)",
+                        ("learned", "rotary"))
+    rope_base: float = opt(10000.0, "position=rotary: the base of the rotation frequencies")
+    qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention "
+                        "(no weights): attention logits stay bounded at high learning rates")
+    tie_embeddings: bool = opt(True, "the LM head is the token embedding (GPT-2); false: an "
+                               "LM head of its own")
+    zero_init_head: bool = opt(False, "an untied LM head starts at zero (uniform first logits)")
+    zero_init_proj: bool = opt(False, "the blocks' output projections (attn.c_proj, mlp.c_proj) "
+                               "start at zero: each block starts as the identity")
+    logit_softcap: float = opt(0.0, "logits = cap * tanh(logits / cap) (Gemma 2; the speedrun "
+                               "uses 30 or 15); 0 = off")
+
+
+SPEEDRUN_FIELDS = ("position", "qk_norm", "tie_embeddings", "zero_init_head", "zero_init_proj",
+                   "logit_softcap")
+
+
+def departures(cfg: ModelConfig) -> list[str]:
+    """The speedrun techniques this config turns on ('position=rotary', ...; [] = GPT-2)."""
+    default = ModelConfig()
+    return [f"{name}={getattr(cfg, name)}" for name in SPEEDRUN_FIELDS
+            if getattr(cfg, name) != getattr(default, name)]
 
 
 def checkpoint_plan(spec: str, n_layer: int) -> list[str]:
@@ -156,7 +182,8 @@ class ReluSquared(Activation):
     hf_names, kernel_id = ("relu2",), 2
 
     def __call__(self, x: torch.Tensor, native: bool) -> torch.Tensor:
-        return F.relu(x).square()  # backward keeps relu(x) once: square's input is relu's output
+        r = F.relu(x)  # backward keeps r once; r * r's backward is ~3x faster than square()'s
+        return r * r
 
 
 ACTIVATIONS: dict[str, Activation] = {"gelu_tanh": GeluTanh(), "gelu_erf": GeluErf(),
@@ -262,10 +289,46 @@ def sliced_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer), model.position=rotary: a head's
+    vector x is cut in halves (x1, x2) and each pair (x1[i], x2[i]) at position p is rotated by
+    the angle p * base^(-2i / head_size). A query and a key rotated this way have a dot product
+    that depends on their positions only through their distance."""
+
+    def __init__(self, head_size: int, positions: int, base: float):
+        super().__init__()
+        if head_size % 2:
+            raise ValueError(f"model.position=rotary needs an even head size (n_embd / n_head), "
+                             f"got {head_size}")
+        freq = base ** -(torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+        angle = torch.arange(positions, dtype=torch.float64)[:, None] * freq  # (S, hs / 2)
+        self.register_buffer("cos", angle.cos().float(), persistent=False)
+        self.register_buffer("sin", angle.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, nh, T, hs) at positions (T,), or (B, T): each row its own."""
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, hs/2) or (B, T, hs/2)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """model.logit_softcap: cap * tanh(logits / cap) in float32 (0: the logits as they are).
+    Near zero it is the identity; no logit gets past +-cap."""
+    return logits if not cap else torch.tanh(logits.float() / cap) * cap
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_head, self.impl = layer, cfg.n_head, cfg.attention
+        self.qk_norm = cfg.qk_norm
+        self.rotary = None
+        if cfg.position == "rotary":
+            self.rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_base)
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_dropout = nn.Dropout(cfg.dropout)
@@ -279,10 +342,17 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         hs = C // self.n_head
         qkv = run(self.c_attn, x).view(B, T, 3, self.n_head, hs).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, nh, T, hs) each
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (hs,)), F.rms_norm(k, (hs,))
+        if self.rotary is not None:
+            pos = torch.arange(T, device=x.device) if input_pos is None else input_pos
+            q, k = self.rotary(q, pos), self.rotary(k, pos)
         if kv_cache is not None:  # k, v: (B, nh, T_k, hs), mask (T, T_k) or None: sees all
-            q, (k, v, mask) = qkv[0], kv_cache.update(self.layer, input_pos, qkv[1:])
+            plain = not self.qk_norm and self.rotary is None  # k and v: views of qkv, stored
+            k, v, mask = kv_cache.update(self.layer, input_pos,
+                                         qkv[1:] if plain else torch.stack((k, v)))
         else:
-            q, k, v = qkv.unbind(0)  # (B, nh, T, hs) each
             mask = None  # sdpa without a buffer: is_causal
             if hasattr(self, "mask"):
                 mask = self.mask[:T, :T]
@@ -362,6 +432,8 @@ def block_saved_bytes(cfg: ModelConfig, act: int) -> dict[str, int]:
     else:  # q, k, v, the float32 softmax output and its cast copy for att @ v
         attention = 3 * act * C + (4 + act) * nh * T
         attention += nh * T if cfg.dropout > 0 else 0
+    if cfg.qk_norm or cfg.position == "rotary":  # new q and k tensors, kept by attention
+        attention += 2 * act * C
     attn = ln + act * C + attention + act * C
     native = cfg.activation_impl == "native"
     activation = ACTIVATIONS[cfg.activation].saved_tensors(native) * 4 * C * act
@@ -386,10 +458,14 @@ def loss_chunk_rows(tokens: int, vocab: int) -> int:
 
 def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 row_weight: torch.Tensor, grad_x: torch.Tensor | None,
-                grad_w: torch.Tensor | None) -> torch.Tensor:
+                grad_w: torch.Tensor | None, cap: float = 0.0) -> torch.Tensor:
     """One chunk of ChunkedCrossEntropy -> its share of the mean loss; its gradients go into
     grad_x (the chunk's rows) and add to grad_w. Its (rows, V) buffers die on return."""
     logits = (x @ weight.T).float()  # (rows, V): the only logits that exist
+    squashed = None
+    if cap:  # model.logit_softcap: cap * tanh(logits / cap)
+        squashed = logits.div_(cap).tanh_()
+        logits = squashed * cap
     picked = targets.clamp(min=0)[:, None]  # ignored rows: any class, their row_weight is 0
     target_logit = logits.gather(1, picked).squeeze(1)
     peak = logits.amax(dim=-1, keepdim=True)  # logsumexp in place: no second (rows, V) buffer
@@ -400,7 +476,10 @@ def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         return loss
     # d(mean loss)/d(logits) = (softmax - one_hot(target)) * row_weight
     grad = exp.div_(total).scatter_add_(1, picked, -torch.ones_like(logits[:, :1]))
-    grad = grad.mul_(row_weight[:, None]).to(x.dtype)
+    grad = grad.mul_(row_weight[:, None])
+    if squashed is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh(z / cap)^2
+        grad = grad.mul_(squashed.square_().neg_().add_(1))
+    grad = grad.to(x.dtype)
     if grad_x is not None:
         grad_x.copy_(grad @ weight)
     if grad_w is not None and grad.dtype == torch.float32:
@@ -416,7 +495,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     Where torch's F.linear_cross_entropy is missing or rounds the loss (see chunked_loss_impl)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                cap: float = 0.0) -> torch.Tensor:
         # x (N, C), weight (V, C), targets (N,) with IGNORE_INDEX where nothing is predicted
         valid = targets != IGNORE_INDEX
         row_weight = valid / valid.sum()  # (N,): 1/count, 0 where ignored
@@ -427,7 +507,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, x.size(0), rows):
             chunk = slice(start, start + rows)
             loss += _chunk_loss(x[chunk], weight, targets[chunk], row_weight[chunk],
-                                None if grad_x is None else grad_x[chunk], grad_w)
+                                None if grad_x is None else grad_x[chunk], grad_w, cap)
         ctx.grads, ctx.weight_dtype = (grad_x, grad_w), weight.dtype
         return loss
 
@@ -439,41 +519,45 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             grad_x.mul_(grad_loss)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def chunked_loss_impl(dtype: torch.dtype) -> str:
+def chunked_loss_impl(dtype: torch.dtype, cap: float = 0.0) -> str:
     """Which chunked loss runs for matmuls in this dtype: 'torch' (F.linear_cross_entropy, torch
-    >= 2.13) or 'ours' (ChunkedCrossEntropy; also for bf16, whose loss torch's rounds to bf16)."""
-    return "torch" if hasattr(F, "linear_cross_entropy") and dtype != torch.bfloat16 else "ours"
+    >= 2.13) or 'ours' (ChunkedCrossEntropy; also for bf16, whose loss torch's rounds to bf16,
+    and with a logit soft-cap, which torch's does not apply)."""
+    native = hasattr(F, "linear_cross_entropy") and dtype != torch.bfloat16 and not cap
+    return "torch" if native else "ours"
 
 
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
-                          targets: torch.Tensor) -> torch.Tensor:
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          cap: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of the logits x @ weight.T (x (..., C), weight (V, C)) against targets
     (...,), IGNORE_INDEX skipped, computed by chunks of tokens: the logits never exist whole.
+    cap > 0: the logits soft-capped first (model.logit_softcap).
     The matmuls run in autocast's dtype, as the full path's LM head would; the loss is float32."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     x, weight, targets = x.reshape(-1, x.size(-1)).to(dtype), weight.to(dtype), targets.reshape(-1)
-    if chunked_loss_impl(dtype) == "torch":
+    if chunked_loss_impl(dtype, cap) == "torch":
         rows = loss_chunk_rows(x.size(0), weight.size(0))
         return F.linear_cross_entropy(x, weight, targets, ignore_index=IGNORE_INDEX,
                                       options=nn.LinearCrossEntropyOptions(batch_chunk_size=rows))
-    return _chunked_eager(x, weight, targets)
+    return _chunked_eager(x, weight, targets, cap)
 
 
 _chunks_outside_compile = None  # torch.compiler.disable(ChunkedCrossEntropy.apply), on first use
 
 
-def _chunked_eager(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunked_eager(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   cap: float) -> torch.Tensor:
     """ChunkedCrossEntropy.apply, kept out of compiled graphs (the chunk loop is large matmuls:
     nothing to gain). The wrapper is made on first use, not at import: making it imports
     torch._dynamo, ~1.2 s of start-up here that generate.py and serve.py need not pay."""
     global _chunks_outside_compile
     if _chunks_outside_compile is None:
         _chunks_outside_compile = torch.compiler.disable(ChunkedCrossEntropy.apply)
-    return _chunks_outside_compile(x, weight, targets)
+    return _chunks_outside_compile(x, weight, targets, cap)
 
 
 class GPT(nn.Module):
@@ -487,13 +571,16 @@ class GPT(nn.Module):
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(self.padded_vocab, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            # learned positions (GPT-2); with rotary ones, attention rotates q and k instead
+            **({"wpe": nn.Embedding(cfg.block_size, cfg.n_embd)}
+               if cfg.position == "learned" else {}),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
             ln_f=LayerNorm(cfg.n_embd, cfg.bias, cfg.layer_norm_eps, cfg.norm),
         ))
         self.lm_head = Linear(cfg.n_embd, self.padded_vocab, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -503,18 +590,29 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                if cfg.zero_init_proj:  # after the draw: the other weights stay GPT-2's
+                    nn.init.zeros_(p)
+        if cfg.zero_init_head:
+            if cfg.tie_embeddings:
+                raise ValueError("model.zero_init_head needs model.tie_embeddings=false: a tied "
+                                 "head is the token embedding, which must not start at zero")
+            nn.init.zeros_(self.lm_head.weight)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters counted once (the LM head is tied). non_embedding drops wte and wpe."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+            n -= self.transformer.wte.weight.numel() + self.learned_positions()
         return n
+
+    def learned_positions(self) -> int:
+        """Parameters of the learned position embedding (0 with rotary positions)."""
+        return self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B), N without the wpe."""
         cfg = self.config
-        n = self.num_params(non_embedding=False) - self.transformer.wpe.weight.numel()
+        n = self.num_params(non_embedding=False) - self.learned_positions()
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
@@ -534,18 +632,23 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of {T} tokens is longer than block_size "
                                  f"{self.config.block_size}; crop the input")
             input_pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
-        x = float32(self.transformer.wte(idx) + self.transformer.wpe(input_pos))
+        x = self.transformer.wte(idx)
+        if "wpe" in self.transformer:  # learned positions; rotary ones act in attention
+            x = x + self.transformer.wpe(input_pos)
+        x = float32(x)
         if self.training:  # precision policy (above): the residual stream is float32
             x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, kv_cache, input_pos)  # (B, T, C)
         x = self.transformer.ln_f(x)
         if targets is not None and self.config.loss == "chunked":  # padded rows left out
-            return None, chunked_cross_entropy(x, self.lm_head.weight[:self.vocab_size], targets)
+            return None, chunked_cross_entropy(x, self.lm_head.weight[:self.vocab_size], targets,
+                                               self.config.logit_softcap)
         if logits_at is not None:  # (K,): the same for every row; (B, K): each row's own
             x = x[:, logits_at] if logits_at.dim() == 1 else x.gather(
                 1, logits_at[..., None].expand(-1, -1, x.size(-1)))  # (B, K, C)
         logits = self.lm_head(x)[..., :self.vocab_size]  # (B, T, vocab): padded rows never win
+        logits = softcap(logits, self.config.logit_softcap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size),
@@ -554,18 +657,19 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch: int, positions: int | None = None) -> KVCache:
         """An empty cache of `positions` (default block_size), on the weights' device and in
-        the dtype of the residual stream's inputs (the position embedding's: float32 unless the
+        the dtype of the residual stream's inputs (the token embedding's: float32 unless the
         model is bf16)."""
-        p = self.transformer.wpe.weight
+        p = self.transformer.wte.weight
         return KVCache(self.config, batch, p.device, p.dtype, positions)
 
     def crop_block_size(self, block_size: int) -> None:
         """Shorten the context (e.g. 1024 -> 256) by keeping the first position embeddings."""
         self.config.block_size = block_size
-        wpe = self.transformer.wpe
-        wpe.weight = nn.Parameter(wpe.weight.data[:block_size].clone())
-        wpe.num_embeddings = block_size
-        for block in self.transformer.h:
+        if "wpe" in self.transformer:
+            wpe = self.transformer.wpe
+            wpe.weight = nn.Parameter(wpe.weight.data[:block_size].clone())
+            wpe.num_embeddings = block_size
+        for block in self.transformer.h:  # rotary angles past block_size are never read
             if hasattr(block.attn, "mask"):
                 block.attn.mask = block.attn.mask[:block_size, :block_size]
 

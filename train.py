@@ -21,7 +21,7 @@ import torch
 from config import Config, ConfigError, load_config, opt
 from data.loader import DataError
 from engine import checkpoint, distributed, memory, resume, runlog, runtime, techniques
-from engine.optim import lr_at
+from engine.optim import lr_at, momentum_at, set_momentum
 from engine.run import Run, build_run
 from engine.sources import dataset_meta
 from engine.step import NonFiniteGuard, StepResult, evaluate, train_step
@@ -140,6 +140,7 @@ def train(cfg: Config) -> dict:
             if step >= t.max_iters or stop:
                 break
             lr = lr_at(step, cfg)
+            set_momentum(trainer.optimizer, momentum_at(step, cfg))
             result = train_step(trainer, (x, y), lr)
             x, y = result.next_batch
             step += 1

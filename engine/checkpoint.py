@@ -56,7 +56,9 @@ def first_line(e: BaseException) -> str:
 
 def model_state(model: GPT) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer, the tied head once."""
-    return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != TIED}
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+            if k != TIED or not tied}
 
 
 def write_files(directory: Path, files: dict[str, bytes]) -> None:

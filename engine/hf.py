@@ -35,8 +35,25 @@ VERIFY_TEXT = ("Hello, I'm a language model, and I can tell you that the weights
                "correctly when the logits agree to the last few digits.")
 
 
+# model options GPT2LMHeadModel has no place for, and what it has instead
+NOT_IN_GPT2 = {"position": "learned positions", "qk_norm": "no query/key norm",
+               "logit_softcap": "uncapped logits"}
+
+
 class GPT2WeightsError(checkpoint.CheckpointError):
     """A GPT-2 source that cannot be found, read or mapped onto our model."""
+
+
+def check_gpt2_can_hold(cfg: ModelConfig, doing: str) -> None:
+    """Refuse, in one line, a model whose options GPT-2's format cannot hold."""
+    default = ModelConfig()
+    found = [(f"model.{name}={getattr(cfg, name)}", has) for name, has in NOT_IN_GPT2.items()
+             if getattr(cfg, name) != getattr(default, name)]
+    if found:
+        names, gpt2 = ", ".join(n for n, _ in found), "; ".join(h for _, h in found)
+        raise GPT2WeightsError(f"cannot {doing}: {names} has no place in Hugging Face's GPT-2 "
+                               f"(it has {gpt2}); our own checkpoints keep it (generate.py, "
+                               "serve.py), or train without it")
 
 
 class VerificationError(GPT2WeightsError):
@@ -179,9 +196,16 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
     found = {k.removeprefix("transformer.") for k in hf_state}
     parts = checkpoint.mismatch_parts(sorted(names - found), sorted(unexpected), sorted(shapes))
     wte, head = state.get("transformer.wte.weight"), hf_state.get("lm_head.weight")
-    if head is not None and wte is not None and not torch.equal(head, wte):
-        parts.append("lm_head.weight differs from wte.weight, but our LM head is tied to the "
-                     "token embedding as in GPT-2")
+    if cfg.tie_embeddings and head is not None and wte is not None and not torch.equal(head, wte):
+        parts.append("lm_head.weight differs from wte.weight, but config.json ties the LM head "
+                     "to the token embedding")
+    if not cfg.tie_embeddings:  # tie_word_embeddings=false: a head of its own
+        if head is None or tuple(head.shape) != (cfg.vocab_size, cfg.n_embd):
+            parts.append(f"lm_head.weight: {'missing' if head is None else tuple(head.shape)} "
+                         f"vs config {(cfg.vocab_size, cfg.n_embd)} (tie_word_embeddings=false)")
+        else:
+            state["lm_head.weight"] = torch.cat([head, head.new_zeros(
+                model.padded_vocab - cfg.vocab_size, head.size(1))])
     if parts:
         raise GPT2WeightsError(f"weights in {source} do not match its config.json ("
                                + "; ".join(parts) + "); the directory is not a complete GPT-2 "
@@ -194,13 +218,17 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
 def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Path]:
     """Our GPT holding a HF GPT-2's weights at its full context, and the directory read.
     model_cfg's shape is set from the HF config in place; its implementation switches stay."""
-    hf_dir, model_cfg = fetch(source), model_cfg or ModelConfig()
+    model_cfg = model_cfg or ModelConfig()
+    check_gpt2_can_hold(model_cfg, f"load {source} into this model")
+    hf_dir = fetch(source)
     hf = read_hf_config(hf_dir)
     for ours, theirs in SHAPE.items():
         setattr(model_cfg, ours, hf[theirs])
     model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
     model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))
     model_cfg.bias = True  # GPT-2 has biases everywhere
+    model_cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
+    model_cfg.zero_init_head = False
     model = GPT(model_cfg)
     state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))
     checkpoint.load_state(model, state, str(hf_dir))  # copies, re-checking against our names
@@ -226,6 +254,8 @@ def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
         if name == "wte.weight":
             tensor = tensor[:model.config.vocab_size]
         out[ours] = (tensor.t() if name.endswith(CONV1D) else tensor).contiguous().clone()
+    if not model.config.tie_embeddings:
+        out["lm_head.weight"] = own["lm_head.weight"][:model.config.vocab_size].cpu().clone()
     return out
 
 
@@ -240,7 +270,7 @@ def hf_config(cfg: ModelConfig) -> dict:
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "initializer_range": 0.02, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": True, "use_cache": True, "bos_token_id": eot,
+            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eot,
             "eos_token_id": eot, "torch_dtype": "float32"}
 
 
@@ -280,6 +310,7 @@ def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
     """A directory from_pretrained loads (config.json, model.safetensors, tokenizer files), staged
     and moved into place once complete, so a failure leaves `out` as it was."""
     out = Path(out)
+    check_gpt2_can_hold(model.config, f"export to {out}")
     checkpoint.check_out_dir(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_hf(model)

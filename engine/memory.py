@@ -43,13 +43,15 @@ class MemoryEstimate:
 
 
 def parameter_count(m: ModelConfig) -> int:
-    """GPT parameters, counted once (the LM head shares the token embedding)."""
+    """GPT parameters, counted once (a tied LM head is the token embedding)."""
     C, L = m.n_embd, m.n_layer
     bias = 1 if m.bias else 0
     per_block = (2 * (C + bias * C)  # two LayerNorms
                  + C * 3 * C + bias * 3 * C + C * C + bias * C  # attention in/out projections
                  + C * 4 * C + bias * 4 * C + 4 * C * C + bias * C)  # MLP
-    embeddings = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple) * C + m.block_size * C
+    vocab = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple) * C
+    positions = m.block_size * C if m.position == "learned" else 0
+    embeddings = vocab * (1 if m.tie_embeddings else 2) + positions
     return embeddings + L * per_block + C + bias * C  # + final LayerNorm
 
 
@@ -78,10 +80,11 @@ def loss_bytes(m: ModelConfig, tokens: int, act: int) -> int:
     gradient in place; + a 16-bit copy under autocast), and the input and float32 head gradients
     it makes in forward (measured: docs/memory.md)."""
     C, V = m.n_embd, m.vocab_size
+    capped = 4 * V if m.logit_softcap else 0  # the float32 tanh, kept (a chunk: a second buffer)
     if m.loss == "chunked":
-        chunk = loss_chunk_rows(tokens, V) * V * (4 if act == 4 else 4 + act)
+        chunk = loss_chunk_rows(tokens, V) * (V * (4 if act == 4 else 4 + act) + capped)
         return chunk + act * tokens * C + 4 * V * C
-    return tokens * (act * padded_vocab_size(m.vocab_size, m.vocab_pad_multiple) + 8 * m.vocab_size)
+    return tokens * (act * padded_vocab_size(m.vocab_size, m.vocab_pad_multiple) + 8 * V + capped)
 
 
 def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:

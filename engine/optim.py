@@ -5,7 +5,9 @@
                      bf16 weights (system.weights_dtype=bfloat16: MasterWeights); with
                      train.optimizer=muon, MuonWithAdamW: Muon on the blocks' Linear weights
                      (muon_params), AdamW on embeddings, the tied head, biases and norms
-    lr_at            linear warmup, then cosine (or constant) decay to min_lr_ratio x peak
+    lr_at            linear warmup, then cosine decay to min_lr_ratio x peak, constant, or
+                     warmup-stable-decay (wsd: linear over the last cooldown_frac of the steps)
+    momentum_at      Muon's momentum, warmed up from muon_momentum_start (set_momentum applies it)
 """
 from __future__ import annotations
 
@@ -37,9 +39,30 @@ def lr_at(step: int, cfg: Config) -> float:
         return peak * (step + 1) / t.warmup_iters
     if t.lr_schedule == "constant" or t.max_iters <= t.warmup_iters:
         return peak
-    progress = min(1.0, (step - t.warmup_iters) / (t.max_iters - t.warmup_iters))
     min_lr = peak * t.min_lr_ratio
+    if t.lr_schedule == "wsd":  # the peak, then a straight line to min_lr at max_iters
+        cooldown = max(1.0, t.cooldown_frac * t.max_iters)
+        left = min(1.0, max(0.0, (t.max_iters - step) / cooldown))
+        return min_lr + left * (peak - min_lr)
+    progress = min(1.0, (step - t.warmup_iters) / (t.max_iters - t.warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
+
+
+def momentum_at(step: int, cfg: Config) -> float:
+    """Muon's momentum at this step: muon_momentum, or with muon_momentum_warmup a straight line
+    up to it from muon_momentum_start (early updates follow the newest gradients more)."""
+    t = cfg.train
+    if step >= t.muon_momentum_warmup:
+        return t.muon_momentum
+    return t.muon_momentum_start + step / t.muon_momentum_warmup * (
+        t.muon_momentum - t.muon_momentum_start)
+
+
+def set_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> None:
+    """Every Muon group's momentum (AdamW's betas stay)."""
+    for group in optimizer.param_groups:
+        if group.get("muon"):
+            group["momentum"] = momentum
 
 
 def muon_params(model: GPT) -> list[torch.nn.Parameter]:
@@ -59,7 +82,8 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim
                                                    and device.type != "cuda")
         groups, make = muon_groups(model, groups, cfg), functools.partial(
             MuonWithAdamW, muon_class=Float32Muon if float32 else torch.optim.Muon,
-            muon=dict(momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr))
+            muon=dict(momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr,
+                      ns_steps=t.muon_ns_steps))
     kwargs = dict(lr=t.learning_rate, betas=(t.beta1, t.beta2))
     if next(model.parameters()).dtype == torch.bfloat16:  # system.weights_dtype=bfloat16
         return MasterWeights(groups, make, foreach=False, **kwargs)

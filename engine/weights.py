@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from config import ConfigError
 from engine import cpu_kernels
-from model import ACTIVATIONS, ModelConfig
+from model import ACTIVATIONS, ModelConfig, softcap
 
 FORMATS = ("auto", "torch", "float32", "bfloat16", "int8", "int4")
 # within 0.5% of float32's perplexity (int4: 3%), measured by python bench.py --decode
@@ -86,7 +86,7 @@ def convert(model: nn.Module, fmt: str, device: torch.device) -> str:
         raise ConfigError(f"sample.weights={fmt!r} is not one of {', '.join(FORMATS)}")
     if isinstance(model.lm_head, PackedLinear):
         return model.lm_head.format + " (packed already)"
-    dtype = model.transformer.wpe.weight.dtype
+    dtype = model.transformer.wte.weight.dtype
     if device.type != "cpu" or dtype != torch.float32:
         if fmt in ("auto", "torch"):
             return f"torch (as loaded{', the kernels are CPU only' if fmt == 'auto' else ''})"
@@ -167,7 +167,8 @@ def weight_bytes(model: nn.Module) -> int:
 # decoding through forward(), the one math path
 KERNEL_KNOWS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias",
                 "layer_norm_eps", "attention", "causal_mask", "norm", "activation",
-                "activation_impl", "vocab_pad_multiple", "activation_checkpointing", "loss"}
+                "activation_impl", "vocab_pad_multiple", "activation_checkpointing", "loss",
+                "tie_embeddings", "zero_init_head", "zero_init_proj", "logit_softcap"}
 
 
 def kernel_has_the_math(cfg: ModelConfig) -> bool:
@@ -235,9 +236,10 @@ def forward_tokens(model: nn.Module, tokens: torch.Tensor, kv: list[torch.Tensor
     t, C = model.transformer, model.config.n_embd
     rows, positions = rows.long().contiguous(), positions.long().contiguous()
     x = (F.embedding(tokens, t.wte.weight).float() + t.wpe.weight[positions]).contiguous()
+    # (learned positions: kernel_has_the_math sends rotary models through forward())
     for cache, args in zip(kv, block_arguments(model)):
         x = torch.ops.gpt2s.decode_block(x, cache, rows, positions, *args)  # (N, C)
     if logits_at is not None:
         x = x[logits_at]
     x = F.layer_norm(x, (C,), t.ln_f.weight, t.ln_f.bias, t.ln_f.eps)
-    return model.lm_head(x)[:, :model.vocab_size]
+    return softcap(model.lm_head(x)[:, :model.vocab_size], model.config.logit_softcap)

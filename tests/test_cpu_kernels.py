@@ -169,7 +169,9 @@ def packed_model(fmt: str, **overrides) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("fmt", list(cpu_kernels.FORMATS))
-@pytest.mark.parametrize("overrides", [{}, {"activation": "gelu_erf", "bias": False}, {"activation": "relu2"}])
+@pytest.mark.parametrize("overrides", [{}, {"activation": "gelu_erf", "bias": False},
+                                       {"activation": "relu2"},
+                                       {"tie_embeddings": False, "logit_softcap": 3.0}])
 def test_a_fused_block_step_gives_forward_logits(built, fmt, overrides):
     """decode_rows (each block one compiled call) against forward() over the same packed
     Linears: rows at different positions in one call, as the server's slots are."""
@@ -308,3 +310,7 @@ def test_the_kernel_decodes_only_the_math_it_has(monkeypatch):
     monkeypatch.setattr(weights, "KERNEL_KNOWS", weights.KERNEL_KNOWS - {"bias"})
     assert not weights.kernel_has_the_math(ModelConfig(bias=False))
     assert ACTIVATIONS["gelu_tanh"].kernel_id == 0
+    assert weights.kernel_has_the_math(ModelConfig(tie_embeddings=False, zero_init_proj=True,
+                                                   logit_softcap=30.0))
+    assert not weights.kernel_has_the_math(ModelConfig(position="rotary"))
+    assert not weights.kernel_has_the_math(ModelConfig(qk_norm=True))

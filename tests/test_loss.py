@@ -57,7 +57,7 @@ def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_c
     """float32, several chunks: equal to 1e-5; the padded rows get no gradient, as in full."""
     if impl == "torch" and not HAS_TORCH_LCE:
         pytest.skip("this torch has no F.linear_cross_entropy (torch >= 2.13)")
-    monkeypatch.setattr(model_module, "chunked_loss_impl", lambda dtype: impl)
+    monkeypatch.setattr(model_module, "chunked_loss_impl", lambda dtype, cap=0.0: impl)
     full, chunked = twins(pad)
     x, y = batch(full.config, ignored=ignored)
     _, loss_full, grads_full = loss_and_grads(full, x, y)
@@ -75,7 +75,7 @@ def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_c
 def test_compiled_model_runs_our_chunk_loop_eagerly_with_the_same_loss(small_chunks,
                                                                       monkeypatch):
     """The chunk loop is kept out of the graph (wrapped on first use, not at import)."""
-    monkeypatch.setattr(model_module, "chunked_loss_impl", lambda dtype: "ours")
+    monkeypatch.setattr(model_module, "chunked_loss_impl", lambda dtype, cap=0.0: "ours")
     full, chunked = twins()
     x, y = batch(full.config)
     _, loss_full, grads_full = loss_and_grads(full, x, y)

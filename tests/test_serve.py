@@ -42,13 +42,13 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def tiny_checkpoint(out_dir: Path, attention: str = "sdpa") -> Path:
+def tiny_checkpoint(out_dir: Path, attention: str = "sdpa", **techniques) -> Path:
     """A random 2-layer model whose weights are scaled up, so greedy picks have clear margins
-    (float noise between batch sizes cannot flip them)."""
+    (float noise between batch sizes cannot flip them); techniques: model fields to set."""
     torch.manual_seed(0)
     cfg = Config()
     cfg.model = ModelConfig(block_size=32, vocab_size=len(CHARS), n_layer=2, n_head=2, n_embd=32,
-                            attention=attention)
+                            attention=attention, **techniques)
     model = GPT(cfg.model)
     with torch.no_grad():
         for p in model.parameters():
@@ -98,13 +98,20 @@ def run_engine(model: GPT, requests: list[tuple[str, SamplingParams]], slots: in
     return texts
 
 
-@pytest.mark.parametrize("attention,static", [("sdpa", False), ("scratch", False),
-                                              ("sdpa", True)])
-def test_engine_gives_each_request_what_generate_gives_alone(tmp_path, attention, static):
+SPEEDRUN = dict(position="rotary", qk_norm=True, tie_embeddings=False, logit_softcap=15.0,
+                activation="relu2")
+
+
+@pytest.mark.parametrize("attention,static,techniques", [
+    ("sdpa", False, {}), ("scratch", False, {}), ("sdpa", True, {}), ("sdpa", False, SPEEDRUN),
+    ("sdpa", True, SPEEDRUN)])
+def test_engine_gives_each_request_what_generate_gives_alone(tmp_path, attention, static,
+                                                             techniques):
     """Greedy and seeded sampling, prompts of different lengths, past the context (re-read):
     token for token generate.py's sampler alone. static: every slot, full cache, per-row mask
-    (the compiled path's shapes)."""
-    model = sources.load_model(str(tiny_checkpoint(tmp_path, attention)), Config())[0].eval()
+    (the compiled path's shapes). The speedrun's model: rotary positions per slot."""
+    model = sources.load_model(str(tiny_checkpoint(tmp_path, attention, **techniques)),
+                               Config())[0].eval()
     requests = [("ab", SamplingParams(max_tokens=50, temperature=0)),
                 ("hello world, this is long", SamplingParams(max_tokens=20, temperature=0)),
                 ("c", SamplingParams(max_tokens=40, temperature=1.0, seed=7)),

@@ -109,13 +109,13 @@ def token_row(engine: str, fmt: str, model: GPT, note: str) -> dict:
     """A speed row of `model`: the weight bytes one token reads are every Linear (packed or
     not, the LM head included) and the norms, one row of each embedding."""
     t = model.transformer
-    rows = {id(t.wpe.weight)}
+    rows = {id(t.wpe.weight)} if "wpe" in t else set()
     if not (isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is t.wte.weight):
         rows.add(id(t.wte.weight))  # the head is its own (packed) copy: one row read
     params = {id(p): p for p in model.parameters()}
     nbytes = sum(p.nbytes for i, p in params.items() if i not in rows)
     nbytes += sum(m.nbytes() for m in model.modules() if isinstance(m, weights.PackedLinear))
-    nbytes += t.wpe.weight[0].nbytes + t.wte.weight[0].nbytes
+    nbytes += t.wte.weight[0].nbytes + (t.wpe.weight[0].nbytes if "wpe" in t else 0)
     return {"engine": engine, "format": fmt, "note": note, "bytes": nbytes}
 
 
