@@ -20,6 +20,7 @@ from engine.runtime import SetupError
 CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu",
                "train", "val")
 ETA_WINDOW = 20  # progress marks the ETA is averaged over
+PLOT_EVERY_S = 60.0  # the loss curve is redrawn at most this often, and at the end
 
 
 def format_duration(seconds: float) -> str:
@@ -97,6 +98,8 @@ class RunLog:
         self.seconds_before = train_seconds  # spent by the earlier parts of a resumed run
         self.marks = collections.deque([(self.clock_start, start_step)], maxlen=ETA_WINDOW)
         self.plot_note = ""
+        self.plotted = time.perf_counter()  # the loss curve's last redraw (none yet: the start)
+        self.unplotted = False  # evaluations since then
         self.wandb = start_wandb(cfg, self.out_dir, wandb_id) if cfg.wandb.enabled and files \
             else None
         self.wandb_id = self.wandb.id if self.wandb is not None else ""
@@ -139,11 +142,19 @@ class RunLog:
             self.wandb.log(values, step=record["step"])
 
     def eval(self, step: int, losses: dict[str, float]) -> None:
-        """Print and record an evaluation, and redraw the loss curve."""
+        """Print and record an evaluation; redraw the loss curve at most every PLOT_EVERY_S
+        (a redraw costs ~0.2 s, the first ~1 s: in a short run that is time not training)."""
         val = losses["val"]
         print(f"eval {step:5d} | train {losses['train']:.4f} | val {val:.4f} | val ppl "
               f"{math.exp(min(val, 700)):.2f}")
         self.write(kind="eval", step=step, **losses)
+        self.unplotted = True
+        if time.perf_counter() - self.plotted >= PLOT_EVERY_S:
+            self.plot()
+
+    def plot(self) -> None:
+        """Redraw loss_curve.png from every record so far."""
+        self.plotted, self.unplotted = time.perf_counter(), False
         try:
             if self.files:
                 plot_losses(self.records, self.out_dir / "loss_curve.png", self.title)
@@ -165,6 +176,8 @@ class RunLog:
                ckpt: Path | None) -> dict:
         """Print the summary, write summary.json, close wandb; returns the summary (stop_reason:
         done | stop_after_iters | SIGINT | SIGTERM | nonfinite)."""
+        if self.unplotted:
+            self.plot()
         summary = {"stop_reason": reason, "step": counters.step,
                    "steps": counters.step - start_step,
                    "seconds": time.perf_counter() - self.clock_start,

@@ -29,11 +29,12 @@ from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import Config, ConfigError, SystemConfig, TrainConfig
 from engine import runtime
 from engine.distributed import Dist
-from model import GPT, padded_vocab_size
+from model import GPT, departures, padded_vocab_size
 
 # share of free CUDA memory a trial step may reserve: room for fragmentation, eval, autotuning
 MEMORY_HEADROOM = 0.90
@@ -200,6 +201,41 @@ def hold_weights(model: torch.nn.Module, weights_dtype: str, parallel: str,
     return "bfloat16 (float32 master weights + AdamW state)"
 
 
+class _OpNames(TorchDispatchMode):
+    """Records the name of every aten op dispatched under it (below autograd and autocast, so
+    forward and backward kernels alike); about free, where torch.profiler's first start
+    imports torch._dynamo (~3 s of a run's start-up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def attention_kernels(run: Callable[[], object], eager: bool = False) -> list[str]:
+    """Run `run` and name every SDPA kernel it dispatched to; [] when none. eager: `run` is
+    eager code, whose ops a dispatch mode sees at no cost; otherwise (compiled code) under
+    torch.profiler, whose first start costs ~3 s."""
+    if eager:
+        with _OpNames() as ops:
+            run()
+        names = ops.names
+    else:
+        prof = profile(activities=[ProfilerActivity.CPU])  # aten calls are recorded on the host
+        with _quiet_stderr():
+            prof.start()
+        try:
+            run()
+        finally:
+            with _quiet_stderr():
+                prof.stop()
+        names = {e.name for e in prof.events()}
+    return sorted({SDPA_KERNELS[name] for name in names if name in SDPA_KERNELS})
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """Silence C-level stderr (the profiler's chatter)."""
@@ -212,19 +248,6 @@ def _quiet_stderr():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def attention_kernels(run: Callable[[], object]) -> list[str]:
-    """Run `run` under the profiler and name every SDPA kernel it dispatched to; [] when none."""
-    prof = profile(activities=[ProfilerActivity.CPU])  # aten calls are recorded on the host
-    with _quiet_stderr():
-        prof.start()
-    try:
-        run()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    return sorted({SDPA_KERNELS[e.name] for e in prof.events() if e.name in SDPA_KERNELS})
 
 
 def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[str]:
@@ -244,7 +267,7 @@ def probe_attention(model: GPT, rt: runtime.Runtime, micro_batch: int) -> list[s
 
     with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
         try:
-            kernels = attention_kernels(run)
+            kernels = attention_kernels(run, eager=True)
         except RuntimeError as e:  # torch's kernel cannot run this shape or precision here
             raise runtime.SetupError(sdpa_failure(e, rt)) from None
     model.zero_grad(set_to_none=True)
@@ -404,7 +427,17 @@ def settings(cfg: Config, rt: runtime.Runtime, notes: Notes) -> dict[str, str]:
             "pin_memory": pin, "dtype": cfg.system.dtype, "norm": m.norm,
             "activation": f"{m.activation}/{m.activation_impl}",
             "attention": attention, "compile": notes.compile, "vocab": vocab,
-            "loss": m.loss, "optimizer": cfg.train.optimizer, "batch": notes.batch}
+            "loss": m.loss, "optimizer": cfg.train.optimizer, "batch": notes.batch,
+            "recipe": recipe(cfg)}
+
+
+def recipe(cfg: Config) -> str:
+    """The speedrun techniques on ('gpt2' when none): the model's, the schedule, Muon's warmup."""
+    t = cfg.train
+    on = departures(cfg.model) + [f"lr_schedule={t.lr_schedule}"] * (t.lr_schedule == "wsd")
+    on += [f"muon_momentum_warmup={t.muon_momentum_warmup}"] * (
+        t.optimizer == "muon" and t.muon_momentum_warmup > 0)
+    return ",".join(on) or "gpt2"
 
 
 def banner(values: dict[str, str], notes: list[str]) -> str:

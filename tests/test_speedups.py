@@ -324,6 +324,7 @@ def test_attention_kernel_report(attention, mask, expected):
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no trace
     x, y = tiny_batch(model.config)
     assert techniques.attention_kernels(lambda: model(x, y)[1].backward()) == expected
+    assert techniques.attention_kernels(lambda: model(x, y)[1].backward(), eager=True) == expected
 
 
 @pytest.mark.cuda
