@@ -9,7 +9,7 @@ import pytest
 
 import bench
 from config import ConfigError, load_config
-from engine.benchmarks import ablation, ablation_report, kernels
+from engine.benchmarks import ablation, ablation_report, kernels, to_loss
 
 
 def gpt2_cfg():
@@ -175,12 +175,15 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, ca
 def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys):
     """Two recipes of the same math (the reference path, then every speedup) reach the target at
     the same evaluation with close losses; each run is stopped there; table, JSON and plot."""
-    code = bench.main(["to-loss", "3.5", "--recipes", "reference,every speedup",
+    code = bench.main(["to-loss", "3.5", "--recipes", "reference,every speedup,+ rotary",
                        "--eval-every", "10", "--results", str(tmp_path), "--name", "t"])
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((tmp_path / "to_loss_t.json").read_text())
-    reference, fast = report["rows"]
+    reference, fast, rotary = report["rows"]
+    assert rotary["args"][:len(to_loss.BASE)] == to_loss.BASE  # added to the best so far
+    assert "--position=rotary" in rotary["args"] and rotary["chain"].startswith(("kept",
+                                                                                 "dropped"))
     assert reference["status"] == fast["status"] == "ok"
     assert reference["reached"][0] == fast["reached"][0] <= 100  # the same step
     assert reference["reached"][1] <= 3.5 and fast["curve"][-1] == fast["reached"]  # stopped
@@ -189,6 +192,22 @@ def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, caps
     md = (tmp_path / "to_loss_t.md").read_text()
     assert "| reference |" in md and "| every speedup |" in md and "1.00x" in md
     assert (tmp_path / "to_loss_t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_time_chain_keeps_a_technique_only_when_sooner_beyond_the_noise():
+    head = {"reached": [100, 1.8, 50.0], "times": [50.0, 52.0]}
+
+    def row(*times):
+        return {"reached": [100, 1.8, times[0]], "times": list(times), "status": "ok"}
+
+    assert to_loss.verdict(row(40.0, 41.0), head, 0.05) == (True, "kept")
+    keep, why = to_loss.verdict(row(49.0, 50.0), head, 0.05)
+    assert not keep and why.startswith("dropped: not sooner beyond the noise (+3%, noise 5%")
+    keep, why = to_loss.verdict(row(30.0, 60.0), head, 0.05)  # a wide spread: noise
+    assert not keep and "noise 67%" in why
+    assert to_loss.verdict(row(70.0), head, 0.05)[1].startswith("dropped: slower here")
+    assert to_loss.verdict({"reached": None, "status": "not reached"}, head, 0.05) == (
+        False, "dropped: not reached")
 
 
 def test_to_loss_bad_options(tmp_path, capsys):

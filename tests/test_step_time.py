@@ -51,3 +51,15 @@ def test_side_by_side_refuses_a_folder_without_nanogpt(tmp_path, capsys):
 
     assert bench.main(["vs-nanogpt", str(tmp_path)]) == 2
     assert "no train.py there; give a nanoGPT checkout" in capsys.readouterr().err
+
+
+def test_side_by_side_picks_its_programs_and_refuses_unknown_ones(tmp_path, capsys):
+    import bench
+    from engine.benchmarks import to_loss
+
+    (tmp_path / "train.py").write_text("")
+    assert bench.main(["vs-nanogpt", str(tmp_path), "--programs", "fast"]) == 2
+    assert ("--programs: unknown fast; choose from every speedup, erf, speedrun"
+            in capsys.readouterr().err)
+    programs = to_loss.side_programs(to_loss.VsNanoGPTOptions(nanogpt=str(tmp_path)))
+    assert programs["ours, speedrun config"][1] == ["--config", "shakespeare_char_speedrun"]

@@ -1,13 +1,17 @@
-"""Time to a loss, `python bench.py to-loss 1.886 [--nanogpt DIR]`: each recipe in a fresh
-train.py process on nanoGPT's CPU recipe (char Shakespeare, 4 x 4 x 128, context 64, batch 12,
-lr 1e-3 cosine to 2000 steps), stopped at its first evaluation at or below the target: the time
-from launch, a table and a plot of val loss against time, RESULTS/to_loss_NAME.{json,md,png}.
---nanogpt DIR adds nanoGPT's own train.py as a row.
+"""Time to a loss, `python bench.py to-loss 1.886 [--nanogpt DIR] [--repeat N]`: recipes in fresh
+train.py processes on nanoGPT's CPU recipe (char Shakespeare, 4 x 4 x 128, context 64, batch 12,
+lr 1e-3 cosine to 2000 steps), each stopped at its first evaluation at or below the target. Rows:
+nanoGPT's own train.py (--nanogpt), our code at its math (reference, then every step speedup),
+then the chain: each technique added to the best recipe so far, kept only when it reaches the
+target sooner beyond the noise (as bench.py's speedup chain), and last the config the chain led
+to. The time from launch, a table and a plot of val loss against time,
+RESULTS/to_loss_NAME.{json,md,png}.
 
 `python bench.py vs-nanogpt DIR [--rounds=2] [--max-iters=2000] [--threads=N]`: whole runs of
-nanoGPT's CPU recipe and of ours at the same shape and math, taking turns (A B C C B A): launch
-to exit, the median step time, the median of the per-round ratios to nanoGPT,
-RESULTS/to_loss_cpu_vs_nanogpt.{json,md}.
+nanoGPT's CPU recipe, of ours at the same shape and math, and of configs/
+shakespeare_char_speedrun.toml, taking turns (A B C D D C B A): launch to exit, the median step
+time, the last val, the median of the per-round ratios to nanoGPT,
+RESULTS/to_loss_NAME.{json,md} (--name, default cpu_vs_nanogpt).
 """
 from __future__ import annotations
 
@@ -34,18 +38,30 @@ from engine.benchmarks.runner import REPO_ROOT
 RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd=128",
           "--block_size=64", "--batch_size=12", "--dropout=0", "--learning_rate=1e-3",
           "--warmup_iters=100", "--min_lr_ratio=0.1", "--beta2=0.99", "--max_iters=2000",
-          "--bias=false"]
+          "--bias=false", "--position=learned", "--qk_norm=false", "--activation=gelu_tanh",
+          "--lr_schedule=cosine"]  # GPT-2's model and nanoGPT's schedule, whatever the default
 REFERENCE = ["--attention=scratch", "--causal_mask=buffer", "--norm=scratch",
              "--activation_impl=scratch", "--fused_adamw=false", "--loss=full", "--optimizer=adamw"]
 SPEEDUPS = ["--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
             "--activation_impl=native", "--fused_adamw=true"]
-RECIPES = {  # name -> train.py arguments
-    "reference": RECIPE + REFERENCE,
-    "every speedup": RECIPE + REFERENCE + SPEEDUPS,
-    "+ chunked loss": RECIPE + REFERENCE + SPEEDUPS + ["--loss=chunked"],
-    "+ muon": RECIPE + REFERENCE + SPEEDUPS + ["--loss=chunked", "--optimizer=muon"],
-    "fast config": ["--config", "shakespeare_char_fast"],
+BASE = RECIPE + REFERENCE + SPEEDUPS  # nanoGPT's math on our code, every step speedup on
+ROWS = {"reference": RECIPE + REFERENCE, "every speedup": BASE}  # name -> train.py arguments
+CHAIN = {  # name -> arguments added to the best recipe so far, in this order
+    "+ chunked loss": ["--loss=chunked"],
+    "+ muon": ["--optimizer=muon", "--learning_rate=4e-3", "--warmup_iters=50",
+               "--max_iters=600"],
+    "+ rotary": ["--position=rotary"],
+    "+ qk-norm": ["--qk_norm=true"],
+    "+ relu^2": ["--activation=relu2"],
+    "+ untied zero-init head": ["--tie_embeddings=false", "--zero_init_head=true"],
+    "+ zero-init projections": ["--zero_init_proj=true"],
+    "+ logit soft-cap 15": ["--logit_softcap=15"],
+    "+ wsd schedule": ["--lr_schedule=wsd"],
+    "+ muon momentum warm-up": ["--muon_momentum_warmup=100"],
+    "+ 380 steps (60% cooldown)": ["--max_iters=380", "--cooldown_frac=0.6"],
 }
+CONFIG = {"speedrun config": ["--config", "shakespeare_char_speedrun"]}  # the chain's result
+RECIPES = {**ROWS, **CHAIN, **CONFIG}
 NANOGPT = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
            "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
            "--dropout=0.0"]
@@ -64,6 +80,10 @@ class ToLossOptions:
     recipes: str = opt("", "only these recipes, a comma list (default: all)")
     eval_every: int = opt(100, "steps between evaluations (the target is checked there)")
     nanogpt: str = opt("", "a nanoGPT checkout (data/shakespeare_char prepared): a row")
+    repeat: int = opt(1, "runs of each recipe; the time is their median, their spread the noise")
+    keep_margin: float = opt(0.05, "chain: a technique is kept only when it reaches the target "
+                             "sooner than the best so far by more than this share and twice "
+                             "the noise")
     results: str = opt("bench_results", "folder for the outputs")
     name: str = opt("cpu", "outputs: RESULTS/to_loss_NAME.{json,md,png}")
 
@@ -75,7 +95,10 @@ class VsNanoGPTOptions:
     rounds: int = opt(2, "rounds; each runs every program once, in turn")
     max_iters: int = opt(2000, "steps per run (nanoGPT's recipe: 2000)")
     threads: int = opt(0, "OMP_NUM_THREADS for every program; 0 = torch's default")
+    programs: str = opt("", "only these of ours beside nanoGPT: a comma list of 'every "
+                        "speedup', 'erf', 'speedrun' (default: all)")
     results: str = opt("bench_results", "folder for the outputs")
+    name: str = opt("cpu_vs_nanogpt", "outputs: RESULTS/to_loss_NAME.{json,md}")
 
 
 def check_nanogpt(folder: str) -> None:
@@ -122,42 +145,94 @@ def page(report: dict, about: list[str], header: list[str], rows: list[list],
     return "\n".join(lines + [f"- {name}: `{' '.join(a)}`" for name, a in args.items()])
 
 
-def programs(opts: ToLossOptions) -> dict[str, tuple[Path, list[str]]]:
-    """recipe -> (working directory, train.py arguments)."""
+def schedule(opts: ToLossOptions) -> list[str]:
+    return [f"--eval_interval={opts.eval_every}", f"--eval_iters={EVAL_ITERS}",
+            f"--log_interval={opts.eval_every}"]
+
+
+def measure(name: str, cwd: Path, args: list[str], opts: ToLossOptions) -> dict:
+    """One recipe, opts.repeat runs, each in a fresh process stopped at the target: its row
+    (the first run's curve and step; the median time; the runs' times)."""
+    runs = []
+    for _ in range(opts.repeat):
+        with tempfile.TemporaryDirectory() as out:  # its own checkpoints: nanoGPT's stay its own
+            ours = [f"--out_dir={out}", "--save_checkpoints=false"] * (cwd == REPO_ROOT)
+            print(f"to-loss: {name}: python train.py {' '.join(args)} ...", flush=True)
+            runs.append(follow(cwd, args + ours, opts.target, RECIPE_SECONDS))
+    row = {"recipe": name, "args": args, **runs[0], "chain": "",
+           "times": [r["reached"][2] for r in runs if r["reached"]]}
+    if len(row["times"]) < len(runs):
+        row.update(status="not reached", reached=None)
+    return row
+
+
+def relative_spread(times: list[float]) -> float:
+    """Half the range of a recipe's times over their median (0 for one run)."""
+    return (max(times) - min(times)) / 2 / statistics.median(times) if len(times) > 1 else 0.0
+
+
+def verdict(candidate: dict, head: dict, margin: float) -> tuple[bool, str]:
+    """(keep, why not): kept when it reaches the target sooner than the head by more than the
+    noise, the larger of margin and twice the two recipes' spreads combined."""
+    if not candidate["reached"]:
+        return False, f"dropped: {candidate['status']}"
+    if not head["reached"]:
+        return True, "kept"
+    gain = statistics.median(head["times"]) / statistics.median(candidate["times"]) - 1
+    noise = max(margin, 2 * math.hypot(relative_spread(candidate["times"]),
+                                       relative_spread(head["times"])))
+    if gain > noise:
+        return True, "kept"
+    how = "slower here" if gain < -noise else "not sooner beyond the noise"
+    return False, f"dropped: {how} ({100 * gain:+.0f}%, noise {100 * noise:.0f}%)"
+
+
+def run_chain(opts: ToLossOptions, chosen: list[str]) -> list[dict]:
+    """nanoGPT, the fixed rows, then each technique on the best recipe so far (kept when
+    sooner beyond the noise), then the config the chain led to."""
+    rows = [measure("nanoGPT", Path(opts.nanogpt), NANOGPT + ["--max_iters=2000",
+                    "--lr_decay_iters=2000"] + schedule(opts), opts)] if opts.nanogpt else []
+    head, head_args = None, BASE
+    for name, args in ROWS.items():
+        if not chosen or name in chosen:
+            rows.append(measure(name, REPO_ROOT, args + schedule(opts), opts))
+            head = rows[-1] if name == "every speedup" else head
+    for name, extra in CHAIN.items():
+        if chosen and name not in chosen:
+            continue
+        rows.append(measure(name, REPO_ROOT, head_args + extra + schedule(opts), opts))
+        keep, rows[-1]["chain"] = verdict(rows[-1], head or {"reached": None}, opts.keep_margin)
+        head, head_args = (rows[-1], head_args + extra) if keep else (head, head_args)
+        print(f"  {rows[-1]['chain']}", flush=True)
+    for name, args in CONFIG.items():
+        if not chosen or name in chosen:
+            rows.append(measure(name, REPO_ROOT, args + schedule(opts), opts))
+    return rows
+
+
+def run(opts: ToLossOptions, command: str) -> int:
+    """The chain to the target; the page to stdout and RESULTS/to_loss_NAME.*."""
+    options.check(opts, {"eval_every": 1, "repeat": 1, "keep_margin": 0})
+    if opts.target <= 0:
+        raise ConfigError(f"the target loss must be > 0 (got {opts.target}): bench.py to-loss "
+                          "1.886")
     chosen = options.comma_list(opts.recipes)
     if unknown := [r for r in chosen if r not in RECIPES]:
         raise ConfigError(f"--recipes: unknown {', '.join(unknown)}; the recipes are "
                           f"{', '.join(RECIPES)}")
-    schedule = [f"--eval_interval={opts.eval_every}", f"--eval_iters={EVAL_ITERS}",
-                f"--log_interval={opts.eval_every}"]
-    nanogpt = NANOGPT + ["--max_iters=2000", "--lr_decay_iters=2000"] + schedule
-    out = {"nanoGPT": (Path(opts.nanogpt), nanogpt)} if opts.nanogpt else {}
-    return out | {name: (REPO_ROOT, args + schedule) for name, args in RECIPES.items()
-                  if not chosen or name in chosen}
-
-
-def run(opts: ToLossOptions, command: str) -> int:
-    """Each recipe to the target in turn; the page to stdout and RESULTS/to_loss_NAME.*."""
-    options.check(opts, {"eval_every": 1})
-    if opts.target <= 0:
-        raise ConfigError(f"the target loss must be > 0 (got {opts.target}): bench.py to-loss "
-                          "1.886")
     if opts.nanogpt:
         check_nanogpt(opts.nanogpt)
-    rows = []
-    for name, (cwd, args) in programs(opts).items():
-        with tempfile.TemporaryDirectory() as out:  # its own checkpoints: nanoGPT's stay its own
-            ours = [f"--out_dir={out}", "--save_checkpoints=false"] * (cwd == REPO_ROOT)
-            print(f"to-loss: {name}: python train.py {' '.join(args)} ...", flush=True)
-            rows.append({"recipe": name, "args": args,
-                         **follow(cwd, args + ours, opts.target, RECIPE_SECONDS)})
-        print("  " + " | ".join(cells(rows[-1], rows)[1:]), flush=True)
+    rows = run_chain(opts, chosen)
     report = {"target": opts.target, "command": command, "rows": rows, "date": utc_now(),
               "hardware": runtime.machine_line(torch.device("cpu"))}
-    text = page(report, [f"target: val loss <= {opts.target}, checked at each evaluation; time "
-                         "from launch (start-up and evaluations included)"],
-                ["recipe", "steps", "time to target", "vs reference", "best val"],
-                [cells(r, rows) for r in rows], {r["recipe"]: r["args"] for r in rows})
+    text = page(report, [f"target: val loss <= {opts.target}, checked every {opts.eval_every} "
+                         "steps; time from launch (start-up and evaluations included), the "
+                         f"median of {opts.repeat} run(s); each + row adds its technique to "
+                         "the best recipe so far, kept only when it reaches the target sooner "
+                         f"by more than {100 * opts.keep_margin:.0f}% and twice the noise"],
+                ["recipe", "chain", "steps", "time to target", "vs nanoGPT", "vs reference",
+                 "best val"], [cells(r, rows) for r in rows],
+                {r["recipe"]: r["args"] for r in rows})
     print("\n" + text)
     stem = f"to_loss_{opts.name}"
     write_report(report, f"# bench.py to-loss {opts.target}\n\n{text}", opts.results, stem)
@@ -167,27 +242,34 @@ def run(opts: ToLossOptions, command: str) -> int:
 
 
 def cells(row: dict, rows: list[dict]) -> list[str]:
-    """[recipe, steps, time to target, vs the reference, best val]."""
+    """[recipe, chain verdict, steps, time to target, vs nanoGPT, vs reference, best val]."""
     best = f"{min((v for _, v, _ in row['curve']), default=math.nan):.4f}"
     if not row["reached"]:
-        return [row["recipe"], "-", f"{row['status']} ({row['seconds']:.0f} s)", "-", best]
-    step, _, seconds = row["reached"]
-    base = next((r["reached"][2] for r in rows if r["recipe"] == "reference" and r["reached"]),
-                None)
-    vs = f"{seconds / base:.2f}x" if base else "-"
-    return [row["recipe"], f"{step}", f"{seconds:.1f} s", vs, best]
+        return [row["recipe"], row["chain"], "-", f"{row['status']} ({row['seconds']:.0f} s)",
+                "-", "-", best]
+    seconds = statistics.median(row["times"])
+    spread = f" +-{100 * relative_spread(row['times']):.0f}%" if len(row["times"]) > 1 else ""
+
+    def versus(name: str) -> str:
+        base = next((r for r in rows if r["recipe"] == name and r["reached"]), None)
+        return f"{seconds / statistics.median(base['times']):.2f}x" if base else "-"
+
+    return [row["recipe"], row["chain"], f"{row['reached'][0]}", f"{seconds:.1f} s{spread}",
+            versus("nanoGPT"), versus("reference"), best]
 
 
 def plot(report: dict, path: Path) -> Path | None:
     if (fig := figure(figsize=(8, 4.5))) is None:
         return None
-    ax = fig.subplots()
-    for r in filter(lambda r: r["curve"], report["rows"]):
+    import matplotlib  # figure() found it
+
+    ax, colors = fig.subplots(), matplotlib.colormaps["tab20"]  # 20 colors: one a row
+    for i, r in enumerate(filter(lambda r: r["curve"], report["rows"])):
         ax.plot([t for _, _, t in r["curve"]], [v for _, v, _ in r["curve"]], marker=".",
-                label=r["recipe"])
+                label=r["recipe"], color=colors(i % 20), linestyle="-" if i < 20 else "--")
     ax.axhline(report["target"], color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel="wall-clock seconds from launch", ylabel="val loss",
-           title=f"time to val {report['target']}: {report['hardware']}", ylim=(None, 3.0))
+    ax.set(xlabel="wall-clock seconds from launch", ylabel="val loss", ylim=(None, 3.0))
+    ax.set_title(f"time to val {report['target']}\n{report['hardware']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
@@ -201,7 +283,10 @@ def side_programs(opts: VsNanoGPTOptions) -> dict[str, tuple[Path, list[str]]]:
     return {"nanoGPT": (Path(opts.nanogpt), NANOGPT + [f"--max_iters={n}",
                                                        f"--lr_decay_iters={n}", *schedule]),
             "ours, every speedup (tanh GELU)": (REPO_ROOT, ours),
-            "ours, nanoGPT's math (erf GELU)": (REPO_ROOT, ours + ["--activation=gelu_erf"])}
+            "ours, nanoGPT's math (erf GELU)": (REPO_ROOT, ours + ["--activation=gelu_erf"]),
+            # the speedrun recipe's whole run, its own schedule: when its last val is at or below
+            # nanoGPT's, its time is the time to nanoGPT's result
+            "ours, speedrun config": (REPO_ROOT, CONFIG["speedrun config"])}
 
 
 def vs_nanogpt(opts: VsNanoGPTOptions, command: str) -> int:
@@ -209,6 +294,14 @@ def vs_nanogpt(opts: VsNanoGPTOptions, command: str) -> int:
     check_nanogpt(opts.nanogpt)
     options.check(opts, {"rounds": 1, "max_iters": 1, "threads": 0})
     programs, runs = side_programs(opts), {}
+    if chosen := options.comma_list(opts.programs):
+        keys = {"every speedup": "ours, every speedup (tanh GELU)",
+                "erf": "ours, nanoGPT's math (erf GELU)", "speedrun": "ours, speedrun config"}
+        if unknown := [c for c in chosen if c not in keys]:
+            raise ConfigError(f"--programs: unknown {', '.join(unknown)}; choose from "
+                              f"{', '.join(keys)}")
+        programs = {k: v for k, v in programs.items()
+                    if k == "nanoGPT" or k in {keys[c] for c in chosen}}
     for round_ in range(opts.rounds):
         for name in programs if round_ % 2 == 0 else reversed(programs):
             with tempfile.TemporaryDirectory() as out:  # a fresh out_dir for every run
@@ -226,7 +319,7 @@ def vs_nanogpt(opts: VsNanoGPTOptions, command: str) -> int:
                                for k, (cwd, args) in programs.items()}}
         text = describe_side_by_side(report)  # written after every round: a stop keeps them
         write_report(report, "# Our whole run against nanoGPT's, at its CPU recipe\n\n" + text,
-                     opts.results, "to_loss_cpu_vs_nanogpt")
+                     opts.results, f"to_loss_{opts.name}")
     print("\n" + text)
     return 0
 
