@@ -306,7 +306,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angle.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, nh, T, hs) at positions (T,), or (B, T): each row its own."""
+        """x (..., B, nh, T, hs) at positions (T,), or (B, T): each row its own."""
         cos, sin = self.cos[positions], self.sin[positions]  # (T, hs/2) or (B, T, hs/2)
         if positions.dim() == 2:
             cos, sin = cos[:, None], sin[:, None]
@@ -343,11 +343,12 @@ class CausalSelfAttention(nn.Module):
         hs = C // self.n_head
         qkv = run(self.c_attn, x).view(B, T, 3, self.n_head, hs).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, nh, T, hs) each
-        if self.qk_norm:
-            q, k = F.rms_norm(q, (hs,)), F.rms_norm(k, (hs,))
-        if self.rotary is not None:
-            pos = torch.arange(T, device=x.device) if input_pos is None else input_pos
-            q, k = self.rotary(q, pos), self.rotary(k, pos)
+        if self.qk_norm or self.rotary is not None:  # q and k together: half the calls
+            qk = F.rms_norm(qkv[:2], (hs,)) if self.qk_norm else qkv[:2]
+            if self.rotary is not None:
+                qk = self.rotary(qk, torch.arange(T, device=x.device) if input_pos is None
+                                 else input_pos)
+            q, k = qk.unbind(0)
         if kv_cache is not None:  # k, v: (B, nh, T_k, hs), mask (T, T_k) or None: sees all
             plain = not self.qk_norm and self.rotary is None  # k and v: views of qkv, stored
             k, v, mask = kv_cache.update(self.layer, input_pos,
