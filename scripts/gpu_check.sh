@@ -13,12 +13,14 @@
 #            and pruned Linears: 2:4 semi-structured / CSR vs dense   (python -m engine.sparse)
 #   memory   the memory estimate beside the measured CUDA peaks    (bench.py memory --part train)
 #   bench    the bench.py chain on GPT-2 124M at context 1024: tok/s and MFU per flag
+#   speedrun configs/gpt2_124m_speedrun.toml beside configs/gpt2_124m.toml, a short run each on
+#            tiny Shakespeare in GPT-2 tokens: step time and val (docs/speedrun.md)
 #   summary  gpu_check_<gpu>.md / .json: all of the above on one page, and gpu_check_<gpu>.log
 # A part whose package or device is missing is skipped with a line saying so. Without CUDA the
 # script makes the CPU pass (as --cpu). Exit status 1 when a part failed or ran out of time.
 #
 # Environment: PYTHON (default python3), GPU_CHECK_CPU=1 (same as --cpu), GPU_CHECK_BUDGET
-# (seconds, default 340), GPU_CHECK_PARTS (default tests,decode,memory,bench; env and summary
+# (seconds, default 460), GPU_CHECK_PARTS (default tests,decode,memory,bench,speedrun; env and summary
 # always run), GPU_CHECK_TESTS (pytest targets), GPU_CHECK_WHEELS (a folder of wheels: pytest and
 # its dependencies, installed offline into a temporary folder when pytest is missing),
 # GPU_CHECK_DATASET (CPU pass: a prepared char-level dataset instead of data/shakespeare_char).
@@ -29,8 +31,8 @@ CALLER_PWD=$PWD
 cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
 CPU_MODE=${GPU_CHECK_CPU:-0}
-BUDGET=${GPU_CHECK_BUDGET:-340}
-PARTS=${GPU_CHECK_PARTS:-tests,decode,memory,bench}
+BUDGET=${GPU_CHECK_BUDGET:-460}
+PARTS=${GPU_CHECK_PARTS:-tests,decode,memory,bench,speedrun}
 RESULTS=""
 SUMMARY_RESERVE=15  # seconds kept back for the summary
 
@@ -244,6 +246,27 @@ part_bench() {
     finish bench $?
 }
 
+part_speedrun() {
+    begin speedrun 110 || return
+    local common=(--save_checkpoints=false --hellaswag_interval=0 --tokens_per_step=0
+                  --grad_accum_steps=1 --log_interval=1 --eval_iters=4) rc=0 runs=()
+    if [[ $CPU_MODE == 1 ]]; then
+        common+=(--device=cpu --compile=false --vocab_size=0 --dataset=shakespeare_char
+                 --n_layer=1 --n_head=2 --n_embd=32 --block_size=32 --batch_size=2
+                 --max_iters=3 --eval_interval=3 "${CPU_DATA[@]}")
+    else  # 8 x 1024 tokens a step on data the machine has (no FineWeb-Edu offline)
+        common+=(--dataset=shakespeare --batch_size=8 --max_iters=40 --eval_interval=20)
+    fi
+    for config in gpt2_124m gpt2_124m_speedrun; do
+        limited "$PYTHON" train.py --config "$config" "${common[@]}" \
+            --out_dir="$WORK/speedrun/$config" || rc=$?
+        runs+=("$config=$WORK/speedrun/$config")
+    done
+    "$PYTHON" scripts/gpu_check_report.py speedrun --runs "$(IFS=,; echo "${runs[*]}")" \
+        --out "$RESULTS/gpu_check_${SLUG}_speedrun" || rc=$?
+    finish speedrun $rc
+}
+
 part_summary() {
     say ""
     say "== summary =="
@@ -263,14 +286,14 @@ main() {
     say "gpu_check: results in $RESULTS, budget ${BUDGET} s, python: $PYTHON"
     part_env
     if [[ -n $GC_CANNOT_RUN ]]; then
-        for part in tests decode memory bench; do
+        for part in tests decode memory bench speedrun; do
             wanted $part && skip $part "$GC_CANNOT_RUN"
         done
     else
         if [[ $CPU_MODE == 1 ]]; then
             say "SKIP the GPU sizes (GPT-2 124M at context 1024): CPU pass, every part runs at tiny size on the CPU and its CUDA-only rows say 'needs CUDA'"
         fi
-        for part in tests decode memory bench; do
+        for part in tests decode memory bench speedrun; do
             if ! wanted $part; then
                 skip $part "not in GPU_CHECK_PARTS=$PARTS"
             elif [[ $part != tests && $CPU_MODE != 1 && $GC_HAS_TIKTOKEN != 1 ]]; then

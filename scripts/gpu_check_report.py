@@ -1,12 +1,15 @@
-"""The two Python halves of scripts/gpu_check.sh: what this machine has, and the summary page.
+"""The Python parts of scripts/gpu_check.sh: what this machine has, the speedrun part's table,
+and the summary page.
 
     python3 scripts/gpu_check_report.py env --json ENV.json --shell ENV.sh [--cpu] \\
         [--nvidia-smi TEXT]
     python3 scripts/gpu_check_report.py summary --results DIR --slug SLUG --env ENV.json \\
         --parts PARTS.tsv --budget SECONDS
+    python3 scripts/gpu_check_report.py speedrun --runs NAME=RUN_DIR,... --out PATH_STEM
 
 `env` prints the device, versions, nvidia-smi's TEXT and the missing packages (and what each
-one skips), and writes them as JSON and shell assignments. `summary` gathers what the parts
+one skips), and writes them as JSON and shell assignments. `speedrun` reads each run
+directory's metrics.jsonl into PATH_STEM.md and .json. `summary` gathers what the parts
 wrote into DIR into gpu_check_SLUG.md and .json. Standard library only.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import platform
 import re
 import shlex
+import statistics
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -199,6 +203,10 @@ def cmd_summary(args: dict) -> int:
                   "step peak: the peak during the steps minus what was held before them (weights "
                   "+ AdamW); whole: everything above the process's start; ratio: measured / "
                   "estimate", ""] + table_of(folder / f"memory_{slug}_train.md")
+    if speedrun := read_json(folder / f"gpu_check_{slug}_speedrun.json"):
+        summary["speedrun"] = speedrun
+        lines += ["", "## The speedrun config beside GPT-2's (a short run each)", ""]
+        lines += table_of(folder / f"gpu_check_{slug}_speedrun.md")
     text = "\n".join(lines) + "\n"
     (folder / f"gpu_check_{slug}.md").write_text(text)
     (folder / f"gpu_check_{slug}.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -207,9 +215,36 @@ def cmd_summary(args: dict) -> int:
     return 0
 
 
+def cmd_speedrun(args: dict) -> int:
+    """Per run: its config, steps done, the median step time (the first, compiling, left out)
+    and val at each evaluation."""
+    rows = []
+    for run in args["runs"].split(","):
+        name, _, folder = run.partition("=")
+        log_file = Path(folder) / "metrics.jsonl"
+        log = [json.loads(line) for line in log_file.read_text().splitlines()
+               ] if log_file.is_file() else []
+        steps = [r for r in log if r.get("kind") == "train"]
+        evals = [(r["step"], r["val"]) for r in log if r.get("kind") == "eval"]
+        rows.append({"config": name, "steps": steps[-1]["step"] if steps else 0,
+                     "step_ms": statistics.median(r["ms"] for r in steps[1:]) if steps[1:]
+                     else None, "val": evals})
+    lines = ["| config | steps | median step ms | val at step |", "|---|---|---|---|"]
+    for r in rows:
+        ms = f"{r['step_ms']:.1f}" if r["step_ms"] else "-"
+        vals = ", ".join(f"{v:.4f} @ {s}" for s, v in r["val"]) or "-"
+        lines.append(f"| {r['config']} | {r['steps']} | {ms} | {vals} |")
+    out = Path(args["out"])
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r["val"] for r in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    needs = {"env": ("json", "shell"), "summary": ("results", "slug", "env", "parts")}
+    needs = {"env": ("json", "shell"), "summary": ("results", "slug", "env", "parts"),
+             "speedrun": ("runs", "out")}
     command, args, rest = (argv or [""])[0], {}, argv[1:]
     while rest:
         key = rest.pop(0).removeprefix("--")
@@ -217,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in needs or not all(args.get(k) for k in needs[command]):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    return cmd_env(args) if command == "env" else cmd_summary(args)
+    return {"env": cmd_env, "summary": cmd_summary, "speedrun": cmd_speedrun}[command](args)
 
 
 if __name__ == "__main__":

@@ -61,14 +61,17 @@ def test_cpu_pass_exits_0_and_writes_its_results(cpu_pass):
     names = ["gpu_check_cpu-check.md", "gpu_check_cpu-check.json", "gpu_check_cpu-check.log",
              "gpu_check_cpu-check_env.json", "gpu_check_cpu-check_tests.xml",
              "gpu_check_cpu-check_bench.json", "gpu_check_cpu-check_bench.md",
-             "memory_cpu-check_decode.json", "memory_cpu-check_train.json"]
+             "memory_cpu-check_decode.json", "memory_cpu-check_train.json",
+             "gpu_check_cpu-check_speedrun.md", "gpu_check_cpu-check_speedrun.json"]
     for name in names:
         assert (tmp / "results" / name).is_file(), name
         assert (tmp / "out" / "bench_results" / name).is_file(), name  # copied to $OUT
     summary = json.loads((tmp / "results" / "gpu_check_cpu-check.json").read_text())
     status = {p["part"]: p["status"] for p in summary["parts"]}
     assert status == {"env": "ok", "tests": "skipped", "decode": "ok", "memory": "ok",
-                      "bench": "ok"}
+                      "bench": "ok", "speedrun": "ok"}
+    assert [r["config"] for r in summary["speedrun"]] == ["gpt2_124m", "gpt2_124m_speedrun"]
+    assert all(r["steps"] == 3 and r["val"] for r in summary["speedrun"])
     tests = summary["tests"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # collected, all skipped
     assert {"datasets", "torchao", "wandb"} <= set(summary["env"]["missing"])  # hidden
@@ -79,7 +82,7 @@ def test_cpu_pass_exits_0_and_writes_its_results(cpu_pass):
     assert [r["setting"] for r in summary["memory"]] == ["baseline"]
     page = (tmp / "results" / "gpu_check_cpu-check.md").read_text()
     for heading in ("## CUDA tests", "## bench.py chain", "## Decoding",
-                    "## Memory estimate vs measured peak"):
+                    "## Memory estimate vs measured peak", "## The speedrun config beside"):
         assert heading in page, heading
     assert "SKIP tests: no CUDA device" in (tmp / "results" / "gpu_check_cpu-check.log").read_text()
 
