@@ -658,9 +658,10 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch: int, positions: int | None = None) -> KVCache:
         """An empty cache of `positions` (default block_size), on the weights' device and in
-        the dtype of the residual stream's inputs (the token embedding's: float32 unless the
-        model is bf16)."""
-        p = self.transformer.wte.weight
+        the dtype of the residual stream's inputs (the position embedding's, else the token
+        embedding's: float32 unless the model is bf16)."""
+        t = self.transformer
+        p = t.wpe.weight if "wpe" in t else t.wte.weight
         return KVCache(self.config, batch, p.device, p.dtype, positions)
 
     def crop_block_size(self, block_size: int) -> None:

@@ -217,9 +217,9 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
 
 def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Path]:
     """Our GPT holding a HF GPT-2's weights at its full context, and the directory read.
-    model_cfg's shape is set from the HF config in place; its implementation switches stay."""
+    model_cfg's shape and architecture (activation, tied head, learned positions, no QK-norm or
+    soft-cap) are set from the HF config in place; its implementation switches stay."""
     model_cfg = model_cfg or ModelConfig()
-    check_gpt2_can_hold(model_cfg, f"load {source} into this model")
     hf_dir = fetch(source)
     hf = read_hf_config(hf_dir)
     for ours, theirs in SHAPE.items():
@@ -228,7 +228,8 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
     model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))
     model_cfg.bias = True  # GPT-2 has biases everywhere
     model_cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
-    model_cfg.zero_init_head = False
+    for name in (*NOT_IN_GPT2, "zero_init_head"):  # GPT-2's architecture, whatever was asked
+        setattr(model_cfg, name, getattr(ModelConfig(), name))
     model = GPT(model_cfg)
     state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))
     checkpoint.load_state(model, state, str(hf_dir))  # copies, re-checking against our names

@@ -86,7 +86,8 @@ def convert(model: nn.Module, fmt: str, device: torch.device) -> str:
         raise ConfigError(f"sample.weights={fmt!r} is not one of {', '.join(FORMATS)}")
     if isinstance(model.lm_head, PackedLinear):
         return model.lm_head.format + " (packed already)"
-    dtype = model.transformer.wte.weight.dtype
+    t = model.transformer
+    dtype = (t.wpe if "wpe" in t else t.wte).weight.dtype
     if device.type != "cpu" or dtype != torch.float32:
         if fmt in ("auto", "torch"):
             return f"torch (as loaded{', the kernels are CPU only' if fmt == 'auto' else ''})"

@@ -427,7 +427,7 @@ def test_banner_names_every_flag_and_each_fallback():
                                                        kernels=["flash (cpu)"]))
     assert list(values) == ["device", "causal_mask", "tf32", "fused_adamw", "pin_memory", "dtype",
                             "norm", "activation", "attention", "compile", "vocab", "loss",
-                            "optimizer", "batch"]
+                            "optimizer", "batch", "recipe"]
     line = techniques.banner(values, rt.notes)
     for part in ("tf32=off", "pin_memory=off (needs CUDA)", "vocab=65->128",
                  "batch=32x1 (batch_size_auto needs CUDA: kept)", "attention=scratch [flash (cpu)]",
