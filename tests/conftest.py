@@ -95,3 +95,27 @@ def _restore_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def train_whole_and_resumed(char_dataset, tmp_path, *run: str) -> tuple[Path, Path]:
+    """The same run trained whole, and stopped at step 6 then resumed; their metrics (loss, lr,
+    norm, val per logged step) must be identical -> (whole, parts) run directories."""
+    import json
+
+    import train
+    from config import load_config
+
+    def run_train(out, *extra):
+        return train.train(load_config(train_args(char_dataset, out, *run, *extra))[0])
+
+    def trajectory(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(r["kind"], r["step"], r.get("loss"), r.get("lr"), r.get("norm"), r.get("val"))
+                for r in rows]
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run_train(whole)
+    assert run_train(parts, "--stop_after_iters=6")["step"] == 6
+    assert run_train(parts, "--init_from=resume")["steps"] == 2
+    assert trajectory(parts) == trajectory(whole)
+    return whole, parts

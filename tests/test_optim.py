@@ -16,7 +16,7 @@ import train
 from config import Config, ConfigError, load_config
 from engine import checkpoint, optim
 from model import GPT
-from conftest import tiny_model_config, train_args
+from conftest import tiny_model_config, train_whole_and_resumed
 from test_distributed import RUN as DIST_RUN, assert_same_trajectory, output, torchrun, \
     trajectory
 
@@ -128,20 +128,7 @@ def test_muon_run_resumes_bit_exact(char_dataset, tmp_path):
     run = ["--optimizer=muon", "--muon_lr=0.03", "--max_iters=8", "--eval_interval=4",
            "--log_interval=1", "--dropout=0.1"]
 
-    def run_train(out, *extra):
-        return train.train(load_config(train_args(char_dataset, out, *run, *extra))[0])
-
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run_train(whole)
-    assert run_train(parts, "--stop_after_iters=6")["step"] == 6
-    assert run_train(parts, "--init_from=resume")["steps"] == 2
-
-    def trajectory(out):
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return [(r["kind"], r["step"], r.get("loss"), r.get("lr"), r.get("norm"), r.get("val"))
-                for r in rows]
-
-    assert trajectory(parts) == trajectory(whole)
+    whole, parts = train_whole_and_resumed(char_dataset, tmp_path, *run)
     a, b = (checkpoint.latest_checkpoint(out) for out in (whole, parts))
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

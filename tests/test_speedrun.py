@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import generate
-import train
 from config import Config, ConfigError, load_config
-from conftest import tiny_model_config, train_args
+from conftest import tiny_model_config, train_whole_and_resumed
 from engine import checkpoint, optim, sources
 from engine import hf as gpt2
 from engine.sampling import generate_tokens
@@ -233,20 +232,7 @@ def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset
     run = ["--optimizer=muon", "--max_iters=8", "--eval_interval=4", "--log_interval=1",
            "--lr_schedule=wsd", "--muon_momentum_warmup=5", "--loss=chunked", *EVERY_FLAGS]
 
-    def run_train(out, *extra):
-        return train.train(load_config(train_args(char_dataset, out, *run, *extra))[0])
-
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run_train(whole)
-    assert run_train(parts, "--stop_after_iters=6")["step"] == 6
-    assert run_train(parts, "--init_from=resume")["steps"] == 2
-
-    def trajectory(out):
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return [(r["kind"], r["step"], r.get("loss"), r.get("lr"), r.get("norm"), r.get("val"))
-                for r in rows]
-
-    assert trajectory(parts) == trajectory(whole)
+    whole, parts = train_whole_and_resumed(char_dataset, tmp_path, *run)
     a, b = (checkpoint.latest_checkpoint(out) for out in (whole, parts))
     model_a, cfg_a, _ = checkpoint.load_model(a)
     model_b = checkpoint.load_model(b)[0]
