@@ -171,6 +171,54 @@ def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float]
     return x.T if tall else x
 
 
+def orthogonalize_all(updates: list[torch.Tensor], coefficients: tuple[float, float, float],
+                      steps: int, eps: float) -> list[torch.Tensor]:
+    """orthogonalize() over many matrices at once, to float32 rounding: the matrices of one
+    (short, long) shape as one batch, and a long one through its Gram matrix (gram_iteration),
+    which needs 40% fewer FLOPs at 4:1 (the MLP's matrices) and 30% fewer at 3:1 (c_attn).
+    Sharded matrices (FSDP's DTensors) go one by one through orthogonalize."""
+    if any(type(u) is not torch.Tensor for u in updates):
+        return [orthogonalize(u, coefficients, steps, eps) for u in updates]
+    a, b, c = coefficients
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, u in enumerate(updates):
+        shapes.setdefault((min(u.shape), max(u.shape)), []).append(i)
+    for (short, long), where in shapes.items():
+        x = torch.stack([updates[i].float().mT if updates[i].size(0) > updates[i].size(1)
+                         else updates[i].float() for i in where])  # (matrices, short, long)
+        x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps)
+        # per matrix, in units of short^3 FLOPs / 2: the plain iteration, the Gram one
+        if steps * (2 * long / short + 1) > 2 * long / short + 4 * steps - 3:
+            x = gram_iteration(x, coefficients, steps)
+        else:
+            for _ in range(steps):
+                gram = x @ x.mT
+                x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        for i, result in zip(where, x):
+            out[i] = result.mT if updates[i].size(0) > updates[i].size(1) else result
+    return out
+
+
+def gram_iteration(x: torch.Tensor, coefficients: tuple[float, float, float],
+                   steps: int) -> torch.Tensor:
+    """The Newton-Schulz iteration on x (matrices, short, long) carried out on short x short
+    matrices. Each step maps x to p(A) x with A = x x^T and p(A) = a + b A + c A^2, so after k
+    steps x_k = Q_k x_0 where Q_k = p(A_{k-1}) ... p(A_0), and A_{k+1} = p(A_k) A_k p(A_k)
+    (every factor is a polynomial in A_0, so they commute). Only the first Gram matrix and the
+    last product touch the long side."""
+    a, b, c = coefficients
+    gram = x @ x.mT
+    eye = torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)
+    product = None
+    for step in range(steps):
+        poly = torch.baddbmm(torch.add(eye * a, gram, alpha=b), gram, gram, alpha=c)
+        product = poly if product is None else poly @ product
+        if step < steps - 1:
+            gram = poly @ gram @ poly
+    return product @ x
+
+
 def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """torch.optim.Muon's per-matrix lr factor (shape is the whole matrix's, also under FSDP)."""
     rows, cols = shape[:2]
@@ -182,7 +230,8 @@ def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 # a torch without Muon still imports this module: muon_groups refuses before the class is used
 class Float32Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     """torch.optim.Muon's update, state and settings, with the Newton-Schulz iteration in
-    float32 (torch's runs in bfloat16, which a CPU without AMX emulates slowly)."""
+    float32 (torch's runs in bfloat16, which a CPU without AMX emulates slowly), over all of a
+    group's matrices at once (orthogonalize_all)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -192,17 +241,18 @@ class Float32Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                 loss = closure()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = []
+            for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"],
-                                       group["eps"])
+                updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
+            updates = orthogonalize_all(updates, group["ns_coefficients"], group["ns_steps"],
+                                        group["eps"])
+            for p, update in zip(params, updates):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], p.shape))
         return loss

@@ -210,9 +210,15 @@ class _OpNames(TorchDispatchMode):
         super().__init__()
         self.names: set[str] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func._schema.name)
-        return func(*args, **(kwargs or {}))
+
+def _record_op(self: _OpNames, func, types, args=(), kwargs=None):
+    self.names.add(func._schema.name)
+    return func(*args, **(kwargs or {}))
+
+
+# set after the class is made: a __torch_dispatch__ in the class body gets wrapped in torch's
+# lazy torch._dynamo import, which alone would cost ~1.2 s of every run's start-up
+_OpNames.__torch_dispatch__ = _record_op
 
 
 def attention_kernels(run: Callable[[], object], eager: bool = False) -> list[str]:
