@@ -88,8 +88,11 @@ class TrainConfig:
                              "emulate bf16 (no AMX); auto = bfloat16 on CUDA, else float32",
                              ("auto", "bfloat16", "float32"))
     eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps")
+    eval_at_start: bool = opt(True, "evaluate a fresh run at step 0 too (its loss before training)")
     eval_iters: int = opt(20, "batches per split in each evaluation (the same batches each time)")
     log_interval: int = opt(10, "print a log line every this many steps")
+    loss_curve: bool = opt(True, "draw out_dir/loss_curve.png at the evaluations (at most once a "
+                           "minute, and at the end; matplotlib's first drawing takes ~1 s)")
     keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir")
     save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
     hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "

@@ -129,7 +129,8 @@ def train(cfg: Config) -> dict:
 
         trainer = run.trainer(sync)
         while True:
-            if (step % t.eval_interval == 0 or step == t.max_iters) and counters.eval_step != step:
+            due = step % t.eval_interval == 0 and (step or t.eval_at_start)
+            if (due or step == t.max_iters) and counters.eval_step != step:
                 evaluate_and_save(run, step, (x, y), stop, keep=step > start_step)
                 last_log = (step, time.perf_counter())  # the step times leave evaluations out
             if run.hellaswag and run.hellaswag.due(step) and (step > start_step or step == 0):

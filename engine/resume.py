@@ -230,7 +230,8 @@ def load_optimizer_state_dict(dist: Dist, model: torch.nn.Module,
 
 # settings that may change on resume without the run differing from an uninterrupted one
 FREE_ON_RESUME = {"train.init_from", "train.stop_after_iters", "train.max_iters",
-                  "train.eval_interval", "train.log_interval", "train.keep_checkpoints",
+                  "train.eval_interval", "train.eval_at_start", "train.log_interval",
+                  "train.loss_curve", "train.keep_checkpoints",
                   "train.save_checkpoints", "train.max_nonfinite_steps", "train.out_dir",
                   "system.parallel", "system.dist_timeout", "system.fsdp_reshard"}
 

@@ -86,6 +86,7 @@ class RunLog:
     def __init__(self, cfg: Config, start_step: int, resumed: bool, train_seconds: float = 0.0,
                  wandb_id: str = "", files: bool = True):
         self.files = files  # False on ranks > 0: counts and summary, nothing written
+        self.draws = cfg.train.loss_curve
         self.out_dir = Path(cfg.train.out_dir)
         self.jsonl, self.csv = self.out_dir / "metrics.jsonl", self.out_dir / "metrics.csv"
         self.title = f"{self.out_dir.name}: {cfg.model.n_layer} layers, {cfg.model.n_embd} wide"
@@ -156,7 +157,7 @@ class RunLog:
         """Redraw loss_curve.png from every record so far."""
         self.plotted, self.unplotted = time.perf_counter(), False
         try:
-            if self.files:
+            if self.files and self.draws:
                 plot_losses(self.records, self.out_dir / "loss_curve.png", self.title)
         except ImportError:
             self.plot_note = ("no loss_curve.png: matplotlib is not installed "

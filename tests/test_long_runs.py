@@ -458,6 +458,15 @@ def test_metrics_files_loss_curve_and_summary(uninterrupted):
                      stdout)
 
 
+def test_a_run_without_the_start_evaluation_or_the_loss_curve(char_dataset, tmp_path):
+    out = tmp_path / "run"
+    summary = run_train(char_dataset, out, "--max_iters=6", "--eval_interval=4",
+                        "--eval_at_start=false", "--loss_curve=false")
+    assert [r["step"] for r in records(out, "eval")] == [4, 6]
+    assert summary["step"] == 6 and not (out / "loss_curve.png").exists()
+    assert (out / "metrics.csv").exists() and (out / "summary.json").exists()
+
+
 def test_eta_from_recent_pace(tmp_path, monkeypatch):
     clock = {"now": 100.0}
     monkeypatch.setattr(runlog.time, "perf_counter", lambda: clock["now"])
