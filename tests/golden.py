@@ -43,7 +43,8 @@ RUNS = {
     # the default config with GPT-2's model and schedule (the speedrun flags it turns on off)
     "default": ["--config", "shakespeare_char", "--max_iters=6", "--eval_interval=3",
                 "--eval_iters=2", "--position=learned", "--qk_norm=false",
-                "--activation=gelu_tanh", "--lr_schedule=cosine"],
+                "--activation=gelu_tanh", "--lr_schedule=cosine", "--logit_softcap=0",
+                "--muon_momentum_warmup=0", "--batch_size=32"],
     "every_cpu_flag": ["--config", "tiny", "--max_iters=6", "--eval_interval=3", "--eval_iters=2",
                        "--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
                        "--activation_impl=native", "--vocab_pad_multiple=64", "--fused_adamw=true",
