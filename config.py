@@ -79,6 +79,13 @@ class TrainConfig:
     muon_ns_steps: int = opt(5, "Newton-Schulz iterations per Muon update (torch's 5); each "
                              "costs about 3 matmuls per matrix, which at small batches on a CPU "
                              "rivals the model's own step")
+    muon_ns_coefficients: str = opt("torch", "the Newton-Schulz quintic: torch (torch.optim."
+                                    "Muon's (3.4445, -4.775, 2.0315) at every step) | "
+                                    "polar_express (one per step, each the closest to 1 on "
+                                    "where the singular values are by then: three steps train "
+                                    "as well as torch's five here; docs/speedrun.md); "
+                                    "polar_express iterates in float32",
+                                    ("torch", "polar_express"))
     muon_adjust_lr: str = opt("match_rms_adamw", "Muon's per-matrix lr scale: match_rms_adamw "
                               "(0.2 x sqrt(max(rows, cols)): updates the size of AdamW's, so "
                               "weight_decay carries over) | original (sqrt(max(1, rows/cols)))",
@@ -337,6 +344,10 @@ def validate(cfg: Config) -> list[str]:
     if cfg.system.weights_dtype == "bfloat16" and cfg.system.dtype != "bfloat16":
         problems.append(f"system.weights_dtype=bfloat16 needs --dtype=bfloat16 (autocast), "
                         f"got dtype={cfg.system.dtype}")
+    if t.muon_ns_coefficients == "polar_express" and t.muon_ns_dtype == "bfloat16":
+        problems.append("train.muon_ns_coefficients=polar_express iterates in float32 "
+                        "(torch.optim.Muon's bfloat16 iteration takes one quintic for every "
+                        "step): drop --muon_ns_dtype=bfloat16")
     try:
         checkpoint_plan(m.activation_checkpointing, m.n_layer)
     except ValueError as e:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from config import Config, ConfigError
@@ -23,6 +25,9 @@ from model import GPT
 # float32 state tensors each train.optimizer keeps per parameter: (in the blocks' Linear weights,
 # elsewhere). AdamW: exp_avg and exp_avg_sq; Muon: one momentum buffer, AdamW on the rest
 STATE_TENSORS = {"adamw": (2, 2), "muon": (1, 2)}
+# train.muon_ns_coefficients=polar_express: the smallest singular value (of the update over its
+# Frobenius norm) each step's quintic is made for; smaller ones still grow, less exactly
+POLAR_EXPRESS_LOWER = 1e-3
 
 
 def state_floats(optimizer: str, params: int, block_matrices: int) -> int:
@@ -78,12 +83,15 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim
     t = cfg.train
     groups, make = model.optimizer_groups(t.weight_decay), torch.optim.AdamW
     if t.optimizer == "muon":
+        muon = dict(momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr,
+                    ns_steps=t.muon_ns_steps)
+        polar = t.muon_ns_coefficients == "polar_express"
+        if polar:  # a quintic per step: only Float32Muon's iteration takes a schedule
+            muon["ns_coefficients"] = polar_express_coefficients(t.muon_ns_steps)
         float32 = t.muon_ns_dtype == "float32" or (t.muon_ns_dtype == "auto"
-                                                   and device.type != "cuda")
+                                                   and (device.type != "cuda" or polar))
         groups, make = muon_groups(model, groups, cfg), functools.partial(
-            MuonWithAdamW, muon_class=Float32Muon if float32 else torch.optim.Muon,
-            muon=dict(momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr,
-                      ns_steps=t.muon_ns_steps))
+            MuonWithAdamW, muon_class=Float32Muon if float32 else torch.optim.Muon, muon=muon)
     kwargs = dict(lr=t.learning_rate, betas=(t.beta1, t.beta2))
     if next(model.parameters()).dtype == torch.bfloat16:  # system.weights_dtype=bfloat16
         return MasterWeights(groups, make, foreach=False, **kwargs)
@@ -157,29 +165,43 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._share()
 
 
-def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration (torch.optim.Muon's coefficients and order of
-    operations) in float32: about U V^T of update = U S V^T."""
-    a, b, c = coefficients
+Coefficients = tuple[float, float, float]
+
+
+def per_step(coefficients: Coefficients | Sequence[Coefficients], steps: int
+             ) -> list[Coefficients]:
+    """The quintic of each of `steps` Newton-Schulz steps: one (a, b, c) for all of them
+    (torch.optim.Muon's), or a schedule of one per step (polar_express_coefficients)."""
+    if isinstance(coefficients[0], (int, float)):
+        return [tuple(coefficients)] * steps
+    if len(coefficients) != steps:
+        raise ValueError(f"{len(coefficients)} Newton-Schulz quintics for {steps} steps")
+    return [tuple(c) for c in coefficients]
+
+
+def orthogonalize(update: torch.Tensor, coefficients: Coefficients | Sequence[Coefficients],
+                  steps: int, eps: float) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration (torch.optim.Muon's order of operations) in
+    float32: about U V^T of update = U S V^T. coefficients: as per_step takes them."""
     tall = update.size(0) > update.size(1)
     x = update.float().T if tall else update.float()  # (short, long): the Gram matrix is small
     x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
+    for a, b, c in per_step(coefficients, steps):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
 
 
-def orthogonalize_all(updates: list[torch.Tensor], coefficients: tuple[float, float, float],
-                      steps: int, eps: float) -> list[torch.Tensor]:
+def orthogonalize_all(updates: list[torch.Tensor],
+                      coefficients: Coefficients | Sequence[Coefficients], steps: int,
+                      eps: float) -> list[torch.Tensor]:
     """orthogonalize() over many matrices at once, to float32 rounding: the matrices of one
     (short, long) shape as one batch, and a long one through its Gram matrix (gram_iteration),
     which needs 40% fewer FLOPs at 4:1 (the MLP's matrices) and 30% fewer at 3:1 (c_attn).
     Sharded matrices (FSDP's DTensors) go one by one through orthogonalize."""
     if any(type(u) is not torch.Tensor for u in updates):
         return [orthogonalize(u, coefficients, steps, eps) for u in updates]
-    a, b, c = coefficients
+    schedule = per_step(coefficients, steps)
     out: list[torch.Tensor | None] = [None] * len(updates)
     shapes: dict[tuple[int, int], list[int]] = {}
     for i, u in enumerate(updates):
@@ -190,9 +212,9 @@ def orthogonalize_all(updates: list[torch.Tensor], coefficients: tuple[float, fl
         x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps)
         # per matrix, in units of short^3 FLOPs / 2: the plain iteration, the Gram one
         if steps * (2 * long / short + 1) > 2 * long / short + 4 * steps - 3:
-            x = gram_iteration(x, coefficients, steps)
+            x = gram_iteration(x, schedule)
         else:
-            for _ in range(steps):
+            for a, b, c in schedule:
                 gram = x @ x.mT
                 x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         for i, result in zip(where, x):
@@ -200,23 +222,65 @@ def orthogonalize_all(updates: list[torch.Tensor], coefficients: tuple[float, fl
     return out
 
 
-def gram_iteration(x: torch.Tensor, coefficients: tuple[float, float, float],
-                   steps: int) -> torch.Tensor:
+def gram_iteration(x: torch.Tensor, schedule: list[Coefficients]) -> torch.Tensor:
     """The Newton-Schulz iteration on x (matrices, short, long) carried out on short x short
     matrices. Each step maps x to p(A) x with A = x x^T and p(A) = a + b A + c A^2, so after k
     steps x_k = Q_k x_0 where Q_k = p(A_{k-1}) ... p(A_0), and A_{k+1} = p(A_k) A_k p(A_k)
     (every factor is a polynomial in A_0, so they commute). Only the first Gram matrix and the
     last product touch the long side."""
-    a, b, c = coefficients
     gram = x @ x.mT
     eye = torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)
     product = None
-    for step in range(steps):
+    for step, (a, b, c) in enumerate(schedule):
         poly = torch.baddbmm(torch.add(eye * a, gram, alpha=b), gram, gram, alpha=c)
         product = poly if product is None else poly @ product
-        if step < steps - 1:
+        if step < len(schedule) - 1:
             gram = poly @ gram @ poly
     return product @ x
+
+
+def closest_quintic(lo: float, hi: float) -> tuple[Coefficients, float]:
+    """The odd quintic p(s) = a s + b s^3 + c s^5 closest to 1 in max norm over [lo, hi]
+    (0 < lo < hi), and that distance E. The best one's error 1 - p alternates in sign at four
+    points (lo, two inner turning points, hi) with the same size E (Chebyshev's equioscillation
+    theorem); Remez's exchange finds them: solve for the p and E that alternate at the current
+    points, move them to where the new error turns, repeat until they stay put."""
+    grid = np.geomspace(lo, hi, 20001)
+    points = np.linspace(lo, hi, 4)
+    for _ in range(100):
+        system = np.stack([points, points**3, points**5, [1.0, -1.0, 1.0, -1.0]], axis=1)
+        a, b, c, error = np.linalg.solve(system, np.ones(4))
+        miss = 1 - (a * grid + b * grid**3 + c * grid**5)
+        turns = np.flatnonzero(np.diff(miss[:-1]) * np.diff(miss[1:]) < 0) + 1
+        if len(turns) != 2:
+            break
+        # each turn between its grid neighbours: where p' = 0, a quadratic in s^2
+        roots = np.sqrt(np.roots([5 * c, 3 * b, a]).real)
+        inner = [roots[np.argmin(abs(roots - grid[i]))] for i in turns]
+        moved = np.array([lo, *inner, hi])
+        if np.allclose(moved, points, rtol=1e-13, atol=0):
+            break
+        points = moved
+    return (float(a), float(b), float(c)), float(abs(error))
+
+
+@functools.cache
+def polar_express_coefficients(steps: int, lower: float = POLAR_EXPRESS_LOWER
+                               ) -> tuple[Coefficients, ...]:
+    """train.muon_ns_coefficients=polar_express: Polar Express (Amsel, Persson, Musco and Gower
+    2025; the speedrun's later records), a quintic per step instead of one for all. Divided by
+    its Frobenius norm, an update's singular values lie in (0, 1]; the schedule is made for
+    those in [lower, 1]. Step k's quintic is the one closest to 1 on where they can be then,
+    [lo, hi] (closest_quintic), which maps them into [1 - E, 1 + E]: step k + 1's interval.
+    Each step takes what is left from the last, so fewer steps get near 1: from [1e-3, 1],
+    three end in [0.14, 1.86] and five in [0.89, 1.11], where torch's one quintic, made to
+    lift small values fast, ends in [0.47, 1.20] after five."""
+    schedule, lo, hi = [], lower, 1.0
+    for _ in range(steps):
+        coefficients, error = closest_quintic(lo, hi)
+        schedule.append(coefficients)
+        lo, hi = 1 - error, 1 + error
+    return tuple(schedule)
 
 
 def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:

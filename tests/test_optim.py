@@ -5,6 +5,7 @@ where torch has no Muon."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -145,6 +146,84 @@ def test_orthogonalizing_all_at_once_is_one_by_one():
         torch.testing.assert_close(result.double(), newton_schulz_float64(update, coefficients),
                                    rtol=0, atol=2e-5)
     assert got[-1].shape == (64, 16) and not got[-1].any()
+
+
+def with_singular_values(values: torch.Tensor, rows: int, cols: int, seed: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U diag(values) V^T in float64 with random orthonormal U (rows) and V (cols)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(rows, len(values), generator=gen, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(cols, len(values), generator=gen, dtype=torch.float64))[0]
+    return u @ torch.diag(values) @ v.T, u, v
+
+
+def quintics(schedule, s):
+    for a, b, c in schedule:
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+def test_each_polar_express_quintic_is_the_closest_to_one_where_the_values_are_by_then():
+    """Step k's quintic alternates its error 1 - p at four points with the largest size it has
+    anywhere on its interval (so no quintic is closer: Chebyshev), and maps the interval into
+    [1 - E, 1 + E], the next step's interval. The whole schedule takes [1e-3, 1] there."""
+    schedule = optim.polar_express_coefficients(5)
+    lo, hi = optim.POLAR_EXPRESS_LOWER, 1.0
+    for a, b, c in schedule:
+        s = torch.logspace(math.log10(lo), math.log10(hi), 200_001, dtype=torch.float64)
+        miss = 1 - (a * s + b * s**3 + c * s**5)
+        size = miss.abs().max().item()
+        turns = torch.nonzero(torch.diff(torch.sign(torch.diff(miss)))).flatten() + 1
+        extremes = torch.cat([miss[:1], miss[turns], miss[-1:]])
+        assert len(extremes) == 4 and (extremes[:-1] * extremes[1:] < 0).all()
+        torch.testing.assert_close(extremes.abs(), torch.full((4,), size, dtype=torch.float64),
+                                   rtol=1e-6, atol=0)
+        gen = torch.Generator().manual_seed(0)  # and any nearby quintic is farther from 1
+        for _ in range(20):
+            da, db, dc = (1e-3 * torch.randn(3, generator=gen, dtype=torch.float64)).tolist()
+            other = 1 - ((a + da) * s + (b + db) * s**3 + (c + dc) * s**5)
+            assert other.abs().max().item() > size
+        lo, hi = 1 - size, 1 + size
+    s = torch.logspace(-3, 0, 10_001, dtype=torch.float64)
+    end = quintics(schedule, s)
+    assert lo - 1e-9 < end.min() and end.max() < hi + 1e-9 and 0.1 < 1 - lo < 0.12
+    assert 0.8 < quintics(optim.per_step((3.4445, -4.7750, 2.0315), 5), s).max() - 0.4 < 0.81
+
+
+@pytest.mark.parametrize("steps", [3, 5])
+def test_a_polar_express_iteration_maps_each_singular_value_by_its_quintics(steps):
+    """orthogonalize_all with a schedule (plain, and through the Gram matrix at 4:1) and
+    orthogonalize give U q(S) V^T, q the schedule's quintics composed, of an update U S V^T
+    divided by its Frobenius norm: singular values from 1 down to below the schedule's 1e-3."""
+    schedule = optim.polar_express_coefficients(steps)
+    values = torch.logspace(0, -4, 16, dtype=torch.float64)
+    updates, expected = [], []
+    for seed, (rows, cols) in enumerate([(64, 16), (16, 64), (16, 16), (16, 48)]):
+        update, u, v = with_singular_values(values, rows, cols, seed)
+        updates.append(update.float())
+        scaled = values / values.norm()
+        expected.append(u @ torch.diag(quintics(schedule, scaled)) @ v.T)
+    got = optim.orthogonalize_all(updates, schedule, steps, 1e-7)
+    close = 2e-5 if steps == 3 else 1e-3  # float32 rounding, grown ~1,000x by five steps' slopes
+    for update, result, want in zip(updates, got, expected):
+        torch.testing.assert_close(result.double(), want, rtol=0, atol=close)
+        one = optim.orthogonalize(update, schedule, steps, 1e-7)
+        torch.testing.assert_close(one.double(), want, rtol=0, atol=close)
+    with pytest.raises(ValueError, match="3 Newton-Schulz quintics for 4 steps"):
+        optim.orthogonalize_all(updates, optim.polar_express_coefficients(3), 4, 1e-7)
+
+
+def test_polar_express_is_float32_muon_on_any_device_and_refused_with_bfloat16():
+    cfg = muon_config(muon_ns_coefficients="polar_express", muon_ns_steps=3)
+    optimizer = optim.make_optimizer(tiny_gpt(), cfg, torch.device("cpu"))
+    assert isinstance(optimizer.muon, optim.Float32Muon)
+    group = optimizer.param_groups[-1]
+    assert group["ns_coefficients"] == optim.polar_express_coefficients(3)
+    plain = optim.make_optimizer(tiny_gpt(), muon_config(), torch.device("cpu"))
+    assert plain.param_groups[-1]["ns_coefficients"] == (3.4445, -4.775, 2.0315)
+    with pytest.raises(ConfigError, match="polar_express iterates in float32"):
+        load_config(["--optimizer=muon", "--muon_ns_coefficients=polar_express",
+                     "--muon_ns_dtype=bfloat16"])
 
 
 def test_muon_run_resumes_bit_exact(char_dataset, tmp_path):

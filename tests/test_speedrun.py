@@ -230,7 +230,8 @@ def test_untied_zero_init_relu2_model_exports_to_transformers_and_back(tmp_path)
 def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset, tmp_path,
                                                                     capsys):
     run = ["--optimizer=muon", "--max_iters=8", "--eval_interval=4", "--log_interval=1",
-           "--lr_schedule=wsd", "--muon_momentum_warmup=5", "--loss=chunked", *EVERY_FLAGS]
+           "--lr_schedule=wsd", "--muon_momentum_warmup=5", "--loss=chunked",
+           "--muon_ns_coefficients=polar_express", "--muon_ns_steps=3", *EVERY_FLAGS]
 
     whole, parts = train_whole_and_resumed(char_dataset, tmp_path, *run)
     a, b = (checkpoint.latest_checkpoint(out) for out in (whole, parts))
