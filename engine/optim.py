@@ -28,6 +28,7 @@ STATE_TENSORS = {"adamw": (2, 2), "muon": (1, 2)}
 # train.muon_ns_coefficients=polar_express: the smallest singular value (of the update over its
 # Frobenius norm) each step's quintic is made for; smaller ones still grow, less exactly
 POLAR_EXPRESS_LOWER = 1e-3
+NEAR_ONE = (15 / 8, -5 / 4, 3 / 8)  # the quintic with p(1) = 1 and p'(1) = p''(1) = 0
 
 
 def state_floats(optimizer: str, params: int, block_matrices: int) -> int:
@@ -277,7 +278,12 @@ def polar_express_coefficients(steps: int, lower: float = POLAR_EXPRESS_LOWER
     lift small values fast, ends in [0.47, 1.20] after five."""
     schedule, lo, hi = [], lower, 1.0
     for _ in range(steps):
-        coefficients, error = closest_quintic(lo, hi)
+        if hi - lo > 1e-4:
+            coefficients, error = closest_quintic(lo, hi)
+        else:  # (after ~6 steps) so near 1 that Remez's system is singular: the quintics' limit,
+            coefficients = NEAR_ONE  # flat at 1 to third order: 1 + d -> 1 + 2.5 d^3
+            error = max(abs(1 - sum(k * s**p for k, p in zip(NEAR_ONE, (1, 3, 5))))
+                        for s in (lo, hi))
         schedule.append(coefficients)
         lo, hi = 1 - error, 1 + error
     return tuple(schedule)
