@@ -253,10 +253,11 @@ def closest_quintic(lo: float, hi: float) -> tuple[Coefficients, float]:
         a, b, c, error = np.linalg.solve(system, np.ones(4))
         miss = 1 - (a * grid + b * grid**3 + c * grid**5)
         turns = np.flatnonzero(np.diff(miss[:-1]) * np.diff(miss[1:]) < 0) + 1
-        if len(turns) != 2:
+        squares = np.roots([5 * c, 3 * b, a])  # where p' = 0: a quadratic in s^2
+        squares = squares[np.isreal(squares) & (squares.real > 0)].real
+        if len(turns) != 2 or len(squares) != 2:
             break
-        # each turn between its grid neighbours: where p' = 0, a quadratic in s^2
-        roots = np.sqrt(np.roots([5 * c, 3 * b, a]).real)
+        roots = np.sqrt(squares)  # each turn to its exact place, off the grid
         inner = [roots[np.argmin(abs(roots - grid[i]))] for i in turns]
         moved = np.array([lo, *inner, hi])
         if np.allclose(moved, points, rtol=1e-13, atol=0):
