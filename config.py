@@ -82,8 +82,9 @@ class TrainConfig:
     muon_ns_coefficients: str = opt("torch", "the Newton-Schulz quintic: torch (torch.optim."
                                     "Muon's (3.4445, -4.775, 2.0315) at every step) | "
                                     "polar_express (one per step, each the closest to 1 on "
-                                    "where the singular values are by then: three steps train "
-                                    "as well as torch's five here; docs/speedrun.md); "
+                                    "where the singular values are by then: at the speedrun "
+                                    "config three trained as well as torch's five; "
+                                    "docs/speedrun.md); "
                                     "polar_express iterates in float32",
                                     ("torch", "polar_express"))
     muon_adjust_lr: str = opt("match_rms_adamw", "Muon's per-matrix lr scale: match_rms_adamw "

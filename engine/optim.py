@@ -8,6 +8,8 @@
     lr_at            linear warmup, then cosine decay to min_lr_ratio x peak, constant, or
                      warmup-stable-decay (wsd: linear over the last cooldown_frac of the steps)
     momentum_at      Muon's momentum, warmed up from muon_momentum_start (set_momentum applies it)
+    polar_express_coefficients
+                     train.muon_ns_coefficients=polar_express: a Newton-Schulz quintic per step
 """
 from __future__ import annotations
 
@@ -240,6 +242,11 @@ def gram_iteration(x: torch.Tensor, schedule: list[Coefficients]) -> torch.Tenso
     return product @ x
 
 
+def quintic(coefficients: Coefficients, s: np.ndarray | float) -> np.ndarray | float:
+    a, b, c = coefficients
+    return a * s + b * s**3 + c * s**5
+
+
 def closest_quintic(lo: float, hi: float) -> tuple[Coefficients, float]:
     """The odd quintic p(s) = a s + b s^3 + c s^5 closest to 1 in max norm over [lo, hi]
     (0 < lo < hi), and that distance E. The best one's error 1 - p alternates in sign at four
@@ -251,7 +258,7 @@ def closest_quintic(lo: float, hi: float) -> tuple[Coefficients, float]:
     for _ in range(100):
         system = np.stack([points, points**3, points**5, [1.0, -1.0, 1.0, -1.0]], axis=1)
         a, b, c, error = np.linalg.solve(system, np.ones(4))
-        miss = 1 - (a * grid + b * grid**3 + c * grid**5)
+        miss = 1 - quintic((a, b, c), grid)
         turns = np.flatnonzero(np.diff(miss[:-1]) * np.diff(miss[1:]) < 0) + 1
         squares = np.roots([5 * c, 3 * b, a])  # where p' = 0: a quadratic in s^2
         squares = squares[np.isreal(squares) & (squares.real > 0)].real
@@ -283,8 +290,7 @@ def polar_express_coefficients(steps: int, lower: float = POLAR_EXPRESS_LOWER
             coefficients, error = closest_quintic(lo, hi)
         else:  # (after ~6 steps) so near 1 that Remez's system is singular: the quintics' limit,
             coefficients = NEAR_ONE  # flat at 1 to third order: 1 + d -> 1 + 2.5 d^3
-            error = max(abs(1 - sum(k * s**p for k, p in zip(NEAR_ONE, (1, 3, 5))))
-                        for s in (lo, hi))
+            error = max(abs(1 - quintic(NEAR_ONE, s)) for s in (lo, hi))
         schedule.append(coefficients)
         lo, hi = 1 - error, 1 + error
     return tuple(schedule)

@@ -185,9 +185,10 @@ def test_each_polar_express_quintic_is_the_closest_to_one_where_the_values_are_b
             assert other.abs().max().item() > size
         lo, hi = 1 - size, 1 + size
     s = torch.logspace(-3, 0, 10_001, dtype=torch.float64)
-    end = quintics(schedule, s)
-    assert lo - 1e-9 < end.min() and end.max() < hi + 1e-9 and 0.1 < 1 - lo < 0.12
-    assert 0.8 < quintics(optim.per_step((3.4445, -4.7750, 2.0315), 5), s).max() - 0.4 < 0.81
+    end = quintics(schedule, s)  # five steps: within [0.89, 1.11], where torch's five are not
+    assert lo - 1e-9 < end.min() and end.max() < hi + 1e-9 and 0.88 < lo and hi < 1.12
+    torch_five = quintics(optim.per_step((3.4445, -4.7750, 2.0315), 5), s)
+    assert torch_five.min() < 0.48 and torch_five.max() > 1.2
     many = optim.polar_express_coefficients(12)  # past ~6 steps: the quintics' limit at 1
     assert many[:5] == schedule and many[-1] == optim.NEAR_ONE
     assert (quintics(many, s) - 1).abs().max() < 1e-12
