@@ -313,7 +313,7 @@ RULES = {  # dotted key -> (what it must be, the test)
     **dict.fromkeys("model.vocab_size train.max_iters train.warmup_iters train.weight_decay "
                     "train.grad_clip train.stop_after_iters train.tokens_per_step "
                     "train.hellaswag_interval train.hellaswag_examples sample.max_new_tokens "
-                    "train.muon_momentum_warmup model.logit_softcap "
+                    "train.muon_momentum_warmup model.logit_softcap model.attn_scale "
                     "sample.temperature sample.top_k system.threads system.peak_flops "
                     "data.loader_workers sample.prefill_chunk".split(), NON_NEGATIVE),
     **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2", "train.muon_momentum",

@@ -59,6 +59,9 @@ class ModelConfig:
     rope_base: float = opt(10000.0, "position=rotary: the base of the rotation frequencies")
     qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention "
                         "(no weights): attention logits stay bounded at high learning rates")
+    attn_scale: float = opt(0.0, "attention logits = scale x q.k; 0 = 1/sqrt(head size) "
+                            "(GPT-2). With qk_norm the logits lie within +-scale x head size, "
+                            "so small heads want more than 1/sqrt (the speedrun: 0.12 at 128)")
     tie_embeddings: bool = opt(True, "the LM head is the token embedding (GPT-2); false: an "
                                "LM head of its own")
     zero_init_head: bool = opt(False, "an untied LM head starts at zero (uniform first logits)")
@@ -68,8 +71,8 @@ class ModelConfig:
                                "uses 30 or 15); 0 = off")
 
 
-SPEEDRUN_FIELDS = ("position", "qk_norm", "tie_embeddings", "zero_init_head", "zero_init_proj",
-                   "logit_softcap")
+SPEEDRUN_FIELDS = ("position", "qk_norm", "attn_scale", "tie_embeddings", "zero_init_head",
+                   "zero_init_proj", "logit_softcap")
 
 
 def departures(cfg: ModelConfig) -> list[str]:
@@ -326,6 +329,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer, self.n_head, self.impl = layer, cfg.n_head, cfg.attention
         self.qk_norm = cfg.qk_norm
+        self.scale = cfg.attn_scale or None  # None: 1/sqrt(head size), GPT-2's
         self.rotary = None
         if cfg.position == "rotary":
             self.rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_base)
@@ -362,9 +366,11 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.attn_dropout.p if self.training else 0.0
         if self.impl == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                               is_causal=mask is None and kv_cache is None)
+                                               is_causal=mask is None and kv_cache is None,
+                                               scale=self.scale)
         else:
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T_k)
+            scale = self.scale or 1.0 / math.sqrt(hs)
+            att = (q @ k.transpose(-2, -1)) * scale  # (B, nh, T, T_k)
             if mask is not None:
                 att = att.masked_fill(~mask, float("-inf"))
             att = F.softmax(att.float(), dim=-1).to(q.dtype)

@@ -313,4 +313,5 @@ def test_the_kernel_decodes_only_the_math_it_has(monkeypatch):
     assert weights.kernel_has_the_math(ModelConfig(tie_embeddings=False, zero_init_proj=True,
                                                    logit_softcap=30.0))
     assert not weights.kernel_has_the_math(ModelConfig(position="rotary"))
+    assert not weights.kernel_has_the_math(ModelConfig(attn_scale=0.3))
     assert not weights.kernel_has_the_math(ModelConfig(qk_norm=True))

@@ -19,9 +19,9 @@ from engine import hf as gpt2
 from engine.sampling import generate_tokens
 from model import GPT, ModelConfig, Rotary, departures
 
-EVERY = dict(position="rotary", qk_norm=True, tie_embeddings=False, zero_init_head=True,
-             zero_init_proj=True, logit_softcap=15.0, activation="relu2")
-EVERY_FLAGS = ["--position=rotary", "--qk_norm=true", "--tie_embeddings=false",
+EVERY = dict(position="rotary", qk_norm=True, attn_scale=0.3, tie_embeddings=False,
+             zero_init_head=True, zero_init_proj=True, logit_softcap=15.0, activation="relu2")
+EVERY_FLAGS = ["--position=rotary", "--qk_norm=true", "--attn_scale=0.3", "--tie_embeddings=false",
                "--zero_init_head=true", "--zero_init_proj=true", "--logit_softcap=15",
                "--activation=relu2"]
 
@@ -34,7 +34,8 @@ def test_every_technique_is_off_by_default():
     model = GPT(tiny_model_config())
     assert model.lm_head.weight is model.transformer.wte.weight and "wpe" in model.transformer
     assert departures(ModelConfig(**EVERY)) == [
-        "position=rotary", "qk_norm=True", "tie_embeddings=False", "zero_init_head=True",
+        "position=rotary", "qk_norm=True", "attn_scale=0.3", "tie_embeddings=False",
+        "zero_init_head=True",
         "zero_init_proj=True", "logit_softcap=15.0"]
 
 
@@ -70,9 +71,12 @@ def test_rotary_scores_depend_only_on_distance_and_rows_take_their_own_positions
 
 
 @pytest.mark.parametrize("attention", ["scratch", "sdpa"])
-def test_attention_with_qk_norm_and_rotary_matches_the_formula(attention):
-    """softmax(rope(rms(q)) rope(rms(k))^T / sqrt(hs) + causal) v, then the projection."""
-    cfg = tiny_model_config(position="rotary", qk_norm=True, attention=attention)
+@pytest.mark.parametrize("attn_scale", [0.0, 0.7])
+def test_attention_with_qk_norm_and_rotary_matches_the_formula(attention, attn_scale):
+    """softmax(rope(rms(q)) rope(rms(k))^T x scale + causal) v, then the projection; scale
+    1/sqrt(hs) unless model.attn_scale sets it."""
+    cfg = tiny_model_config(position="rotary", qk_norm=True, attention=attention,
+                            attn_scale=attn_scale)
     model = GPT(cfg).eval()
     attn, hs, T = model.transformer.h[0].attn, cfg.n_embd // cfg.n_head, 12
     x = torch.randn(2, T, cfg.n_embd)
@@ -83,7 +87,7 @@ def test_attention_with_qk_norm_and_rotary_matches_the_formula(attention):
 
     positions = torch.arange(T)
     q, k = attn.rotary(rms(q), positions), attn.rotary(rms(k), positions)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hs)
+    scores = (q @ k.transpose(-1, -2)) * (attn_scale or 1 / math.sqrt(hs))
     scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, T, cfg.n_embd)
     with torch.no_grad():
@@ -186,15 +190,17 @@ def test_muon_momentum_warms_up_then_stays():
 def test_config_refuses_what_cannot_work():
     with pytest.raises(ConfigError) as e:
         load_config(["--zero_init_head=true", "--position=rotary", "--n_embd=18", "--n_head=6",
-                     "--cooldown_frac=0", "--logit_softcap=-1"])
+                     "--cooldown_frac=0", "--logit_softcap=-1", "--attn_scale=-0.1"])
     text = str(e.value)
     for part in ("zero_init_head needs model.tie_embeddings=false", "even head size",
-                 "train.cooldown_frac must be in (0, 1]", "model.logit_softcap must be >= 0"):
+                 "train.cooldown_frac must be in (0, 1]", "model.logit_softcap must be >= 0",
+                 "model.attn_scale must be >= 0"):
         assert part in text
 
 
 @pytest.mark.parametrize("flag,name", [(dict(position="rotary"), "model.position=rotary"),
                                        (dict(qk_norm=True), "model.qk_norm=True"),
+                                       (dict(attn_scale=0.3), "model.attn_scale=0.3"),
                                        (dict(logit_softcap=30.0), "model.logit_softcap=30.0")])
 def test_hf_export_refuses_what_gpt2_cannot_hold_in_one_line(flag, name, tmp_path):
     model = GPT(tiny_model_config(**flag))
@@ -222,7 +228,7 @@ def test_untied_zero_init_relu2_model_exports_to_transformers_and_back(tmp_path)
     back, _ = gpt2.load_hf(str(tmp_path))
     assert not back.config.tie_embeddings
     assert torch.equal(back.lm_head.weight, model.lm_head.weight[:37])
-    asked = ModelConfig(position="rotary", qk_norm=True, logit_softcap=15.0)
+    asked = ModelConfig(position="rotary", qk_norm=True, attn_scale=0.3, logit_softcap=15.0)
     gpt2_again, _ = gpt2.load_hf(str(tmp_path), asked)  # GPT-2's architecture is what it holds
     assert departures(gpt2_again.config) == ["tie_embeddings=False"]
 
