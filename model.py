@@ -69,10 +69,13 @@ class ModelConfig:
                                "start at zero: each block starts as the identity")
     logit_softcap: float = opt(0.0, "logits = cap * tanh(logits / cap) (Gemma 2; the speedrun "
                                "uses 30 or 15); 0 = off")
+    unet_skips: bool = opt(False, "U-net skips: block i's output, times a learned weight that "
+                           "starts at 0, is added to the input of block n_layer-1-i, for each "
+                           "i in the first half")
 
 
 SPEEDRUN_FIELDS = ("position", "qk_norm", "attn_scale", "tie_embeddings", "zero_init_head",
-                   "zero_init_proj", "logit_softcap")
+                   "zero_init_proj", "logit_softcap", "unet_skips")
 
 
 def departures(cfg: ModelConfig) -> list[str]:
@@ -586,6 +589,8 @@ class GPT(nn.Module):
             ln_f=LayerNorm(cfg.n_embd, cfg.bias, cfg.layer_norm_eps, cfg.norm),
         ))
         self.lm_head = Linear(cfg.n_embd, self.padded_vocab, bias=False)
+        if cfg.unet_skips:  # skip_weights[i]: block i's output into block n_layer-1-i's input
+            self.skip_weights = nn.Parameter(torch.zeros(cfg.n_layer // 2))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
         for module in self.modules():
@@ -645,8 +650,13 @@ class GPT(nn.Module):
         x = float32(x)
         if self.training:  # precision policy (above): the residual stream is float32
             x = self.transformer.drop(x)
-        for block in self.transformer.h:
+        unet, n, outputs = self.config.unet_skips, len(self.transformer.h), []
+        for i, block in enumerate(self.transformer.h):
+            if unet and i >= n - n // 2:  # model.unet_skips: block n-1-i's output comes back
+                x = x + self.skip_weights[n - 1 - i] * outputs[n - 1 - i]
             x = block(x, kv_cache, input_pos)  # (B, T, C)
+            if unet and i < n // 2:
+                outputs.append(x)
         x = self.transformer.ln_f(x)
         if targets is not None and self.config.loss == "chunked":  # padded rows left out
             return None, chunked_cross_entropy(x, self.lm_head.weight[:self.vocab_size], targets,

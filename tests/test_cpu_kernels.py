@@ -314,4 +314,5 @@ def test_the_kernel_decodes_only_the_math_it_has(monkeypatch):
                                                    logit_softcap=30.0))
     assert not weights.kernel_has_the_math(ModelConfig(position="rotary"))
     assert not weights.kernel_has_the_math(ModelConfig(attn_scale=0.3))
+    assert not weights.kernel_has_the_math(ModelConfig(unet_skips=True))
     assert not weights.kernel_has_the_math(ModelConfig(qk_norm=True))

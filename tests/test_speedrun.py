@@ -20,10 +20,11 @@ from engine.sampling import generate_tokens
 from model import GPT, ModelConfig, Rotary, departures
 
 EVERY = dict(position="rotary", qk_norm=True, attn_scale=0.3, tie_embeddings=False,
-             zero_init_head=True, zero_init_proj=True, logit_softcap=15.0, activation="relu2")
+             zero_init_head=True, zero_init_proj=True, logit_softcap=15.0, unet_skips=True,
+             activation="relu2")
 EVERY_FLAGS = ["--position=rotary", "--qk_norm=true", "--attn_scale=0.3", "--tie_embeddings=false",
                "--zero_init_head=true", "--zero_init_proj=true", "--logit_softcap=15",
-               "--activation=relu2"]
+               "--unet_skips=true", "--activation=relu2"]
 
 
 def test_every_technique_is_off_by_default():
@@ -35,8 +36,7 @@ def test_every_technique_is_off_by_default():
     assert model.lm_head.weight is model.transformer.wte.weight and "wpe" in model.transformer
     assert departures(ModelConfig(**EVERY)) == [
         "position=rotary", "qk_norm=True", "attn_scale=0.3", "tie_embeddings=False",
-        "zero_init_head=True",
-        "zero_init_proj=True", "logit_softcap=15.0"]
+        "zero_init_head=True", "zero_init_proj=True", "logit_softcap=15.0", "unet_skips=True"]
 
 
 def test_rotary_is_a_complex_rotation_by_position_times_frequency():
@@ -122,6 +122,29 @@ def test_softcap_is_cap_times_tanh_and_the_chunked_loss_agrees():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("n_layer", [4, 3])
+def test_unet_skips_bring_the_first_half_outputs_back_in_mirror_order(n_layer):
+    """Block i's output, times skip_weights[i], joins block n-1-i's input (i < n // 2; an odd
+    middle block takes none). At their initial zeros the model is GPT-2's from the same seed."""
+    torch.manual_seed(5)
+    plain = GPT(tiny_model_config(n_layer=n_layer)).eval()
+    torch.manual_seed(5)
+    model = GPT(tiny_model_config(n_layer=n_layer, unet_skips=True)).eval()
+    idx = torch.randint(0, 37, (2, 16))
+    with torch.no_grad():
+        assert model.skip_weights.shape == (n_layer // 2,) and not model.skip_weights.any()
+        torch.testing.assert_close(model(idx)[0], plain(idx)[0], rtol=0, atol=0)
+        model.skip_weights.normal_()
+        t, outputs = model.transformer, {}
+        x = t.wte(idx) + t.wpe(torch.arange(16))
+        for i in range(n_layer):
+            if n_layer - 1 - i < n_layer // 2:  # a second-half block: its mirror's output
+                x = x + model.skip_weights[n_layer - 1 - i] * outputs[n_layer - 1 - i]
+            x = outputs[i] = t.h[i](x)
+        expected = model.lm_head(t.ln_f(x))
+        torch.testing.assert_close(model(idx)[0], expected)
+
+
 def test_zero_inits_zero_only_their_weights_and_leave_the_rest_as_gpt2():
     """The same seed gives the same weights but the zeroed ones; a zero head gives uniform first
     logits (loss log V)."""
@@ -143,7 +166,8 @@ def test_zero_inits_zero_only_their_weights_and_leave_the_rest_as_gpt2():
 
 
 @pytest.mark.parametrize("flag", [dict(position="rotary"), dict(qk_norm=True),
-                                  dict(logit_softcap=15.0), EVERY])
+                                  dict(logit_softcap=15.0), dict(unet_skips=True, n_layer=3),
+                                  EVERY])
 def test_decoding_with_a_kv_cache_matches_the_whole_forward(flag):
     """One token at a time, positions (T,) as generate.py and (B, T) as serve.py's slots."""
     model = GPT(tiny_model_config(**flag)).eval()
@@ -201,6 +225,7 @@ def test_config_refuses_what_cannot_work():
 @pytest.mark.parametrize("flag,name", [(dict(position="rotary"), "model.position=rotary"),
                                        (dict(qk_norm=True), "model.qk_norm=True"),
                                        (dict(attn_scale=0.3), "model.attn_scale=0.3"),
+                                       (dict(unet_skips=True), "model.unet_skips=True"),
                                        (dict(logit_softcap=30.0), "model.logit_softcap=30.0")])
 def test_hf_export_refuses_what_gpt2_cannot_hold_in_one_line(flag, name, tmp_path):
     model = GPT(tiny_model_config(**flag))
@@ -228,7 +253,8 @@ def test_untied_zero_init_relu2_model_exports_to_transformers_and_back(tmp_path)
     back, _ = gpt2.load_hf(str(tmp_path))
     assert not back.config.tie_embeddings
     assert torch.equal(back.lm_head.weight, model.lm_head.weight[:37])
-    asked = ModelConfig(position="rotary", qk_norm=True, attn_scale=0.3, logit_softcap=15.0)
+    asked = ModelConfig(position="rotary", qk_norm=True, attn_scale=0.3, logit_softcap=15.0,
+                        unet_skips=True)
     gpt2_again, _ = gpt2.load_hf(str(tmp_path), asked)  # GPT-2's architecture is what it holds
     assert departures(gpt2_again.config) == ["tie_embeddings=False"]
 
