@@ -41,11 +41,12 @@ SPREAD = Path(__file__).with_name("golden_spread.json")
 SAFETY = 4  # the tolerance is this many times the largest difference measured across kernels
 RUNS = {
     # the default config with GPT-2's model and schedule (the speedrun flags it turns on off),
-    # at the batch its record was made with
+    # at the batch, weight decay and evaluations its record was made with
     "default": ["--config", "shakespeare_char", "--max_iters=6", "--eval_interval=3",
-                "--eval_iters=2", "--position=learned", "--qk_norm=false",
+                "--eval_iters=2", "--position=learned", "--qk_norm=false", "--attn_scale=0",
                 "--activation=gelu_tanh", "--lr_schedule=cosine", "--logit_softcap=0",
-                "--muon_momentum_warmup=0", "--batch_size=32"],
+                "--unet_skips=false", "--muon_momentum_warmup=0", "--batch_size=32",
+                "--eval_at_start=true", "--weight_decay=0.1"],
     "every_cpu_flag": ["--config", "tiny", "--max_iters=6", "--eval_interval=3", "--eval_iters=2",
                        "--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
                        "--activation_impl=native", "--vocab_pad_multiple=64", "--fused_adamw=true",

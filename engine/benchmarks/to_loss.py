@@ -35,11 +35,13 @@ from engine.benchmarks import options
 from engine.benchmarks.report import figure, markdown_table, save_figure, utc_now, write_report
 from engine.benchmarks.runner import REPO_ROOT
 
+# GPT-2's model and nanoGPT's schedule, whatever the default config turns on
 RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd=128",
           "--block_size=64", "--batch_size=12", "--dropout=0", "--learning_rate=1e-3",
           "--warmup_iters=100", "--min_lr_ratio=0.1", "--beta2=0.99", "--max_iters=2000",
-          "--bias=false", "--position=learned", "--qk_norm=false", "--activation=gelu_tanh",
-          "--lr_schedule=cosine"]  # GPT-2's model and nanoGPT's schedule, whatever the default
+          "--bias=false", "--position=learned", "--qk_norm=false", "--attn_scale=0",
+          "--activation=gelu_tanh", "--logit_softcap=0", "--unet_skips=false",
+          "--lr_schedule=cosine", "--muon_momentum_warmup=0"]
 REFERENCE = ["--attention=scratch", "--causal_mask=buffer", "--norm=scratch",
              "--activation_impl=scratch", "--fused_adamw=false", "--loss=full", "--optimizer=adamw"]
 SPEEDUPS = ["--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
@@ -58,6 +60,8 @@ CHAIN = {  # name -> arguments added to the best recipe so far, in this order
     "+ logit soft-cap 15": ["--logit_softcap=15"],
     "+ wsd schedule": ["--lr_schedule=wsd"],
     "+ muon momentum warm-up": ["--muon_momentum_warmup=100"],
+    "+ attention scale 0.3": ["--attn_scale=0.3"],
+    "+ U-net skips": ["--unet_skips=true"],
     "+ 380 steps (60% cooldown)": ["--max_iters=380", "--cooldown_frac=0.6"],
 }
 CONFIG = {"speedrun config": ["--config", "shakespeare_char_speedrun"]}  # the chain's result
