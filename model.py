@@ -60,8 +60,9 @@ class ModelConfig:
     qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention "
                         "(no weights): attention logits stay bounded at high learning rates")
     attn_scale: float = opt(0.0, "attention logits = scale x q.k; 0 = 1/sqrt(head size) "
-                            "(GPT-2). With qk_norm the logits lie within +-scale x head size, "
-                            "so small heads want more than 1/sqrt (the speedrun: 0.12 at 128)")
+                            "(GPT-2). With qk_norm the logits lie within +-scale x head size: "
+                            "0.3 trained better than 1/sqrt at head size 32 (docs/speedrun.md); "
+                            "the speedrun uses 0.12 at 128")
     tie_embeddings: bool = opt(True, "the LM head is the token embedding (GPT-2); false: an "
                                "LM head of its own")
     zero_init_head: bool = opt(False, "an untied LM head starts at zero (uniform first logits)")
