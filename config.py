@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 # the model's own section lives with the model (model.py imports nothing from here)
-from model import ModelConfig, checkpoint_plan, opt  # noqa: F401  (re-exported)
+from model import SPEEDRUN_FIELDS, ModelConfig, checkpoint_plan, opt  # noqa: F401  (re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parent
 CONFIGS_DIR = REPO_ROOT / "configs"
@@ -324,6 +324,16 @@ RULES = {  # dotted key -> (what it must be, the test)
     "sample.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
     "sample.num_samples": (">= 1", lambda v: v >= 1),
 }
+
+
+def gpt2_recipe_flags() -> list[str]:
+    """Command-line flags that turn off every speedrun technique whatever the config turns on:
+    GPT-2's model (its activation too), a cosine schedule, no momentum warm-up for Muon. The
+    golden default run and bench.py to-loss's rows start from these."""
+    model, train = ModelConfig(), TrainConfig()
+    return ([f"--{name}={getattr(model, name)}" for name in (*SPEEDRUN_FIELDS, "activation")]
+            + [f"--{name}={getattr(train, name)}"
+               for name in ("lr_schedule", "muon_momentum_warmup")])
 
 
 def validate(cfg: Config) -> list[str]:

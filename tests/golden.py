@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from config import gpt2_recipe_flags  # noqa: E402
 from engine import runtime  # noqa: E402
 
 GOLDEN = Path(__file__).with_name("golden_losses.json")
@@ -43,9 +44,7 @@ RUNS = {
     # the default config with GPT-2's model and schedule (the speedrun flags it turns on off),
     # at the batch, weight decay and evaluations its record was made with
     "default": ["--config", "shakespeare_char", "--max_iters=6", "--eval_interval=3",
-                "--eval_iters=2", "--position=learned", "--qk_norm=false", "--attn_scale=0",
-                "--activation=gelu_tanh", "--lr_schedule=cosine", "--logit_softcap=0",
-                "--unet_skips=false", "--muon_momentum_warmup=0", "--batch_size=32",
+                "--eval_iters=2", *gpt2_recipe_flags(), "--batch_size=32",
                 "--eval_at_start=true", "--weight_decay=0.1"],
     "every_cpu_flag": ["--config", "tiny", "--max_iters=6", "--eval_interval=3", "--eval_iters=2",
                        "--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",

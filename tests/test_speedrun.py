@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import generate
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, gpt2_recipe_flags, load_config
 from conftest import tiny_model_config, train_whole_and_resumed
 from engine import checkpoint, optim, sources
 from engine import hf as gpt2
@@ -37,6 +37,16 @@ def test_every_technique_is_off_by_default():
     assert departures(ModelConfig(**EVERY)) == [
         "position=rotary", "qk_norm=True", "attn_scale=0.3", "tie_embeddings=False",
         "zero_init_head=True", "zero_init_proj=True", "logit_softcap=15.0", "unet_skips=True"]
+
+
+def test_gpt2_recipe_flags_turn_off_what_the_speedrun_configs_turn_on():
+    """The golden default run and bench.py to-loss start from these, whatever a config holds."""
+    for name in ("shakespeare_char", "shakespeare_char_speedrun", "gpt2_124m_speedrun"):
+        cfg, _ = load_config(["--config", name, *gpt2_recipe_flags()])
+        assert departures(cfg.model) == [] and cfg.model.activation == "gelu_tanh", name
+        assert (cfg.train.lr_schedule, cfg.train.muon_momentum_warmup) == ("cosine", 0), name
+    cfg, _ = load_config([*gpt2_recipe_flags(), "--qk_norm=true"])  # a later flag still wins
+    assert departures(cfg.model) == ["qk_norm=True"]
 
 
 def test_rotary_is_a_complex_rotation_by_position_times_frequency():

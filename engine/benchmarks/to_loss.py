@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from config import ConfigError, opt
+from config import ConfigError, gpt2_recipe_flags, opt
 from engine import runtime
 from engine.benchmarks import options
 from engine.benchmarks.report import figure, markdown_table, save_figure, utc_now, write_report
@@ -39,9 +39,7 @@ from engine.benchmarks.runner import REPO_ROOT
 RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd=128",
           "--block_size=64", "--batch_size=12", "--dropout=0", "--learning_rate=1e-3",
           "--warmup_iters=100", "--min_lr_ratio=0.1", "--beta2=0.99", "--max_iters=2000",
-          "--bias=false", "--position=learned", "--qk_norm=false", "--attn_scale=0",
-          "--activation=gelu_tanh", "--logit_softcap=0", "--unet_skips=false",
-          "--lr_schedule=cosine", "--muon_momentum_warmup=0"]
+          "--bias=false", *gpt2_recipe_flags()]
 REFERENCE = ["--attention=scratch", "--causal_mask=buffer", "--norm=scratch",
              "--activation_impl=scratch", "--fused_adamw=false", "--loss=full", "--optimizer=adamw"]
 SPEEDUPS = ["--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
