@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import on_each_device, tiny_model_config
-from model import GPT, IGNORE_INDEX, MLP, gelu_tanh, padded_vocab_size
+from model import ACTIVATIONS, GPT, IGNORE_INDEX, MLP, gelu_tanh, padded_vocab_size
 
 # float32 on both; CUDA kernels (cuBLAS, the memory-efficient SDPA kernel) sum in other orders
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
@@ -110,13 +110,37 @@ def test_fast_paths_match_reference(change, device):
         torch.testing.assert_close(p_fast.grad, p_ref.grad, **GRAD_TOL[device], msg=name)
 
 
-def test_relu_squared_is_its_formula_in_the_mlp():
-    cfg = tiny_model_config(activation="relu2")
+@pytest.mark.parametrize("impl", ["scratch", "native"])
+def test_relu_squared_is_its_formula_in_the_mlp(impl):
+    cfg = tiny_model_config(activation="relu2", activation_impl=impl)
     torch.manual_seed(0)
     mlp, x = MLP(cfg), torch.randn(2, 4, cfg.n_embd)
     hidden = mlp.c_fc(x)
     torch.testing.assert_close(mlp(x), mlp.c_proj(torch.where(hidden > 0, hidden * hidden, 0.0)),
                                rtol=0, atol=1e-6)
+
+
+def test_relu_squared_native_backward_equals_autograds_bit_for_bit():
+    """The native path's one-product backward (2 relu(x) grad) gives autograd's own gradient
+    of relu(x) * relu(x), at negative, zero and positive inputs, and can't be differentiated
+    twice."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(4, 64), torch.zeros(1, 64), -torch.rand(1, 64)])
+    grad = torch.randn_like(x)
+    x_ref, x_fast = x.clone().requires_grad_(), x.clone().requires_grad_()
+    relu2 = ACTIVATIONS["relu2"]
+    y_ref, y_fast = relu2(x_ref, native=False), relu2(x_fast, native=True)
+    y_ref.backward(grad)
+    y_fast.backward(grad)
+    assert torch.equal(y_fast, y_ref)
+    assert torch.equal(x_fast.grad, x_ref.grad)
+    torch.testing.assert_close(x_fast.grad, 2 * torch.relu(x) * grad, rtol=0, atol=0)
+    assert (x_fast.grad[4:] == 0).all()
+    wide = torch.randn(3, 5, dtype=torch.float64).add_(0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: relu2(t, native=True), (wide,))
+    (first,) = torch.autograd.grad(relu2(wide, native=True).sum(), wide, create_graph=True)
+    with pytest.raises(RuntimeError):
+        first.sum().backward()
 
 
 def test_scratch_gelu_and_layernorm_formulas():
