@@ -74,10 +74,13 @@ class ModelConfig:
     unet_skips: bool = opt(False, "U-net skips: block i's output, times a learned weight that "
                            "starts at 0, is added to the input of block n_layer-1-i, for each "
                            "i in the first half")
+    smear: bool = opt(False, "each token's embedding gets the previous token's added, times a "
+                      "learned per-channel weight that starts at 0 (the speedrun's smear: a "
+                      "bigram the first block sees directly)")
 
 
 SPEEDRUN_FIELDS = ("position", "qk_norm", "attn_scale", "tie_embeddings", "zero_init_head",
-                   "zero_init_proj", "logit_softcap", "unet_skips")
+                   "zero_init_proj", "logit_softcap", "unet_skips", "smear")
 
 
 def departures(cfg: ModelConfig) -> list[str]:
@@ -237,6 +240,9 @@ class KVCache:
         self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.slots = torch.arange(shape[3], device=device)
         self.filled: int | None = None
+        # model.smear: each row's tokens at their positions, (B, S), for the token before each
+        self.tokens = torch.zeros(shape[1], shape[3], dtype=torch.long, device=device) \
+            if cfg.smear else None
 
     def update(self, layer: int, input_pos: torch.Tensor, kv: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -261,16 +267,29 @@ class KVCache:
             mask = (self.slots[:n] <= input_pos[..., None])[:, None]  # (rows, 1, T, n)
         return cache[0, :, :, :n], cache[1, :, :, :n], mask
 
+    def previous_tokens(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Store idx (rows, T) at input_pos (T,) or (rows, T) -> the token before each, (rows,
+        T): the one stored at position - 1 (at position 0 whatever is there; the caller
+        leaves it out)."""
+        rows, T = idx.shape
+        tokens, where = self.tokens[:rows], input_pos.expand(rows, T)
+        tokens.scatter_(1, where, idx)
+        return tokens.gather(1, (where - 1).clamp(min=0))
+
     def rows(self, first: int, count: int = 1) -> "KVCache":
         """A view of rows first..first+count-1 (the same storage): one slot decoding alone."""
         view = copy.copy(self)
         view.kv = [kv[:, first:first + count] for kv in self.kv]
+        if self.tokens is not None:
+            view.tokens = self.tokens[first:first + count]
         return view
 
     def copy_row(self, row: int, source: "KVCache", length: int, source_row: int = 0) -> None:
         """Copy positions 0..length-1 of source's row source_row into this cache's row."""
         for mine, theirs in zip(self.kv, source.kv):
             mine[:, row, :, :length].copy_(theirs[:, source_row, :, :length])
+        if self.tokens is not None:
+            self.tokens[row, :length].copy_(source.tokens[source_row, :length])
 
 
 SLICED_MIN_BYTES = 1 << 20  # smaller weights are multiplied by one F.linear
@@ -613,6 +632,8 @@ class GPT(nn.Module):
         self.lm_head = Linear(cfg.n_embd, self.padded_vocab, bias=False)
         if cfg.unet_skips:  # skip_weights[i]: block i's output into block n_layer-1-i's input
             self.skip_weights = nn.Parameter(torch.zeros(cfg.n_layer // 2))
+        if cfg.smear:  # the previous token's embedding, per channel, into each token's
+            self.smear_weights = nn.Parameter(torch.zeros(cfg.n_embd))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
         for module in self.modules():
@@ -667,6 +688,8 @@ class GPT(nn.Module):
                                  f"{self.config.block_size}; crop the input")
             input_pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx)
+        if self.config.smear:
+            x = x + self.smear_weights * self.previous_embeddings(idx, x, kv_cache, input_pos)
         if "wpe" in self.transformer:  # learned positions; rotary ones act in attention
             x = x + self.transformer.wpe(input_pos)
         x = float32(x)
@@ -693,6 +716,16 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size),
                                    targets.reshape(-1), ignore_index=IGNORE_INDEX)
         return logits, loss
+
+    def previous_embeddings(self, idx: torch.Tensor, x: torch.Tensor, kv_cache: KVCache | None,
+                            input_pos: torch.Tensor) -> torch.Tensor:
+        """model.smear: the token embedding of the token before each of idx's (B, T), whose own
+        are x; zero at position 0. Without a cache idx starts at position 0; with one, the
+        tokens before come from the cache, which keeps each row's."""
+        if kv_cache is None:
+            return F.pad(x[:, :-1], (0, 0, 1, 0))
+        before = self.transformer.wte(kv_cache.previous_tokens(idx, input_pos))
+        return before * (input_pos > 0).expand(idx.shape)[..., None]
 
     def new_kv_cache(self, batch: int, positions: int | None = None) -> KVCache:
         """An empty cache of `positions` (default block_size), on the weights' device and in

@@ -38,7 +38,8 @@ VERIFY_TEXT = ("Hello, I'm a language model, and I can tell you that the weights
 # model options GPT2LMHeadModel has no place for, and what it has instead
 NOT_IN_GPT2 = {"position": "learned positions", "qk_norm": "no query/key norm",
                "attn_scale": "logits scaled by 1/sqrt(head size)",
-               "logit_softcap": "uncapped logits", "unet_skips": "no skips between blocks"}
+               "logit_softcap": "uncapped logits", "unet_skips": "no skips between blocks",
+               "smear": "no previous-token embedding"}
 
 
 class GPT2WeightsError(checkpoint.CheckpointError):

@@ -21,10 +21,10 @@ from model import GPT, ModelConfig, Rotary, departures
 
 EVERY = dict(position="rotary", qk_norm=True, attn_scale=0.3, tie_embeddings=False,
              zero_init_head=True, zero_init_proj=True, logit_softcap=15.0, unet_skips=True,
-             activation="relu2")
+             smear=True, activation="relu2")
 EVERY_FLAGS = ["--position=rotary", "--qk_norm=true", "--attn_scale=0.3", "--tie_embeddings=false",
                "--zero_init_head=true", "--zero_init_proj=true", "--logit_softcap=15",
-               "--unet_skips=true", "--activation=relu2"]
+               "--unet_skips=true", "--smear=true", "--activation=relu2"]
 
 
 def test_every_technique_is_off_by_default():
@@ -36,7 +36,8 @@ def test_every_technique_is_off_by_default():
     assert model.lm_head.weight is model.transformer.wte.weight and "wpe" in model.transformer
     assert departures(ModelConfig(**EVERY)) == [
         "position=rotary", "qk_norm=True", "attn_scale=0.3", "tie_embeddings=False",
-        "zero_init_head=True", "zero_init_proj=True", "logit_softcap=15.0", "unet_skips=True"]
+        "zero_init_head=True", "zero_init_proj=True", "logit_softcap=15.0", "unet_skips=True",
+        "smear=True"]
 
 
 def test_gpt2_recipe_flags_turn_off_what_the_speedrun_configs_turn_on():
@@ -155,6 +156,30 @@ def test_unet_skips_bring_the_first_half_outputs_back_in_mirror_order(n_layer):
         torch.testing.assert_close(model(idx)[0], expected)
 
 
+@pytest.mark.parametrize("position", ["learned", "rotary"])
+def test_smear_adds_the_previous_tokens_embedding_per_channel(position):
+    """Token t's embedding gets smear_weights * token t-1's (none at position 0), before the
+    position embedding; at the initial zeros the model is GPT-2's from the same seed."""
+    torch.manual_seed(6)
+    plain = GPT(tiny_model_config(position=position)).eval()
+    torch.manual_seed(6)
+    model = GPT(tiny_model_config(position=position, smear=True)).eval()
+    idx = torch.randint(0, 37, (2, 16))
+    with torch.no_grad():
+        assert model.smear_weights.shape == (16,) and not model.smear_weights.any()
+        torch.testing.assert_close(model(idx)[0], plain(idx)[0], rtol=0, atol=0)
+        model.smear_weights.normal_()
+        t = model.transformer
+        e = t.wte(idx)
+        x = torch.stack([e[:, i] + (model.smear_weights * e[:, i - 1] if i else 0)
+                         for i in range(16)], dim=1)
+        if position == "learned":
+            x = x + t.wpe(torch.arange(16))
+        for block in t.h:
+            x = block(x)
+        torch.testing.assert_close(model(idx)[0], model.lm_head(t.ln_f(x)))
+
+
 def test_zero_inits_zero_only_their_weights_and_leave_the_rest_as_gpt2():
     """The same seed gives the same weights but the zeroed ones; a zero head gives uniform first
     logits (loss log V)."""
@@ -177,7 +202,7 @@ def test_zero_inits_zero_only_their_weights_and_leave_the_rest_as_gpt2():
 
 @pytest.mark.parametrize("flag", [dict(position="rotary"), dict(qk_norm=True),
                                   dict(logit_softcap=15.0), dict(unet_skips=True, n_layer=3),
-                                  EVERY])
+                                  dict(smear=True), EVERY])
 def test_decoding_with_a_kv_cache_matches_the_whole_forward(flag):
     """One token at a time, positions (T,) as generate.py and (B, T) as serve.py's slots."""
     model = GPT(tiny_model_config(**flag)).eval()
@@ -192,6 +217,14 @@ def test_decoding_with_a_kv_cache_matches_the_whole_forward(flag):
             torch.testing.assert_close(step[:, 0], whole[:, t], atol=1e-5, rtol=1e-5)
             per_row = model(idx[:, t:t + 1], kv_cache=rows, input_pos=torch.tensor([[t], [t]]))[0]
             torch.testing.assert_close(per_row[:, 0], whole[:, t], atol=1e-5, rtol=1e-5)
+        # a prompt in two chunks, then a row alone through a view of the cache
+        chunks = model.new_kv_cache(2)
+        first = model(idx[:, :5], kv_cache=chunks, input_pos=torch.arange(5))[0]
+        then = model(idx[:, 5:9], kv_cache=chunks, input_pos=torch.arange(5, 9))[0]
+        torch.testing.assert_close(torch.cat([first, then], 1), whole[:, :9], atol=1e-5,
+                                   rtol=1e-5)
+        alone = model(idx[1:, 9:10], kv_cache=chunks.rows(1), input_pos=torch.tensor([9]))[0]
+        torch.testing.assert_close(alone[:, 0], whole[1:, 9], atol=1e-5, rtol=1e-5)
 
 
 def test_wsd_schedule_warms_up_holds_then_decays_linearly():
@@ -236,6 +269,7 @@ def test_config_refuses_what_cannot_work():
                                        (dict(qk_norm=True), "model.qk_norm=True"),
                                        (dict(attn_scale=0.3), "model.attn_scale=0.3"),
                                        (dict(unet_skips=True), "model.unet_skips=True"),
+                                       (dict(smear=True), "model.smear=True"),
                                        (dict(logit_softcap=30.0), "model.logit_softcap=30.0")])
 def test_hf_export_refuses_what_gpt2_cannot_hold_in_one_line(flag, name, tmp_path):
     model = GPT(tiny_model_config(**flag))
@@ -264,7 +298,7 @@ def test_untied_zero_init_relu2_model_exports_to_transformers_and_back(tmp_path)
     assert not back.config.tie_embeddings
     assert torch.equal(back.lm_head.weight, model.lm_head.weight[:37])
     asked = ModelConfig(position="rotary", qk_norm=True, attn_scale=0.3, logit_softcap=15.0,
-                        unet_skips=True)
+                        unet_skips=True, smear=True)
     gpt2_again, _ = gpt2.load_hf(str(tmp_path), asked)  # GPT-2's architecture is what it holds
     assert departures(gpt2_again.config) == ["tie_embeddings=False"]
 

@@ -60,6 +60,7 @@ CHAIN = {  # name -> arguments added to the best recipe so far, in this order
     "+ muon momentum warm-up": ["--muon_momentum_warmup=100"],
     "+ attention scale 0.3": ["--attn_scale=0.3"],
     "+ U-net skips": ["--unet_skips=true"],
+    "+ smear": ["--smear=true"],
     "+ 380 steps (60% cooldown)": ["--max_iters=380", "--cooldown_frac=0.6"],
 }
 CONFIG = {"speedrun config": ["--config", "shakespeare_char_speedrun"]}  # the chain's result
