@@ -133,14 +133,20 @@ def test_softcap_is_cap_times_tanh_and_the_chunked_loss_agrees():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def gpt2_and_with(flag: str, **shape) -> tuple[GPT, GPT]:
+    """GPT-2 and the same model with one zero-initialized technique on, from the same seed (so
+    every other weight is the same draw), in eval mode."""
+    torch.manual_seed(5)
+    plain = GPT(tiny_model_config(**shape)).eval()
+    torch.manual_seed(5)
+    return plain, GPT(tiny_model_config(**shape, **{flag: True})).eval()
+
+
 @pytest.mark.parametrize("n_layer", [4, 3])
 def test_unet_skips_bring_the_first_half_outputs_back_in_mirror_order(n_layer):
     """Block i's output, times skip_weights[i], joins block n-1-i's input (i < n // 2; an odd
     middle block takes none). At their initial zeros the model is GPT-2's from the same seed."""
-    torch.manual_seed(5)
-    plain = GPT(tiny_model_config(n_layer=n_layer)).eval()
-    torch.manual_seed(5)
-    model = GPT(tiny_model_config(n_layer=n_layer, unet_skips=True)).eval()
+    plain, model = gpt2_and_with("unet_skips", n_layer=n_layer)
     idx = torch.randint(0, 37, (2, 16))
     with torch.no_grad():
         assert model.skip_weights.shape == (n_layer // 2,) and not model.skip_weights.any()
@@ -160,10 +166,7 @@ def test_unet_skips_bring_the_first_half_outputs_back_in_mirror_order(n_layer):
 def test_smear_adds_the_previous_tokens_embedding_per_channel(position):
     """Token t's embedding gets smear_weights * token t-1's (none at position 0), before the
     position embedding; at the initial zeros the model is GPT-2's from the same seed."""
-    torch.manual_seed(6)
-    plain = GPT(tiny_model_config(position=position)).eval()
-    torch.manual_seed(6)
-    model = GPT(tiny_model_config(position=position, smear=True)).eval()
+    plain, model = gpt2_and_with("smear", position=position)
     idx = torch.randint(0, 37, (2, 16))
     with torch.no_grad():
         assert model.smear_weights.shape == (16,) and not model.smear_weights.any()
