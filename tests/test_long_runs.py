@@ -126,6 +126,19 @@ def test_resume_is_bit_exact(uninterrupted, char_dataset, tmp_path):
     assert second["best_val"] == whole_summary["best_val"]
 
 
+def test_init_from_auto_starts_fresh_then_resumes_exactly(uninterrupted, char_dataset, tmp_path):
+    """The same command twice, as a job script that is preempted and resubmitted runs it: the
+    first starts from scratch (no run there), the second resumes the run the first left."""
+    whole = uninterrupted[0]
+    out = tmp_path / "auto"
+    first = run_train(char_dataset, out, *RUN, "--init_from=auto", "--stop_after_iters=6")
+    assert (first["step"], first["steps"]) == (6, 6)
+    second = run_train(char_dataset, out, *RUN, "--init_from=auto")
+    assert (second["step"], second["steps"], second["stop_reason"]) == (12, 6, "done")
+    assert trajectory(out) == trajectory(whole)
+    assert_same_tensors(final_state(out)[0], final_state(whole)[0], "weights")
+
+
 def test_sigint_saves_and_exits_then_resumes_exactly(uninterrupted, char_dataset, tmp_path,
                                                      monkeypatch, capsys):
     whole = uninterrupted[0]
