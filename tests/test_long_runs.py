@@ -189,6 +189,76 @@ def test_sigterm_in_a_real_process_saves_and_exits(char_dataset, tmp_path):
     assert state["counters"]["step"] == int(stopped.group(1)) >= 2
 
 
+# `python train.py ARGS` whose step 3 stalls (after ckpt_0000002 is saved), so that both signals
+# land inside one step whatever the machine's speed: the first cannot reach its step boundary
+STALL_IN_STEP_3 = textwrap.dedent("""
+    import runpy, sys, time
+    root, stalled = sys.argv[1], sys.argv[2]
+    sys.path.insert(0, root)
+    from engine import optim
+
+    real_lr_at = optim.lr_at
+
+    def lr_at(step, cfg):  # called as each step begins
+        if step == 3:
+            open(stalled, "w").close()
+            time.sleep(600)
+        return real_lr_at(step, cfg)
+
+    optim.lr_at = lr_at  # train.py imports it from here
+    sys.argv = [root + "/train.py", *sys.argv[3:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+def wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"exited with {proc.returncode} before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("first,second,status", [
+    (signal.SIGINT, signal.SIGINT, 130),  # train.main's KeyboardInterrupt
+    (signal.SIGTERM, signal.SIGTERM, -signal.SIGTERM),  # the default action: killed by it
+], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_stops_at_once_without_saving(first, second, status, char_dataset,
+                                                      tmp_path):
+    """The first signal asks for a save at the end of the step; a second, in the same step,
+    ends the process there: its status says how, and the last checkpoint stays the latest."""
+    out, stalled, err = tmp_path / "run", tmp_path / "STALLED", tmp_path / "stderr.txt"
+    script = tmp_path / "stall.py"
+    script.write_text(STALL_IN_STEP_3)
+    cmd = [sys.executable, "-u", str(script), str(ROOT), str(stalled),
+           *train_args(char_dataset, out, "--max_iters=8", "--eval_interval=2")]
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        wait_for(stalled.exists, "stall in step 3", proc)
+        proc.send_signal(first)
+        # the second must not reach the process before the first is handled: two of the same
+        # signal pending at once are delivered as one
+        wait_for(lambda: "received" in err.read_text(), "'received' line", proc)
+        proc.send_signal(second)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)  # the stall has ~600 s left: only stopping at once ends it
+        assert proc.poll() is not None, f"still running 60 s after the second signal:\n" \
+                                        f"{err.read_text()}"
+    finally:
+        proc.kill()
+        proc.wait()
+    log = err.read_text()
+    assert proc.returncode == status, log
+    assert f"{first.name} received: saving a checkpoint after this step" in log
+    assert f"{second.name} again: stopping now without saving" in log
+    if status == 130:
+        assert log.endswith("interrupted: nothing saved since the last checkpoint\n"), log
+    assert "Traceback" not in log
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000002"]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no .tmp_ckpt_*
+
+
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, sys, time, shutil
     import torch
