@@ -1,8 +1,9 @@
 """serve.py in production: the API key, OpenAI-shaped errors for every bad request (the body
 not UTF-8, nested too deeply, over the size cap; an unknown route, a wrong method), and the
-Prometheus metrics, summed over --workers. Two server subprocesses per module (test_serve.py's
-Server on a tiny checkpoint): one worker with the key from the environment, two workers with
-the key from --api-key."""
+Prometheus metrics, summed over --workers; the workers' one shared copy of the weights. Two
+server subprocesses per module (test_serve.py's Server on a tiny checkpoint): one worker with the
+key from the environment, two workers with the key from --api-key; and one test's own server of
+two workers on a model large enough to see in their memory."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,15 +15,20 @@ import re
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import MAX_TOKENS_LIMIT, WAIT_S, Server, open_stream, tiny_checkpoint
+from test_serve import CHARS, MAX_TOKENS_LIMIT, WAIT_S, Server, open_stream, tiny_checkpoint
 
 import serve
+from config import Config
+from engine import checkpoint
 from engine.serving.options import API_KEY_ENV, ServeOptions
+from model import GPT, ModelConfig
 
 ENV_KEY, OPTION_KEY = "key-from-the-environment", "key-from-the-option"
 MAX_BODY = 16384
@@ -304,6 +310,65 @@ def test_a_dead_worker_leaves_the_gauges_and_its_counts_stay(two_workers):
     assert value(after, "gpt2s_slots") == 8  # the dead worker's 4 left, the new one's came
     for name in ("gpt2s_completion_tokens_total", "gpt2s_prompt_tokens_total"):
         assert value(after, name) == value(before, name) > 0
+
+
+def ready_workers(server: Server, count: int) -> list[int]:
+    """The pids of the first `count` workers to be warmed up, once they are (/health answers
+    from any worker, warming up or not)."""
+    deadline = time.monotonic() + WAIT_S
+    while len(pids := re.findall(r"worker \d \(pid (\d+)\) ready", server.log.read_text())) < count:
+        assert server.proc.poll() is None, server.log.read_text()
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.05)
+    return [int(pid) for pid in pids]
+
+
+def wide_checkpoint(out_dir: Path) -> tuple[Path, int]:
+    """A random model 2048 wide: 384 MiB of float32 weights, several times the ~100 MiB a worker
+    holds of its own (its imports, KV cache, buffers) -> (checkpoint, weight bytes)."""
+    torch.manual_seed(0)
+    cfg = Config()
+    cfg.model = ModelConfig(block_size=32, vocab_size=len(CHARS), n_layer=2, n_head=16,
+                            n_embd=2048)
+    model = GPT(cfg.model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    meta = {"tokenizer": {"kind": "char", "chars": CHARS}}
+    return checkpoint.save(out_dir, 1, model, cfg, meta), weight_bytes
+
+
+def memory_of(pid: int) -> dict[str, int]:
+    """/proc/PID/smaps_rollup's totals in bytes: Rss, Pss, Shared_Clean, Private_Dirty ..."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                if line.rstrip().endswith(" kB")}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"),
+                    reason="reads each worker's shared and private memory in "
+                           "/proc/PID/smaps_rollup (Linux 4.14+), which this system lacks")
+def test_two_workers_share_one_copy_of_the_weights(tmp_path):
+    """Each worker has served a request, so the weights are in its memory, yet under half of
+    their bytes are in pages of its own: it reads the supervisor's copy, shared copy-on-write.
+    A worker that loaded or copied the weights would hold all of them privately."""
+    ckpt, weight_bytes = wide_checkpoint(tmp_path / "run")
+    # no warm-up: each worker's request runs the same forward, in seconds fewer on this model
+    server = Server(ckpt, tmp_path / "serve.log", "--workers=2", "--warmup=false")
+    try:
+        with contextlib.ExitStack() as stack:
+            pids = ready_workers(server, 2)
+            for pid in pids:
+                r = connection_to(server.url, pid, stack).post(COMPLETIONS, json={
+                    "prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        for pid in pids:
+            memory = memory_of(pid)
+            private = memory["Private_Clean"] + memory["Private_Dirty"]
+            shared = memory["Shared_Clean"] + memory["Shared_Dirty"]
+            assert private < weight_bytes / 2 and shared > weight_bytes, \
+                f"worker {pid}: {private >> 20} MiB private, {shared >> 20} MiB shared, " \
+                f"weights {weight_bytes >> 20} MiB"
+    finally:
+        server.stop()
 
 
 def test_sigterm_removes_the_metrics_folder(two_workers):
