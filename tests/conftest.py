@@ -10,7 +10,7 @@ the per-test timeout and the strict settings are in pyproject.toml.
 from __future__ import annotations
 
 import os
-
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +24,8 @@ if str(ROOT) not in sys.path:
 from config import ModelConfig  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+# torch.compile on a CPU (TorchInductor) builds C++ kernels
+HAS_CXX = bool(os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "c++", "clang++")))
 NO_CUDA = "needs a CUDA device and torch.cuda.is_available() is False here " \
           "(bash scripts/gpu_check.sh runs these on a GPU)"
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
@@ -63,6 +65,15 @@ def tiny_model_config(**overrides) -> ModelConfig:
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def tiny_default_model_config() -> ModelConfig:
+    """The default run's model (configs/shakespeare_char.toml: rotary, QK-norm, native relu^2,
+    soft-capped logits, U-net skips, smear, SDPA) at tiny_model_config's size."""
+    from config import load_config
+    cfg, _ = load_config(["--config", "shakespeare_char", "--block_size=16", "--vocab_size=37",
+                          "--n_layer=2", "--n_head=2", "--n_embd=16"])
+    return cfg.model
 
 
 def cuda_matmul_tf32(enabled: bool) -> None:

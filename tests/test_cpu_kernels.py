@@ -3,6 +3,9 @@ this CPU runs (portable C++, AVX2, AVX-512, VNNI, BF16) against plain torch on t
 fallback without a compiler, and PackedLinear (engine/weights.py) inside a model."""
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -316,3 +319,125 @@ def test_the_kernel_decodes_only_the_math_it_has(monkeypatch):
     assert not weights.kernel_has_the_math(ModelConfig(attn_scale=0.3))
     assert not weights.kernel_has_the_math(ModelConfig(unet_skips=True))
     assert not weights.kernel_has_the_math(ModelConfig(qk_norm=True))
+
+
+# The largest rounding of one stored value, as a fraction of the largest value sharing its
+# scale: bfloat16 keeps 8 significant bits (round to nearest: 2^-9 of the value itself); int8
+# half a step of max/127 per output; int4 half a step of max/7 per group of 32 inputs
+WORST_ROUNDING = {"float32": 0.0, "bfloat16": 2.0 ** -9, "int8": 1 / 254, "int4": 1 / 14}
+
+
+def logit_error_bound(fmt: str, n_layer: int, rounds_activations: bool) -> float:
+    """The most ||packed logits - float32 logits|| / ||float32 logits|| a format may cost. A
+    product whose weights (or activations) are rounded by at most d of their scale is off by
+    about d of its size; independent roundings add in quadrature, so n of them on a logit's way
+    cost sqrt(n) d. n counts the token embedding (bfloat16 below float32) and each block
+    Linear's and the head's weights, 1 + 4 n_layer + 1, and as many again for their activations
+    on the vnni and bf16 paths (int8 or bfloat16: never coarser than the weights). float32
+    rounds nothing: its bound is float32 arithmetic's. Measured over 40 seeds, at every ATen
+    CPU capability: up to 0.35 of it (bfloat16), 0.6 (int8), 0.5 (int4)."""
+    products = 4 * n_layer + 1
+    roundings = 1 + products * (2 if rounds_activations else 1)
+    return max(math.sqrt(roundings) * WORST_ROUNDING[fmt], 1e-5)
+
+
+class RoundedInputs(torch.nn.Module):
+    """A Linear whose inputs are rounded first, as a packed path rounds its activations: int8
+    per block of 32 on vnni, bfloat16 on pairs (cpu_kernels.reference's rounding)."""
+
+    def __init__(self, linear: torch.nn.Linear, layout: str):
+        super().__init__()
+        self.linear, self.layout = linear, layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rounded = cpu_kernels.rounded_activations(x) if self.layout == "vnni" else \
+            x.bfloat16().float()
+        return self.linear(rounded)
+
+
+def dequantized_twin(model: torch.nn.Module, packed: torch.nn.Module) -> torch.nn.Module:
+    """model (float32) with each Linear's weight what its packed twin stores (cpu_kernels.unpack)
+    and the token embedding as convert left it: plain torch products of the stored values, the
+    inputs rounded first where the packed path rounds its activations."""
+    twin = copy.deepcopy(model)
+    for (parent, attr, linear), (_, _, stored) in zip(weights.linears(twin),
+                                                      weights.linears(packed)):
+        linear.weight = torch.nn.Parameter(cpu_kernels.unpack(stored.packed))  # unties the head
+        if stored.layout != "blocked":
+            setattr(parent, attr, RoundedInputs(linear, stored.layout))
+    twin.transformer.wte.weight.data = packed.transformer.wte.weight.data.float()
+    return twin
+
+
+def whole_and_decoded_logits(model: torch.nn.Module, x: torch.Tensor, prompt: int
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forward's logits over x, the logits of a cached decode of x: its first `prompt` tokens
+    prefilled, then one decode_step a token), for positions prompt-1 onwards."""
+    from engine.sampling import decode_step, prefill
+    with torch.no_grad():
+        whole = model(x)[0]
+        cache = model.new_kv_cache(x.size(0))
+        first, pos = prefill(model, x[:, :prompt], cache)
+        steps = [decode_step(model, x[:, t:t + 1], cache, t, torch.tensor([t]))
+                 for t in range(pos, x.size(1))]
+    return whole, torch.cat([first] + steps, dim=1)
+
+
+def assert_the_logits_of(got: torch.Tensor, want: torch.Tensor, layout: str) -> None:
+    """got: the packed model's logits; want: its dequantized twin's. To float32 rounding, but
+    on a path that rounds activations one that the two sides compute a float apart may round
+    to the next step: 1% of the largest logit (up to 0.43% seen, over 60 seeds at each ATen
+    CPU capability: avx512, avx2, default)."""
+    if layout == "blocked":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * float(want.abs().max()))
+
+
+# each format on the kernels' float-activation (blocked) path, which every x86 CPU has; on the
+# CPU's own vnni or bf16 path where it has one for the format; and plain torch (no kernels)
+ROUNDING_PATHS = [fmt for fmt in cpu_kernels.FORMATS
+                  if cpu_kernels.best_path(fmt)[1] in cpu_kernels.LAYOUT_OF.values()]
+FORMAT_PATHS = [(fmt, path) for fmt in cpu_kernels.FORMATS for path in ("blocked", "torch")] + \
+    [(fmt, "own") for fmt in ROUNDING_PATHS]
+
+
+@pytest.mark.parametrize("fmt, path", FORMAT_PATHS)
+def test_each_format_gives_the_logits_of_what_it_stores(fmt, path, request, monkeypatch):
+    """convert(model, fmt): forward's logits and a prefill + decode_step run (each block one
+    fused kernel call where the kernels are built) are those of the float32 model with the
+    stored weights put back (dequantized_twin), to float32 rounding; and within the format's
+    rounding of the float32 model's own (logit_error_bound)."""
+    from conftest import tiny_model_config
+    from model import GPT
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "status", lambda: (False, "no C++ compiler: torch"))
+    else:
+        request.getfixturevalue("built")
+    if path == "blocked":  # best_path picks among these: the blocked layout's widest
+        monkeypatch.setattr(cpu_kernels, "cpu_isas", lambda: FLOAT_PATHS)
+    torch.set_num_threads(1)  # a tiny model gains nothing from more (conftest restores them)
+    torch.manual_seed(0)
+    original = GPT(tiny_model_config(n_embd=64, n_head=4, block_size=32, vocab_size=50)).eval()
+    with torch.no_grad():  # biases and norms away from their 0 and 1: a path must apply them
+        for p in original.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    model = copy.deepcopy(original)
+    assert weights.convert(model, fmt, torch.device("cpu")).startswith(fmt)
+    head = model.lm_head
+    assert {linear.format for _, _, linear in weights.linears(model)} == {fmt}
+    assert head.isa == ("torch" if path == "torch" else cpu_kernels.best_path(fmt)[0])
+    assert weights.fused(model) == (path != "torch")
+    twin = dequantized_twin(original, model)
+    x = torch.randint(0, 50, (5, 32))
+    with torch.no_grad():  # 160 rows: past KERNEL_ROWS, the unpacked weight's dense product
+        assert_the_logits_of(model(x)[0], twin(x)[0], head.layout)
+        want, exact = twin(x[:2])[0], original(x[:2])[0]
+    got, decoded = whole_and_decoded_logits(model, x[:2], prompt=5)  # 64 rows: the kernels
+    assert_the_logits_of(got, want, head.layout)
+    assert_the_logits_of(decoded, want[:, 4:], head.layout)
+    error = torch.cat([got - exact, decoded - exact[:, 4:]], dim=1).norm()
+    size = torch.cat([exact, exact[:, 4:]], dim=1).norm()
+    assert error / size < logit_error_bound(fmt, original.config.n_layer,
+                                             head.layout != "blocked")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from config import Config
-from conftest import on_each_device, tiny_model_config
+from config import Config, SystemConfig
+from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
 import model as model_module
-from engine import checkpoint, sampling
+from engine import checkpoint, runtime, sampling, techniques
 from model import GPT, sliced_matvec
 
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
@@ -126,6 +126,39 @@ def test_compiled_decoding_gives_the_eager_tokens():
     static = sampling.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
     torch._dynamo.reset()
     assert torch.equal(static, eager)
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="torch.compile on CPU needs a C++ compiler")
+def test_inductor_compiled_decoding_gives_the_eager_tokens():
+    """generate.py with --compile: the default run's model compiled by inductor and warmed up
+    (sampling.warm_up: the prompt's bucket, a decode step), then 20 greedy tokens after a
+    5-token prompt in a 16-token context (the kept half re-read once, in the same bucket): the
+    eager tokens, and nothing compiled after the warm-up. Weights scaled up 20x and this seed:
+    varied tokens whose top two logits lie >= 0.06 apart at every step, where compiled and
+    eager logits differ by a few 1e-6."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(1)
+    model = GPT(tiny_default_model_config()).eval()
+    with torch.no_grad():
+        model.skip_weights.normal_()
+        model.smear_weights.normal_()
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(20)
+    prompt = torch.randint(0, 37, (1, 5))
+    eager = sampling.generate_tokens(model, prompt, 20, temperature=0)
+    assert len(set(eager[0, 5:].tolist())) >= 4
+    torch._dynamo.reset()  # a fresh cache: no earlier test's graphs, no recompile limit reached
+    sampling.set_weight_layout(model, "auto")  # as generate.py: compiled with these strides
+    system = SystemConfig(device="cpu", compile=True)
+    compiled, _ = techniques.compile_model(model, system, runtime.setup(system))
+    sampling.warm_up(compiled, prompt.size(1), 20, bucket=8)
+    graphs = counters["stats"]["unique_graphs"]
+    tokens = sampling.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
+    compiled_later = counters["stats"]["unique_graphs"] - graphs
+    torch._dynamo.reset()
+    assert graphs >= 2 and compiled_later == 0  # the prefill's graph and the decode step's
+    assert torch.equal(tokens, eager)
 
 
 def test_int8_decoding_with_the_cache_gives_the_uncached_tokens():

@@ -3,6 +3,7 @@ where there is one, the same run with the CUDA speedups on, and KV-cache decodin
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -151,6 +152,53 @@ def test_sampler_filters():
     assert draws == {0}  # the top token alone is already past top_p
     many = [sampling.sample_next(logits, 1.0, 0, 1.0, g).item() for _ in range(2000)]
     assert set(many) == {0, 1, 2, 3, 4}
+
+
+SAMPLER_LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]
+
+
+def kept_probabilities(logits: list[float], temperature: float, top_k: int,
+                       top_p: float) -> list[float]:
+    """What sample_next draws from, written out: softmax(logits / temperature); top_k keeps
+    the k most probable; top_p then keeps, from the most probable down, each token while those
+    above it hold less than top_p of what top_k kept; the kept renormalised to sum to 1."""
+    weights = [math.exp(value / temperature) for value in logits]
+    probs = [w / sum(weights) for w in weights]
+    kept = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if 0 < top_k < len(kept):
+        kept = kept[:top_k]
+    if top_p < 1.0:
+        total, above, nucleus = sum(probs[i] for i in kept), 0.0, []
+        for i in kept:
+            if above >= top_p:
+                break
+            nucleus.append(i)
+            above += probs[i] / total
+        kept = nucleus
+    total = sum(probs[i] for i in kept)
+    return [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+
+
+# At temperature 2 the probabilities are [.36 .22 .17 .13 .08 .03]: top_p=0.7 keeps three (.58
+# above the third, .76 above the fourth). Of the top 4's, renormalised, .85 lie above the
+# fourth: top_k=4 then top_p=0.8 keeps three, where top_p over all six would keep four.
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (0.5, 0, 1.0), (0.8, 0, 1.0), (2.0, 0, 1.0), (0.8, 3, 1.0), (2.0, 0, 0.7), (2.0, 4, 0.8)])
+def test_sampled_tokens_follow_the_tempered_and_filtered_softmax(temperature, top_k, top_p):
+    """200,000 seeded draws of sample_next from the same logits: each token's frequency is
+    within 6 standard errors, sqrt(p (1 - p) / n), of kept_probabilities (a dropped token, p = 0,
+    is never drawn). A correct sampler misses that with probability 2e-9 per token (1.4e-6 for
+    the rarest here, 7.5 draws expected), and the seed fixes the draws anyway; logits *
+    temperature, or the temperature ignored, miss it by 60 standard errors or more."""
+    draws = 200_000
+    logits = torch.tensor(SAMPLER_LOGITS).expand(draws, -1)  # a row per draw: one call
+    generator = torch.Generator().manual_seed(0)
+    tokens = sampling.sample_next(logits, temperature, top_k, top_p, generator)
+    assert tokens.shape == (draws, 1)
+    frequency = torch.bincount(tokens.view(-1), minlength=len(SAMPLER_LOGITS)) / draws
+    want = torch.tensor(kept_probabilities(SAMPLER_LOGITS, temperature, top_k, top_p))
+    standard_error = (want * (1 - want) / draws).sqrt()
+    assert ((frequency - want).abs() <= 6 * standard_error).all(), (frequency, want)
 
 
 def test_checkpoint_from_other_architecture_is_refused(trained, tmp_path):
