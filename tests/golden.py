@@ -3,6 +3,8 @@
     python tests/golden.py record            # add (or replace) this machine's record of each run
     python tests/golden.py spread --jobs 2   # run each one under every kernel choice this CPU
                                              # offers; the tolerances come from the spread
+    python tests/golden.py spread --runs shipped   # only these runs' entries are replaced; the
+                                             # others keep theirs (each names its machine)
 
 A record is bit for bit on its own kind of machine: the same torch, CPU model and vector ISA,
 and no environment variable that changes which kernels run. On any other machine the losses
@@ -41,6 +43,9 @@ GOLDEN = Path(__file__).with_name("golden_losses.json")
 SPREAD = Path(__file__).with_name("golden_spread.json")
 SAFETY = 4  # the tolerance is this many times the largest difference measured across kernels
 RUNS = {
+    # the shipped recipe as `python train.py` runs it (Muon, wsd, rotary, QK-norm, relu^2,
+    # soft-capped logits, U-net skips, smear), shortened to a few steps and evaluations
+    "shipped": ["--max_iters=6", "--eval_interval=3", "--eval_iters=2"],
     # the default config with GPT-2's model and schedule (the speedrun flags it turns on off),
     # at the batch, weight decay and evaluations its record was made with
     "default": ["--config", "shakespeare_char", "--max_iters=6", "--eval_interval=3",
@@ -65,11 +70,16 @@ KERNEL_ENV = runtime.KERNEL_ENV
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
              "amx_bf16", "amx_int8")
 # small, real changes of the math: each must land outside the tolerance
-CANARIES = {"learning rate x1.01": {"default": ["--learning_rate=0.00404"],
+# (a run without an entry skips that canary)
+CANARIES = {"learning rate x1.01": {"shipped": ["--learning_rate=0.00404"],
+                                    "default": ["--learning_rate=0.00404"],
                                     "every_cpu_flag": ["--learning_rate=0.00303"]},
-            "AdamW beta1 0.9 -> 0.91": {"default": ["--beta1=0.91"],
+            "AdamW beta1 0.9 -> 0.91": {"shipped": ["--beta1=0.91"], "default": ["--beta1=0.91"],
                                         "every_cpu_flag": ["--beta1=0.91"]},
-            "seed 1337 -> 1338": {"default": ["--seed=1338"], "every_cpu_flag": ["--seed=1338"]}}
+            "seed 1337 -> 1338": {"shipped": ["--seed=1338"], "default": ["--seed=1338"],
+                                  "every_cpu_flag": ["--seed=1338"]},
+            # the two above reach only AdamW's parameters; Muon's lr is muon_lr, not x1.01
+            "Muon lr x1.01": {"shipped": ["--muon_lr=0.0101"]}}
 
 
 def machine(env: dict | None = None) -> dict:
@@ -208,6 +218,8 @@ def measure(run: str, dataset: Path, work: Path, stored: dict,
     tol = tolerance(measured)
     canaries = {}
     for i, (name, extra) in enumerate(CANARIES.items()):
+        if run not in extra:
+            continue
         rows = run_rows(run, dataset, work / f"{run}_canary{i}", extra[run])
         canaries[name] = {q: round(r, 1) for q, r in outside(run, rows, base, tol).items()
                           if q not in EXACT}
@@ -221,16 +233,20 @@ def measure(run: str, dataset: Path, work: Path, stored: dict,
 
 
 def spread(args: argparse.Namespace) -> None:
+    """Measure the runs asked for and replace only their entries: the other runs keep theirs,
+    which may come from another machine (each entry says where and when it was measured)."""
     stored = load()
-    report = {"measured_on": machine({}), "date": datetime.date.today().isoformat(),
-              "safety": SAFETY, "command": "python tests/golden.py spread", "runs": {}}
+    report = json.loads(SPREAD.read_text()) if SPREAD.exists() else {"runs": {}}
+    report.update(safety=SAFETY, command="python tests/golden.py spread --runs ...")
     with tempfile.TemporaryDirectory() as tmp, \
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         dataset = prepared_dataset(Path(tmp) / "data")
         for run in args.runs:
-            report["runs"][run] = measure(run, dataset, Path(tmp), stored, pool)
+            report["runs"][run] = {"measured_on": machine({}),
+                                   "date": datetime.date.today().isoformat(),
+                                   **measure(run, dataset, Path(tmp), stored, pool)}
     SPREAD.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {SPREAD}")
+    print(f"wrote {SPREAD} ({', '.join(args.runs)}; other runs' entries as they were)")
 
 
 def main() -> None:

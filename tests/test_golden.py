@@ -1,5 +1,6 @@
-"""Golden runs: the first steps of the default config, and of a config with every CPU-capable flag
-on, give the losses and gradient norms recorded in tests/golden_losses.json. Moving code around
+"""Golden runs: the first steps of the shipped recipe as `python train.py` runs it, of the default
+config with GPT-2's model and schedule, and of a config with every CPU-capable flag on, give the
+losses and gradient norms recorded in tests/golden_losses.json. Moving code around
 must not change the math; this is what says so.
 
 Bit for bit on a kind of machine a record was made on (the same torch, CPU and ISA, no kernel
