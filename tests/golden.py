@@ -12,7 +12,9 @@ and norms may round differently, and `spread` measures by how much: it reruns ea
 under every combination of the three kernel choices a CPU can be told to narrow (torch's own
 kernels by ATEN_CPU_CAPABILITY, oneDNN's by ONEDNN_MAX_CPU_ISA, MKL's by
 MKL_ENABLE_INSTRUCTIONS), adds the records stored from other machines, and writes the largest
-relative difference per quantity into golden_spread.json. The test allows SAFETY times that.
+relative difference per quantity into golden_spread.json, or the spread another machine measured
+for the run before where that is larger (kept in the run's entry, under "earlier"). The test
+allows SAFETY times that.
 `spread` also runs small real changes of the math (the canaries) and reports how far outside
 the tolerance each lands, so a tolerance that would hide them is seen at once.
 """
@@ -206,15 +208,28 @@ def kernel_choices() -> list[dict]:
             for values in itertools.product(aten, onednn, mkl)]
 
 
+def earlier_spreads(entry: dict | None) -> list[dict]:
+    """What other machines measured for a run ({measured_on, date, spread}), from its entry in
+    golden_spread.json: their kernels may differ by more than this machine's do."""
+    if entry is None:
+        return []
+    own = {"measured_on": entry["measured_on"], "date": entry["date"],
+           "spread": entry.get("spread_here", entry["spread"])}
+    return [e for e in [own, *entry.get("earlier", [])] if e["measured_on"] != machine({})]
+
+
 def measure(run: str, dataset: Path, work: Path, stored: dict,
-            pool: concurrent.futures.Executor) -> dict:
-    """One run under every kernel choice, beside the other machines' records; the canaries."""
+            pool: concurrent.futures.Executor, earlier: list[dict]) -> dict:
+    """One run under every kernel choice, beside the other machines' records; the spread is the
+    larger of this and the earlier measurements'; the canaries."""
     jobs = {pool.submit(run_rows, run, dataset, work / f"{run}_{i}", env=env): env
             for i, env in enumerate(kernel_choices())}
     results = [(jobs[j], j.result()) for j in concurrent.futures.as_completed(jobs)]
     base = next(rows for env, rows in results if not env)  # the machine's own choice
     others = [rec for rec in stored.get(run, []) if rec["machine"] != machine({})]
-    measured = relative_spread([rows for _, rows in results] + [r["rows"] for r in others])
+    here = relative_spread([rows for _, rows in results] + [r["rows"] for r in others])
+    measured = {q: max([value] + [e["spread"].get(q, 0.0) for e in earlier])
+                for q, value in here.items()}
     tol = tolerance(measured)
     canaries = {}
     for i, (name, extra) in enumerate(CANARIES.items()):
@@ -223,18 +238,21 @@ def measure(run: str, dataset: Path, work: Path, stored: dict,
         rows = run_rows(run, dataset, work / f"{run}_canary{i}", extra[run])
         canaries[name] = {q: round(r, 1) for q, r in outside(run, rows, base, tol).items()
                           if q not in EXACT}
-    print(f"{run}: spread {measured}\n  canaries (x tolerance): {canaries}")
+    print(f"{run}: spread {here}, with earlier machines' {measured}\n"
+          f"  canaries (x tolerance): {canaries}")
     return {"kernel_choices": [{"env": env, "largest_difference": largest_difference(rows, base)}
                                for env, rows in results],
             "other_machines": [{"machine": r["machine"],
                                 "largest_difference": largest_difference(r["rows"], base)}
                                for r in others],
-            "spread": measured, "tolerance": tol, "canaries_in_tolerances": canaries}
+            "spread_here": here, "spread": measured, "tolerance": tol,
+            "canaries_in_tolerances": canaries, "earlier": earlier}
 
 
 def spread(args: argparse.Namespace) -> None:
     """Measure the runs asked for and replace only their entries: the other runs keep theirs,
-    which may come from another machine (each entry says where and when it was measured)."""
+    which may come from another machine (each entry says where and when it was measured), and
+    a run measured again keeps the larger spread of each quantity (see earlier_spreads)."""
     stored = load()
     report = json.loads(SPREAD.read_text()) if SPREAD.exists() else {"runs": {}}
     report.update(safety=SAFETY, command="python tests/golden.py spread --runs ...")
@@ -242,9 +260,10 @@ def spread(args: argparse.Namespace) -> None:
             concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         dataset = prepared_dataset(Path(tmp) / "data")
         for run in args.runs:
+            earlier = earlier_spreads(report["runs"].get(run))
             report["runs"][run] = {"measured_on": machine({}),
                                    "date": datetime.date.today().isoformat(),
-                                   **measure(run, dataset, Path(tmp), stored, pool)}
+                                   **measure(run, dataset, Path(tmp), stored, pool, earlier)}
     SPREAD.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {SPREAD} ({', '.join(args.runs)}; other runs' entries as they were)")
 
