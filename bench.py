@@ -22,7 +22,8 @@ from typing import Callable, NamedTuple
 
 from config import Config, ConfigError, load_config, load_options, parse_command_line
 from data.loader import DataError
-from engine import checkpoint, runtime
+from engine import checkpoint
+from engine.device import SetupError, resolve_device
 from engine.benchmarks import ablation, decode, memory, serving, to_loss
 
 
@@ -53,7 +54,7 @@ def load_bench_config(name: str, argv: list[str]) -> tuple[Config, object, list[
     given = any(a == "--config" or a.startswith("--config=") for a in argv)
     config = line.config_name if given else "bench_cpu"
     cfg, opts = load_config(["--config", config, *argv], prog=prog, script=script)
-    device = runtime.resolve_device(cfg.system.device)
+    device = resolve_device(cfg.system.device)
     if device.type == "cuda" and not given:
         config = "bench_gpu"
         cfg, opts = load_config(["--config", config, *argv], prog=prog, script=script)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             return command.run(cfg, opts, config_args, command_line.strip())
         opts = load_options(args, command.options, f"bench.py {name}", command.about)
         return command.run(opts, command_line.strip())
-    except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
+    except (ConfigError, DataError, checkpoint.CheckpointError, SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.fields import FRACTION, NON_NEGATIVE, POSITIVE, facts, opt
 # the model's own section lives with the model (model.py imports nothing from here)
-from model import SPEEDRUN_FIELDS, ModelConfig, checkpoint_plan, opt  # noqa: F401  (re-exported)
+from model import ModelConfig  # noqa: F401  (re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parent
 CONFIGS_DIR = REPO_ROOT / "configs"
@@ -34,7 +35,8 @@ class DataConfig:
     dataset: str = opt("shakespeare_char", "folder under data/ or a path: meta.json + tokens")
     pin_memory: bool = opt(False, "pinned host batches, copied with non_blocking=True (CUDA)")
     prefetch: bool = opt(False, "copy the next batch on a side CUDA stream (implies pin_memory)")
-    loader_workers: int = opt(0, "processes reading batches into shared memory; 0 = in-process")
+    loader_workers: int = opt(0, "processes reading batches into shared memory; 0 = in-process",
+                              check=NON_NEGATIVE)
     hellaswag_path: str = opt("", "hellaswag_val.jsonl for train.hellaswag_interval; '' = "
                               "data/hellaswag/hellaswag_val.jsonl, downloaded if missing")
 
@@ -46,39 +48,44 @@ class TrainConfig:
                          "(resume if there is one) | a checkpoint path | a Hugging Face GPT-2: "
                          "gpt2[-medium|-large|-xl], hf:ORG/NAME or a local HF directory "
                          "(cropped to block_size)")
-    batch_size: int = opt(32, "micro-batch size (sequences per forward pass)")
-    grad_accum_steps: int = opt(1, "micro-batches per optimizer step")
+    batch_size: int = opt(32, "micro-batch size (sequences per forward pass)", check=POSITIVE)
+    grad_accum_steps: int = opt(1, "micro-batches per optimizer step", check=POSITIVE)
     tokens_per_step: int = opt(0, "global batch in tokens, the same on any number of GPUs: sets "
                                "grad_accum_steps = tokens_per_step / (batch_size x block_size "
-                               "x processes); 0 = off")
+                               "x processes); 0 = off", check=NON_NEGATIVE)
     batch_size_auto: bool = opt(False, "same sequences per step, largest micro-batch that fits "
                                 "(CUDA)")
-    max_iters: int = opt(2000, "optimizer steps")
-    learning_rate: float = opt(1e-3, "peak learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
-    warmup_iters: int = opt(100, "linear warmup steps")
+    max_iters: int = opt(2000, "optimizer steps", check=NON_NEGATIVE)
+    learning_rate: float = opt(1e-3, "peak learning rate", check=POSITIVE)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak",
+                              check=("in [0, 1]", lambda v, _: 0 <= v <= 1))
+    warmup_iters: int = opt(100, "linear warmup steps", check=NON_NEGATIVE)
     lr_schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio, constant, or wsd "
                            "(warmup-stable-decay: the peak until the last cooldown_frac of the "
                            "steps, then linear to min_lr_ratio)", ("cosine", "constant", "wsd"))
-    cooldown_frac: float = opt(0.4, "lr_schedule=wsd: the fraction of max_iters spent decaying")
-    weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off")
+    cooldown_frac: float = opt(0.4, "lr_schedule=wsd: the fraction of max_iters spent decaying",
+                               check=("in (0, 1]", lambda v, _: 0 < v <= 1))
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only",
+                              check=NON_NEGATIVE)
+    beta1: float = opt(0.9, "AdamW beta1", check=FRACTION)
+    beta2: float = opt(0.95, "AdamW beta2", check=FRACTION)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off",
+                           check=NON_NEGATIVE)
     fused_adamw: bool = opt(False, "AdamW(fused=True) where the device supports it")
     optimizer: str = opt("adamw", "adamw: AdamW on every parameter | muon: torch.optim.Muon on "
                          "the blocks' Linear weights, AdamW (learning_rate) on the rest",
                          ("adamw", "muon"))
     muon_lr: float = opt(0.01, "Muon's peak learning rate (best of a sweep in docs/speedups.md); "
-                         "it follows the same warmup and decay")
-    muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)")
+                         "it follows the same warmup and decay", check=POSITIVE)
+    muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)", check=FRACTION)
     muon_momentum_warmup: int = opt(0, "steps over which Muon's momentum rises linearly from "
                                     "muon_momentum_start to muon_momentum (the speedrun: 300 "
-                                    "from 0.85); 0 = off")
-    muon_momentum_start: float = opt(0.85, "Muon's momentum at step 0 with muon_momentum_warmup")
+                                    "from 0.85); 0 = off", check=NON_NEGATIVE)
+    muon_momentum_start: float = opt(0.85, "Muon's momentum at step 0 with muon_momentum_warmup",
+                                     check=FRACTION)
     muon_ns_steps: int = opt(5, "Newton-Schulz iterations per Muon update (torch's 5); each "
                              "costs about 3 matmuls per matrix, which at small batches on a CPU "
-                             "rivals the model's own step")
+                             "rivals the model's own step", check=POSITIVE)
     muon_ns_coefficients: str = opt("torch", "the Newton-Schulz quintic: torch (torch.optim."
                                     "Muon's (3.4445, -4.775, 2.0315) at every step) | "
                                     "polar_express (one per step, each the closest to 1 on "
@@ -95,21 +102,23 @@ class TrainConfig:
                              "torch.optim.Muon's own; float32 is ~20x faster on CPUs that "
                              "emulate bf16 (no AMX); auto = bfloat16 on CUDA, else float32",
                              ("auto", "bfloat16", "float32"))
-    eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps")
+    eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps", check=POSITIVE)
     eval_at_start: bool = opt(True, "evaluate a fresh run at step 0 too (its loss before training)")
-    eval_iters: int = opt(20, "batches per split in each evaluation (the same batches each time)")
-    log_interval: int = opt(10, "print a log line every this many steps")
+    eval_iters: int = opt(20, "batches per split in each evaluation (the same batches each time)",
+                          check=POSITIVE)
+    log_interval: int = opt(10, "print a log line every this many steps", check=POSITIVE)
     loss_curve: bool = opt(True, "draw out_dir/loss_curve.png at the evaluations (at most once a "
                            "minute, and at the end; matplotlib's first drawing takes ~1 s)")
-    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir")
+    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir", check=POSITIVE)
     save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
     hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "
-                                  "(GPT-2 BPE data); 0 = off")
-    hellaswag_examples: int = opt(0, "HellaSwag examples scored each time; 0 = all 10,042")
+                                  "(GPT-2 BPE data); 0 = off", check=NON_NEGATIVE)
+    hellaswag_examples: int = opt(0, "HellaSwag examples scored each time; 0 = all 10,042",
+                                  check=NON_NEGATIVE)
     stop_after_iters: int = opt(0, "checkpoint and stop after this many steps (then "
-                                "init_from=resume); 0 = off")
+                                "init_from=resume); 0 = off", check=NON_NEGATIVE)
     max_nonfinite_steps: int = opt(10, "stop after this many NaN/inf steps in a row (each "
-                                   "skipped); the last good checkpoint is kept")
+                                   "skipped); the last good checkpoint is kept", check=POSITIVE)
 
 
 @dataclass
@@ -128,17 +137,19 @@ class WandbConfig:
 class SampleConfig:
     prompt: str = opt("\n", "text to continue")
     checkpoint: str = opt("", "checkpoint directory (or run directory); '' = latest in out_dir")
-    max_new_tokens: int = opt(500, "tokens to generate per sample")
-    num_samples: int = opt(1, "independent samples")
-    temperature: float = opt(0.8, "softmax temperature; 0 = greedy")
-    top_k: int = opt(200, "keep only the k most likely tokens; 0 = off")
-    top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off")
+    max_new_tokens: int = opt(500, "tokens to generate per sample", check=NON_NEGATIVE)
+    num_samples: int = opt(1, "independent samples", check=(">= 1", lambda v, _: v >= 1))
+    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", check=NON_NEGATIVE)
+    top_k: int = opt(200, "keep only the k most likely tokens; 0 = off", check=NON_NEGATIVE)
+    top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off",
+                       check=("in (0, 1]", lambda v, _: 0 < v <= 1))
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
     prompt_bucket: int = opt(64, "with --compile: prompts padded to a multiple of this, so "
-                             "decoding sees a few fixed shapes (no recompiles)")
+                             "decoding sees a few fixed shapes (no recompiles)", check=POSITIVE)
     prefill_chunk: int = opt(128, "serving: the prompt tokens read between two decode steps "
                              "(a long prompt is read in chunks, so running streams wait for one "
-                             "chunk, not the whole prompt); 0 = each prompt whole")
+                             "chunk, not the whole prompt); 0 = each prompt whole",
+                             check=NON_NEGATIVE)
     weight_layout: str = opt("auto", "how Linear weights are stored for decoding: row-major (as "
                              "trained) or column-major (faster one-token matmuls on CPU); auto: "
                              "on CPU column-major where a weight has more outputs than inputs, "
@@ -150,9 +161,9 @@ class SampleConfig:
                       "auto: sliced on CPU with 2+ threads", ("auto", "blas", "sliced"))
     weights: str = opt("torch", "how sampling and serving hold the Linear weights: torch (as "
                        "loaded, torch's products) | on a CPU, packed for the compiled kernels of "
-                       "engine/cpu_kernels.py: float32 (as trained) | bfloat16 | int8 (a scale "
-                       "per output) | int4 (a scale per 32 inputs) | auto: the fastest of torch, "
-                       "float32, bfloat16 and int8 timed here",
+                       "engine/inference/cpu_kernels.py: float32 (as trained) | bfloat16 | int8 "
+                       "(a scale per output) | int4 (a scale per 32 inputs) | auto: the fastest of "
+                       "torch, float32, bfloat16 and int8 timed here",
                        ("torch", "float32", "bfloat16", "int8", "int4", "auto"))
     quantize: str = opt("none", "int8: torchao's int8 weight-only Linear layers (the blocks' "
                         "only; sample.weights=int8 is ours)", ("none", "int8"))
@@ -175,15 +186,17 @@ class SystemConfig:
                             "max-autotune", "max-autotune-no-cudagraphs"))
     seed: int = opt(1337, "seed for weights, data order and sampling")
     empty_cache: bool = opt(True, "free cached CUDA memory after evaluations, samples, saves")
-    threads: int = opt(0, "CPU threads for torch; 0 = torch's default")
-    peak_flops: float = opt(0.0, "device peak FLOP/s for MFU; 0 = look the device up")
+    threads: int = opt(0, "CPU threads for torch; 0 = torch's default", check=NON_NEGATIVE)
+    peak_flops: float = opt(0.0, "device peak FLOP/s for MFU; 0 = look the device up",
+                            check=NON_NEGATIVE)
     parallel: str = opt("ddp", "several processes (torchrun, accelerate launch): ddp = a replica "
                         "per GPU; fsdp = weights, gradients, AdamW state sharded (FSDP2)",
                         ("ddp", "fsdp"))
     fsdp_reshard: bool = opt(True, "fsdp: free gathered weights after each block's forward "
                              "(least memory); false keeps them until backward (less traffic)")
     dist_timeout: float = opt(600.0, "seconds a process waits in a collective before the job "
-                              "fails; must exceed the slowest checkpoint save or evaluation")
+                              "fails; must exceed the slowest checkpoint save or evaluation",
+                              check=POSITIVE)
 
 
 @dataclass
@@ -301,37 +314,13 @@ def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> No
         _set(getattr(cfg, section), name, value, f"{section}.{name} (command line)", problems)
 
 
-POSITIVE, NON_NEGATIVE = ("> 0", lambda v: v > 0), (">= 0", lambda v: v >= 0)
-RULES = {  # dotted key -> (what it must be, the test)
-    **dict.fromkeys("model.block_size model.n_layer model.n_head model.n_embd "
-                    "model.vocab_pad_multiple model.layer_norm_eps train.batch_size "
-                    "train.grad_accum_steps train.learning_rate train.eval_iters "
-                    "train.eval_interval train.log_interval train.keep_checkpoints "
-                    "train.max_nonfinite_steps train.muon_lr system.dist_timeout "
-                    "train.muon_ns_steps "
-                    "sample.prompt_bucket".split(), POSITIVE),
-    **dict.fromkeys("model.vocab_size train.max_iters train.warmup_iters train.weight_decay "
-                    "train.grad_clip train.stop_after_iters train.tokens_per_step "
-                    "train.hellaswag_interval train.hellaswag_examples sample.max_new_tokens "
-                    "train.muon_momentum_warmup model.logit_softcap model.attn_scale "
-                    "sample.temperature sample.top_k system.threads system.peak_flops "
-                    "data.loader_workers sample.prefill_chunk".split(), NON_NEGATIVE),
-    **dict.fromkeys(("model.dropout", "train.beta1", "train.beta2", "train.muon_momentum",
-                     "train.muon_momentum_start"), ("in [0, 1)", lambda v: 0 <= v < 1)),
-    "train.min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "train.cooldown_frac": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "model.rope_base": ("> 1", lambda v: v > 1),
-    "sample.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "sample.num_samples": (">= 1", lambda v: v >= 1),
-}
-
-
 def gpt2_recipe_flags() -> list[str]:
     """Command-line flags that turn off every speedrun technique whatever the config turns on:
     GPT-2's model (its activation too), a cosine schedule, no momentum warm-up for Muon. The
     golden default run and bench.py to-loss's rows start from these."""
     model, train = ModelConfig(), TrainConfig()
-    return ([f"--{name}={getattr(model, name)}" for name in (*SPEEDRUN_FIELDS, "activation")]
+    departures = [*facts(ModelConfig, "departure"), "activation"]
+    return ([f"--{name}={getattr(model, name)}" for name in departures]
             + [f"--{name}={getattr(train, name)}"
                for name in ("lr_schedule", "muon_momentum_warmup")])
 
@@ -343,10 +332,11 @@ def validate(cfg: Config) -> list[str]:
                 for section in SECTIONS for f in dataclasses.fields(SECTIONS[section])
                 if f.metadata.get("choices")
                 and getattr(getattr(cfg, section), f.name) not in f.metadata["choices"]]
-    for key, (text, ok) in RULES.items():
-        section, name = key.split(".")
-        if not ok(value := getattr(getattr(cfg, section), name)):
-            problems.append(f"{key} must be {text}, got {value}")
+    for section in SECTIONS:
+        values = getattr(cfg, section)
+        for name, (text, ok) in facts(SECTIONS[section], "check").items():
+            if not ok(value := getattr(values, name), values):
+                problems.append(f"{section}.{name} must be {text}, got {value}")
     m, t = cfg.model, cfg.train
     if cfg.sample.quantize != "none" and cfg.sample.weights != "torch":
         problems.append(f"sample.quantize={cfg.sample.quantize} (torchao) and "
@@ -359,10 +349,13 @@ def validate(cfg: Config) -> list[str]:
         problems.append("train.muon_ns_coefficients=polar_express iterates in float32 "
                         "(torch.optim.Muon's bfloat16 iteration takes one quintic for every "
                         "step): drop --muon_ns_dtype=bfloat16")
-    try:
-        checkpoint_plan(m.activation_checkpointing, m.n_layer)
-    except ValueError as e:
-        problems.append(str(e))
+    if m.activation_checkpointing.strip().lower() != "none":
+        from engine.training.recompute import checkpoint_plan
+
+        try:
+            checkpoint_plan(m.activation_checkpointing, m.n_layer)
+        except ValueError as e:
+            problems.append(str(e))
     if m.n_head > 0 and m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     elif m.position == "rotary" and m.n_head > 0 and m.n_embd // m.n_head % 2:

@@ -1,4 +1,5 @@
-"""Sample text from a trained model or GPT-2, streaming tokens to stdout (engine/sampling.py).
+"""Sample text from a trained model or GPT-2, streaming tokens to stdout
+(engine/inference/sampling.py).
 
     python generate.py --prompt "ROMEO:"                       # the default run's last checkpoint
     python generate.py --checkpoint out/tiny --temperature 0   # greedy, from another run
@@ -15,9 +16,11 @@ from pathlib import Path
 import torch
 
 from config import Config, ConfigError, load_config
-from engine import checkpoint, runtime, sources, techniques
-from engine.sampling import generate_tokens, huge_pages_for, set_matvec, warm_up
 from data.tokenizer import TokenizerError, from_meta
+from engine import checkpoint, device
+from engine.inference.load import InferenceOptions, load_for_inference, prepare_weights
+from engine.inference.matvec import huge_pages_for, set_matvec
+from engine.inference.sampling import generate_tokens, warm_up
 
 
 class StreamPrinter:
@@ -57,7 +60,7 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
 
 
 @dataclass
-class GenerateOptions(sources.InferenceOptions):
+class GenerateOptions(InferenceOptions):
     """generate.py's options: the model's source, shared with serve.py (--init-from, --sparse);
     the rest of the command line is the config (sample.*, system.*)."""
 
@@ -65,9 +68,9 @@ class GenerateOptions(sources.InferenceOptions):
 def sample(cfg: Config, options: GenerateOptions) -> None:
     """Stream sample.num_samples texts from options.init_from (or the config's checkpoint) to
     stdout."""
-    rt, s = runtime.setup(cfg.system), cfg.sample
-    model, meta, label = sources.load_for_inference(cfg, options, rt.device, "sample from")
-    prepared = sources.prepare_weights(model, cfg, options, rt.device)  # decoding: one row
+    rt, s = device.setup(cfg.system), cfg.sample
+    model, meta, label = load_for_inference(cfg, options, rt.device, "sample from")
+    prepared = prepare_weights(model, cfg, options, rt.device)  # decoding: one row
     if prepared.sparse:
         print(prepared.sparse, file=sys.stderr)
     matvec = set_matvec(model, s.matvec)
@@ -75,7 +78,9 @@ def sample(cfg: Config, options: GenerateOptions) -> None:
     prompt_ids = encode_prompt(tokenizer, s.prompt, model.config.block_size)
     bucket = 0
     if cfg.system.compile and s.kv_cache:  # bucketed prompts: a few shapes, no recompiles
-        model, note = techniques.compile_model(model, cfg.system, rt)
+        from engine.compiling import compile_model
+
+        model, note = compile_model(model, cfg.system, rt)
         bucket, t0 = s.prompt_bucket, time.perf_counter()
         warm_up(model, len(prompt_ids), s.max_new_tokens, bucket, rt.autocast)
         print(f"compiled ({note}), prompt bucket {bucket}, warmed up in "
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="generate.py",
                                    script=GenerateOptions, lead=("sample",))
         sample(cfg, options)
-    except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
+    except (ConfigError, checkpoint.CheckpointError, TokenizerError, device.SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

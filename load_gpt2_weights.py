@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from config import Config, ConfigError, load_config, opt
 from engine import checkpoint, hf
-from engine.runtime import SetupError, resolve_device
+from engine.device import SetupError, resolve_device
 
 
 @dataclass

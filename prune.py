@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from config import Config, ConfigError, load_options, opt
-from engine import checkpoint, pruning, sources, sparse
+from engine import checkpoint, loading, pruning
+from engine.inference import sparse
 
 
 @dataclass
@@ -53,7 +54,7 @@ def prune_checkpoint(o: PruneOptions) -> Path:
     if (latest := checkpoint.latest_checkpoint(o.out)) is not None:
         raise ConfigError(f"--out {o.out} already holds a checkpoint ({latest.name}); pass a new "
                           "directory")
-    model, cfg, meta, label = sources.load_model(o.checkpoint, Config(), "cpu")
+    model, cfg, meta, label = loading.load_source(o.checkpoint, Config(), "cpu")
     pruning.prune(model, o.sparsity, o.pattern)
     cfg.train.out_dir, cfg.train.init_from = o.out, "scratch"
     info = {key: meta[key] for key in ("tokenizer", "dataset", "tokens_seen") if key in meta}
@@ -67,7 +68,7 @@ def prune_checkpoint(o: PruneOptions) -> Path:
 def finetune(start: Path, out_dir: Path, o: PruneOptions) -> dict:
     """train.py from `start` for o.finetune_iters steps: val loss before and after, and the
     least sparsity among the finetuned masked weights (None when dense)."""
-    stored = checkpoint.read_config(checkpoint.resolve(start))
+    stored = loading.read_config(checkpoint.resolve(start))
     command = [sys.executable, str(Path(__file__).with_name("train.py")), f"--init_from={start}",
                f"--out_dir={out_dir}", f"--dataset={stored.data.dataset}",
                f"--block_size={stored.model.block_size}", f"--max_iters={o.finetune_iters}",
@@ -78,7 +79,7 @@ def finetune(start: Path, out_dir: Path, o: PruneOptions) -> dict:
             raise ConfigError(f"the finetune failed: see {out_dir.with_suffix('.log')}")
     evals = [e for e in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())
              if e["kind"] == "eval"]
-    model, _, _ = checkpoint.load_model(out_dir)
+    model, _, _ = loading.load_model(out_dir)
     kept = pruning.sparsity_of(model)
     return {"val_before": evals[0]["val"], "val_after": evals[-1]["val"],
             "min_sparsity_after": min(kept.values()) if kept else None}
@@ -114,8 +115,8 @@ def sweep(o: PruneOptions) -> list[dict]:
 def write_table(rows: list[dict], source: Path, o: PruneOptions) -> None:
     dense = rows[0]
     lines = [f"# Pruning: val loss before and after a {o.finetune_iters}-step finetune", "",
-             f"Source: `{source}` ({checkpoint.read_config(source).model.n_layer} layers, "
-             f"width {checkpoint.read_config(source).model.n_embd}). Command: `python prune.py "
+             f"Source: `{source}` ({loading.read_config(source).model.n_layer} layers, "
+             f"width {loading.read_config(source).model.n_embd}). Command: `python prune.py "
              f"--checkpoint {o.checkpoint} --sweep {o.sweep} --finetune_iters "
              f"{o.finetune_iters} --out {o.out} --table {o.table}"
              + (f" \"--train_args={o.train_args}\"" if o.train_args else "") + "`.", "",

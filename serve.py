@@ -18,11 +18,12 @@ import sys
 import torch
 
 from config import Config, ConfigError, load_config
-from engine import checkpoint, runtime
-from engine.sampling import huge_pages_for, weight_layout_for
-from engine.serving.options import ServeOptions
-from engine.serving.workers import Supervisor, load_for_serving, log
 from data.tokenizer import TokenizerError
+from engine import checkpoint
+from engine.device import SetupError, resolve_device
+from engine.inference.matvec import huge_pages_for, weight_layout_for
+from engine.serving.options import ServeOptions
+from engine.serving.supervisor import Supervisor, load_for_serving, log
 
 
 def check_server_packages() -> None:
@@ -36,8 +37,8 @@ def check_server_packages() -> None:
 
 def serve(cfg: Config, o: ServeOptions) -> int:
     """Load the model once, then the supervisor's loop until SIGTERM/SIGINT. -> exit code."""
-    device = runtime.resolve_device(cfg.system.device)  # a device this machine lacks fails here
-    torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serving/workers.py)
+    device = resolve_device(cfg.system.device)  # a device this machine lacks fails here
+    torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serving/supervisor.py)
     loaded = load_for_serving(cfg, o, device)  # errors before any fork
     s = cfg.sample
     log(f"serving {loaded.name!r} from {loaded.label} | device {device} | dtype "
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         options.check()
         check_server_packages()
         return serve(cfg, options)
-    except (ConfigError, checkpoint.CheckpointError, TokenizerError, runtime.SetupError) as e:
+    except (ConfigError, checkpoint.CheckpointError, TokenizerError, SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -5,9 +5,10 @@
     python train.py --help                   # every key with the value it resolves to
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_124m   # several GPUs
 
-engine/run.py builds the run (data, the model with its techniques applied, optimizer, a resumed
-run's state, the run log); train(cfg): build_run, then the loop (evaluate and checkpoint every
-eval_interval steps, one train_step per step) until max_iters or a stop request.
+engine/training/build.py builds the run (data, the model with its speedups applied, optimizer, a
+resumed run's state, the run log); train(cfg): build_run, then the loop (evaluate and checkpoint
+every eval_interval steps, one train_step per step: engine/training/step.py) until max_iters or a
+stop request.
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from config import Config, ConfigError, load_config, opt
-from data.loader import DataError
-from engine import checkpoint, distributed, memory, resume, runlog, runtime, techniques
-from engine.optim import lr_at, momentum_at, set_momentum
-from engine.run import Run, build_run
-from engine.sources import dataset_meta
-from engine.step import NonFiniteGuard, StepResult, evaluate, train_step
+from data.dataset import DataError, load_or_prepare
+from engine import checkpoint, device
+from engine.training import memory_estimate, metrics, processes, resume, speedups
+from engine.training.build import Run, build_run
+from engine.training.optim import lr_at, momentum_at, set_momentum
+from engine.training.step import NonFiniteGuard, StepResult, evaluate, train_step
 
 
 @dataclass
@@ -38,7 +39,7 @@ class TrainOptions:
 def print_banner(run: Run) -> None:
     cfg, notes, m = run.cfg, run.notes, run.raw_model
     print(f"config:\n{cfg.to_json()}")
-    print(techniques.banner(techniques.settings(cfg, run.rt, notes), run.rt.notes))
+    print(speedups.banner(speedups.settings(cfg, run.rt, notes), run.rt.notes))
     print(run.dist.describe(notes.global_batch))
     print(f"model: {m.num_params() / 1e6:.2f}M parameters without embeddings, "
           f"{m.num_params(False) / 1e6:.2f}M with"
@@ -47,7 +48,7 @@ def print_banner(run: Run) -> None:
           f"activation_checkpointing={cfg.model.activation_checkpointing} "
           f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
           f"prefetch={run.batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
-    print(memory.format_estimate(memory.estimate(cfg, run.dist.world_size), cfg))
+    print(memory_estimate.format_estimate(memory_estimate.estimate(cfg, run.dist.world_size), cfg))
     for line in notes.lines:
         print(f"note: {line}")
 
@@ -65,7 +66,7 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
     counters.train_seconds = run.log.train_seconds
     state = resume.capture(dist, run.raw_model, run.optimizer, run.scaler, run.batches,
                            next_batch, counters, run.rt.device)  # None on ranks > 0
-    weights = resume.full_weights(dist, run.raw_model)
+    weights = dist.full_weights(run.raw_model)
     if dist.is_main:
         info = {"losses": counters.losses, "eval_step": counters.eval_step,
                 "tokens_seen": counters.tokens_seen, "tokenizer": run.meta["tokenizer"],
@@ -81,7 +82,7 @@ def evaluate_and_save(run: Run, step: int, next_batch: tuple, stop: resume.StopR
     run.log.eval(step, run.counters.losses)  # prints it, redraws the loss curve
     if keep:
         save(run, step, next_batch, stop)
-    memory.release_cached(run.rt.device, run.cfg.system.empty_cache)  # a phase boundary
+    device.release_cached(run.rt.device, run.cfg.system.empty_cache)  # a phase boundary
 
 
 def log_step(run: Run, step: int, result: StepResult, lr: float,
@@ -93,7 +94,7 @@ def log_step(run: Run, step: int, result: StepResult, lr: float,
     flops_per_step = run.raw_model.flops_per_token() * run.tokens_per_step
     mfu = flops_per_step / dt / run.peak_flops if run.peak_flops else None
     tokens_per_s = run.tokens_per_step / dt
-    print(runlog.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu)
+    print(metrics.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu)
           + run.log.progress(step))
     run.log.write(kind="train", step=step, loss=loss, lr=lr, norm=norm, ms=1000 * dt,
                   tok_per_s=tokens_per_s, mfu=mfu)
@@ -114,7 +115,7 @@ def report_skips(run: Run, guard: NonFiniteGuard, stop: resume.StopRequest) -> N
 def train(cfg: Config) -> dict:
     """Train as configured (one process, or one rank of a launcher's job); returns the summary."""
     checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
-    dist = distributed.init(cfg)
+    dist = processes.init(cfg)
     run = build_run(cfg, dist)
     print_banner(run)
     t, counters = cfg.train, run.counters
@@ -136,7 +137,7 @@ def train(cfg: Config) -> dict:
             if run.hellaswag and run.hellaswag.due(step) and (step > start_step or step == 0):
                 run.log.write(kind="hellaswag", step=step,
                               **run.hellaswag.run(run.raw_model, step))
-                memory.release_cached(run.rt.device, cfg.system.empty_cache)
+                device.release_cached(run.rt.device, cfg.system.empty_cache)
                 last_log = (step, time.perf_counter())
             if step >= t.max_iters or stop:
                 break
@@ -168,17 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done (or stopped by stop_after_iters), 2 bad input, 3 stopped on NaN/inf,
     4 another process of a distributed run died or hung, 128 + N stopped by signal N after
     saving (130 for Ctrl-C, 143 for SIGTERM)."""
-    where, cfg = distributed.error_prefix(), None
+    where, cfg = processes.error_prefix(), None
     try:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
                                    script=TrainOptions)
         if options.estimate_memory:  # without building the model: vocab_size from the data
-            meta = {} if cfg.model.vocab_size else dataset_meta(cfg.data.dataset)
+            meta = {} if cfg.model.vocab_size else load_or_prepare(cfg.data.dataset)
             cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
-            print(memory.describe(cfg, distributed.launch_env()[2]))
+            print(memory_estimate.describe(cfg, processes.launch_env()[2]))
             return 0
         summary = train(cfg)
-    except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
+    except (ConfigError, DataError, checkpoint.CheckpointError, device.SetupError) as e:
         return fail(f"{where}error: {e}", 2)
     except KeyboardInterrupt:
         return fail("interrupted: nothing saved since the last checkpoint", 130)
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{where}error: {cause} writing {e.filename or 'out_dir'}; free some "
                     "space there, or pass --out_dir=<a directory on a disk with room>", 2)
     except RuntimeError as e:
-        if cfg is None or (message := distributed.collective_failure(
+        if cfg is None or (message := processes.collective_failure(
                 e, cfg.system.dist_timeout)) is None:
             raise
         return fail(f"{where}error: {message}", 4)
@@ -208,4 +209,4 @@ def fail(message: str, status: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(distributed.record(main)())
+    sys.exit(processes.record(main)())

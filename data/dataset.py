@@ -3,6 +3,7 @@ lists (data/shards.py). numpy only: worker processes import this without torch.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -88,6 +89,21 @@ def load_meta(name: str) -> dict:
         raise DataError(f"{meta_path}: dtype {dtype} cannot hold a vocabulary of {vocab_size}")
     meta["dir"] = str(folder)
     return meta
+
+
+def load_or_prepare(name: str) -> dict:
+    """load_meta, but a dataset folder whose package says PREPARE_ON_FIRST_USE (made from a file
+    in the repository, no download: tiny Shakespeare) is prepared the first time it is used."""
+    try:
+        return load_meta(name)
+    except DataError:
+        folder = len(Path(name).parts) == 1 and (DATA_DIR / name / "__init__.py").is_file()
+        if not (folder and getattr(importlib.import_module(f"data.{name}"),
+                                   "PREPARE_ON_FIRST_USE", False)):
+            raise
+    print(f"preparing {name} (from the bundled text) ...")
+    importlib.import_module(f"data.{name}.prepare").prepare()
+    return load_meta(name)
 
 
 def open_files(meta: dict, split: str, block_size: int) -> list[np.memmap]:

@@ -1,15 +1,14 @@
-"""Checkpoints: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (resolved), meta.json
-and train_state.pt (optimizer, RNG, data position; loaded weights_only); a pruned model's masks
-in mask.safetensors (engine/pruning.py). Staged in a hidden
-directory and renamed into place: a crash or a full disk never leaves half a one."""
+"""Checkpoints written: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (resolved),
+meta.json and train_state.pt (optimizer, RNG, data position); a pruned model's masks in
+mask.safetensors (engine/pruning.py). Staged in a hidden directory and renamed into place: a
+crash or a full disk never leaves half a one. Found (resolve, latest_checkpoint) here, read back
+by engine/loading.py."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import os
-import pickle
 import re
 import secrets
 import shutil
@@ -18,17 +17,16 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import config as config_mod
-from engine import pruning
-from engine.memory import size_text
+from engine.device import format_bytes
 from model import GPT
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)$")
 TIED = "lm_head.weight"
 MASK_FILE = "mask.safetensors"  # a pruned model's masks, True = kept
+MASKS = "prune_masks"  # the model attribute engine/pruning.py keeps them in
 FULL, QUOTA = "no space left on device", "disk quota exceeded"
 DISK_FULL_ERRNOS = {errno.ENOSPC: FULL, errno.EDQUOT: QUOTA}
 # a full disk as writers that do not raise OSError report it: safetensors' Rust I/O error text,
@@ -121,7 +119,7 @@ def staging_dir(parent: Path, prefix: str, what: str, needed: int, flag: str,
 
     def full(cause: str) -> DiskFullError:
         def text(n: int) -> str:
-            return f"{n:,} bytes" + (f" ({size_text(n)})" if n >= 2**20 else "")
+            return f"{n:,} bytes" + (f" ({format_bytes(n)})" if n >= 2**20 else "")
         room = f" and {text(free)} are free there" if free is not None else ""
         return DiskFullError(f"cannot write {what}: {cause}: it needs about {text(needed)}{room};"
                              f" free some space, or pass {flag}=<a directory on a disk with "
@@ -183,7 +181,7 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
     files = {"config.json": cfg.to_json().encode(),
              "meta.json": json.dumps({"step": step, **meta}, indent=1).encode()}
     note = f"; the last complete checkpoint, {latest}, is intact" if latest else ""
-    masks = {name: mask.cpu() for name, mask in pruning.masks_of(model).items()}
+    masks = {name: mask.cpu() for name, mask in (getattr(model, MASKS, None) or {}).items()}
     needed = bytes_to_write(weights, train_state, masks, *files.values())
     with staging_dir(out, ".tmp_ckpt_", f"checkpoint {final}", needed, out_flag, note) as tmp:
         save_file(weights, str(tmp / "model.safetensors"))
@@ -239,91 +237,3 @@ def read_meta(ckpt: Path, name: str = "meta.json") -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{ckpt}/{name} is unreadable ({e}); the checkpoint is "
                               "incomplete or corrupt") from None
-
-
-def read_config(ckpt: Path) -> config_mod.Config:
-    return config_mod.from_dict(read_meta(ckpt, "config.json"))
-
-
-def load_weights(model: GPT, ckpt: Path) -> None:
-    """Load model.safetensors into `model`; every mismatch is listed in one error."""
-    try:
-        state = load_file(str(ckpt / "model.safetensors"))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{ckpt}/model.safetensors is unreadable ({e}); the file is "
-                              "truncated or corrupt") from None
-    load_state(model, state, str(ckpt))
-    if not (ckpt / MASK_FILE).is_file():
-        return
-    try:
-        pruning.attach(model, load_file(str(ckpt / MASK_FILE)))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{ckpt}/{MASK_FILE} is unusable ({e}); the checkpoint is "
-                              "corrupt: prune its source again with prune.py") from None
-
-
-def mismatch_parts(missing: list, unexpected: list, shapes: list) -> list[str]:
-    """The pieces of a 'weights do not fit' error: every missing, unexpected, mis-shaped name."""
-    named = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes))
-    return [f"{what} {names}" for what, names in named if names]
-
-
-def load_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
-    expected = model_state(model)
-    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
-                    for k, v in expected.items() if k in state and state[k].shape != v.shape)
-    if parts := mismatch_parts(sorted(set(expected) - set(state)),
-                               sorted(set(state) - set(expected)), shapes):
-        raise CheckpointError(f"weights in {source} do not fit the model ("
-                              + "; ".join(parts) + "); the checkpoint is from another "
-                              "architecture: use the config it was trained with")
-    with torch.no_grad():
-        own = model.state_dict()
-        for k, v in state.items():
-            own[k].copy_(v)
-
-
-def load_train_state(ckpt: Path) -> dict:
-    path = ckpt / "train_state.pt"
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: this checkpoint holds weights only and "
-                              "cannot be resumed; use init_from=<path> to start from its weights")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # the safe unpickler met something other than plain data
-        raise CheckpointError(f"refusing to load {path}: it holds Python objects other than "
-                              "tensors and plain containers, which could run code when "
-                              "unpickled; it was not written by this code (crafted or foreign "
-                              "file); resume from another checkpoint") from None
-    except Exception as e:  # a truncated zip, a wrong file
-        raise CheckpointError(f"{path} is unreadable ({first_line(e)}); the file is "
-                              "truncated or corrupt; resume from an earlier checkpoint") from None
-
-
-def check_tokenizer(ckpt: Path, data_meta: dict) -> None:
-    """The dataset must be tokenized as the checkpoint's model was trained (same ids)."""
-    ours, theirs = read_meta(ckpt).get("tokenizer") or {}, data_meta["tokenizer"]
-    if ours.get("kind") in (None, "unknown"):
-        return  # nothing recorded to compare with
-    where = f"dataset {data_meta.get('dir', '')} and checkpoint {ckpt}"
-    if ours["kind"] != theirs.get("kind"):
-        raise CheckpointError(f"{where} use different tokenizers ('{theirs.get('kind')}' vs "
-                              f"'{ours['kind']}'); prepare the data with the checkpoint's "
-                              "tokenizer or train from scratch")
-    if ours["kind"] == "char" and ours.get("chars") != theirs.get("chars"):
-        raise CheckpointError(f"{where} use different char vocabularies "
-                              f"({len(theirs.get('chars', []))} vs {len(ours.get('chars', []))} "
-                              "characters): token ids would mean different text; prepare the "
-                              "data with the checkpoint's vocabulary or train from scratch")
-
-
-def load_model(path: str | Path, device: torch.device | str = "cpu",
-               model_overrides: dict | None = None) -> tuple[GPT, config_mod.Config, dict]:
-    """(model, cfg, meta) of a checkpoint or run directory; model_overrides may change choices
-    that keep the weights' shapes (attention, norm, ...)."""
-    ckpt = resolve(path)
-    cfg, meta = read_config(ckpt), read_meta(ckpt)
-    cfg.model = dataclasses.replace(cfg.model, **(model_overrides or {}))
-    model = GPT(cfg.model)
-    load_weights(model, ckpt)
-    return model.to(device), cfg, meta

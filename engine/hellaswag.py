@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from config import Config, ConfigError, command_line_keys, load_config, opt
 from data.dataset import DataError
-from engine import checkpoint, runtime, sources
-from engine.runtime import Runtime
 from data.tokenizer import GPT2Tokenizer
+from engine import checkpoint, loading
+from engine.device import Runtime, SetupError, setup
 
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "data" / "hellaswag" / "hellaswag_val.jsonl"
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -194,14 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg, o = load_config(argv, prog="-m engine.hellaswag", script=HellaSwagOptions)
         if not o.model or o.limit < 0 or o.batch_examples < 1:
             raise ConfigError("needs --model X; --limit must be >= 0 and --batch-examples >= 1")
-        rt = runtime.setup(cfg.system)
+        rt = setup(cfg.system)
         examples = load_examples(ensure_file(o.data), o.limit)
         # a checkpoint keeps its stored switches except those this command line sets
         overrides = {k: getattr(cfg.model, k)
                      for k in command_line_keys(argv, "model", HellaSwagOptions)}
-        model, _, meta, _ = sources.load_model(o.model, cfg, rt.device, overrides)
+        model, _, meta, _ = loading.load_source(o.model, cfg, rt.device, overrides)
         check_tokenizer(meta.get("tokenizer", {}).get("kind", "unknown"), o.model)
-    except (ConfigError, DataError, checkpoint.CheckpointError, runtime.SetupError) as e:
+    except (ConfigError, DataError, checkpoint.CheckpointError, SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()

@@ -16,9 +16,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from config import Config, ModelConfig
-from engine import checkpoint
-from engine.checkpoint import first_line
 from data.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, load_ranks
+from engine import checkpoint, loading
+from engine.checkpoint import first_line
+from engine.fields import facts
 from model import ACTIVATIONS, GPT
 
 GPT2_MODEL_IDS = {name: f"openai-community/{name}"
@@ -26,8 +27,7 @@ GPT2_MODEL_IDS = {name: f"openai-community/{name}"
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json",
              "model-*.safetensors"]
 GPT2_VOCAB = 50257
-SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",  # ours -> HF config key
-         "block_size": "n_positions", "vocab_size": "vocab_size"}
+SHAPE = facts(ModelConfig, "hf")  # our shape keys -> their GPT2Config keys
 BLOCK_PARTS = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
@@ -35,11 +35,7 @@ VERIFY_TEXT = ("Hello, I'm a language model, and I can tell you that the weights
                "correctly when the logits agree to the last few digits.")
 
 
-# model options GPT2LMHeadModel has no place for, and what it has instead
-NOT_IN_GPT2 = {"position": "learned positions", "qk_norm": "no query/key norm",
-               "attn_scale": "logits scaled by 1/sqrt(head size)",
-               "logit_softcap": "uncapped logits", "unet_skips": "no skips between blocks",
-               "smear": "no previous-token embedding"}
+NOT_IN_GPT2 = facts(ModelConfig, "gpt2")  # options GPT2LMHeadModel has no place for -> its own
 
 
 class GPT2WeightsError(checkpoint.CheckpointError):
@@ -51,6 +47,8 @@ def check_gpt2_can_hold(cfg: ModelConfig, doing: str) -> None:
     default = ModelConfig()
     found = [(f"model.{name}={getattr(cfg, name)}", has) for name, has in NOT_IN_GPT2.items()
              if getattr(cfg, name) != getattr(default, name)]
+    if not ACTIVATIONS[cfg.activation].hf_names:
+        found.append((f"model.activation={cfg.activation}", "no such activation_function"))
     if found:
         names, gpt2 = ", ".join(n for n, _ in found), "; ".join(h for _, h in found)
         raise GPT2WeightsError(f"cannot {doing}: {names} has no place in Hugging Face's GPT-2 "
@@ -196,7 +194,7 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], model: GPT,
         else:
             state[f"transformer.{name}"] = tensor.t() if conv1d else tensor
     found = {k.removeprefix("transformer.") for k in hf_state}
-    parts = checkpoint.mismatch_parts(sorted(names - found), sorted(unexpected), sorted(shapes))
+    parts = loading.mismatch_parts(sorted(names - found), sorted(unexpected), sorted(shapes))
     wte, head = state.get("transformer.wte.weight"), hf_state.get("lm_head.weight")
     if cfg.tie_embeddings and head is not None and wte is not None and not torch.equal(head, wte):
         parts.append("lm_head.weight differs from wte.weight, but config.json ties the LM head "
@@ -229,12 +227,12 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
     model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
     model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))
     model_cfg.bias = True  # GPT-2 has biases everywhere
-    model_cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
-    for name in (*NOT_IN_GPT2, "zero_init_head"):  # GPT-2's architecture, whatever was asked
+    for name in facts(ModelConfig, "departure"):  # GPT-2's architecture, whatever was asked
         setattr(model_cfg, name, getattr(ModelConfig(), name))
+    model_cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
     model = GPT(model_cfg)
     state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))
-    checkpoint.load_state(model, state, str(hf_dir))  # copies, re-checking against our names
+    loading.load_state(model, state, str(hf_dir))  # copies, re-checking against our names
     return model, hf_dir
 
 
@@ -337,7 +335,7 @@ def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
 
 def export_hf(ckpt_path: str | Path, out: str | Path) -> tuple[GPT, Path, list[str]]:
     """One of our checkpoints (or a run directory's latest) -> a HF GPT-2 directory."""
-    model, _, meta = checkpoint.load_model(ckpt_path)
+    model, _, meta = loading.load_model(ckpt_path)
     gpt2_bpe = meta.get("tokenizer", {}).get("kind") == "gpt2"
     return model, Path(out), write_hf_dir(model, Path(out), gpt2_bpe)
 

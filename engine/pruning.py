@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from config import ConfigError
+from engine.checkpoint import MASKS  # the model attribute holding {state-dict name: bool mask}
 from model import GPT
 
 PATTERNS = ("unstructured", "2:4")
-MASKS = "prune_masks"  # the model attribute holding {state-dict name: bool mask}
 
 
 def masks_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -81,20 +81,6 @@ def prune(model: GPT, sparsity: float, pattern: str) -> dict[str, torch.Tensor]:
         linear.weight.mul_(masks[name])
     setattr(model, MASKS, masks)
     return masks
-
-
-def attach(model: GPT, masks: dict[str, torch.Tensor]) -> None:
-    """Set loaded masks on the model; ValueError when they do not fit its weights."""
-    weights = model.state_dict()
-    misfits = [name for name, mask in masks.items() if name not in weights or mask.dtype !=
-               torch.bool or mask.shape != weights[name].shape]
-    if misfits:
-        raise ValueError(f"the masks do not fit the model's weights ({', '.join(misfits[:3])})")
-    unpruned = [name for name, mask in masks.items() if weights[name][~mask].any()]
-    if unpruned:
-        raise ValueError(f"weights are non-zero where the masks prune them "
-                         f"({', '.join(unpruned[:3])})")
-    setattr(model, MASKS, masks)
 
 
 def sparsity_of(model: GPT) -> dict[str, float]:

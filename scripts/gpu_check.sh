@@ -10,7 +10,7 @@
 #   env      nvidia-smi, python / torch / CUDA, which optional packages are missing
 #   tests    python -m pytest -m cuda tests/: the CUDA variants of the flag tests (needs pytest)
 #   decode   batch-1 decode tok/s on GPT-2 124M-shaped weights     (bench.py memory --part decode)
-#            and pruned Linears: 2:4 semi-structured / CSR vs dense   (python -m engine.sparse)
+#            and pruned Linears: 2:4 semi-structured / CSR vs dense   (python -m engine.inference.sparse)
 #   memory   the memory estimate beside the measured CUDA peaks    (bench.py memory --part train)
 #   bench    the bench.py chain on GPT-2 124M at context 1024: tok/s and MFU per flag
 #   speedrun configs/gpt2_124m_speedrun.toml beside configs/gpt2_124m.toml, a short run each on
@@ -208,7 +208,7 @@ part_decode() {
     limited "$PYTHON" bench.py memory "${args[@]}"
     local rc=$?
     if [[ $CPU_MODE != 1 ]]; then  # GPT-2 124M block shapes, pruned: sparse kernels vs dense
-        limited "$PYTHON" -m engine.sparse --device=cuda --rows=1,16,256,4096 --repeats=5 \
+        limited "$PYTHON" -m engine.inference.sparse --device=cuda --rows=1,16,256,4096 --repeats=5 \
             --threads=0 --out="$RESULTS/prune_sparse_${SLUG}" || rc=$?
     fi
     finish decode $rc

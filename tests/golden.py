@@ -39,8 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from config import gpt2_recipe_flags  # noqa: E402
-from engine import runtime  # noqa: E402
-
+from engine import device
 GOLDEN = Path(__file__).with_name("golden_losses.json")
 SPREAD = Path(__file__).with_name("golden_spread.json")
 SAFETY = 4  # the tolerance is this many times the largest difference measured across kernels
@@ -67,7 +66,7 @@ EXACT = {"train.lr"}
 # quantities a run holds in bfloat16 (the norm of bf16 gradients): one unit in the last place is
 # within tolerance, since any difference upstream, however small, can round them either way
 BF16_VALUES = {"every_cpu_flag": {"train.norm"}}
-KERNEL_ENV = runtime.KERNEL_ENV
+KERNEL_ENV = device.KERNEL_ENV
 # the CPU features the kernels choose by (a virtual machine's model name can hide the generation)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
              "amx_bf16", "amx_int8")
@@ -87,8 +86,8 @@ CANARIES = {"learning rate x1.01": {"shipped": ["--learning_rate=0.00404"],
 def machine(env: dict | None = None) -> dict:
     """What decides the bits: torch, the CPU, the ISA torch dispatches to, kernel overrides."""
     env = os.environ if env is None else env
-    flags = set(runtime.cpu_info().get("flags", "").split())
-    return {"torch": torch.__version__, "cpu": runtime.cpu_model(),
+    flags = set(device.cpu_info().get("flags", "").split())
+    return {"torch": torch.__version__, "cpu": device.cpu_model(),
             "isa_flags": [f for f in ISA_FLAGS if f in flags],
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "kernel_env": {k: env[k] for k in KERNEL_ENV if env.get(k)}}
@@ -199,7 +198,7 @@ def record(args: argparse.Namespace) -> None:
 def kernel_choices() -> list[dict]:
     """Every combination of kernel narrowing this CPU offers ({}: the machine's own choice).
     A narrowing to what the CPU already uses repeats its own result, which costs only time."""
-    flags = set(runtime.cpu_info().get("flags", "").split())
+    flags = set(device.cpu_info().get("flags", "").split())
     aten = ["", "default", "avx2"]
     onednn = ["", "AVX2"] + (["AVX512_CORE"] if "avx512f" in flags else []) \
         + (["AVX512_CORE_BF16"] if "avx512_bf16" in flags else [])

@@ -16,13 +16,13 @@ import torch
 from safetensors import SafetensorError
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from engine import checkpoint, hf
+from engine import checkpoint, hf, loading
 import load_gpt2_weights as gpt2
-from engine import runlog
 import train
 from config import Config
 from conftest import tiny_model_config, train_args
 from model import GPT
+from engine.training import metrics
 
 FREE = 123_456_789  # what the patched shutil.disk_usage reports, so messages are exact
 SAFETENSORS = (checkpoint, "save_file")
@@ -134,8 +134,8 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(form, tmp_path, mon
     assert abs(needed - size_of(previous)) < 0.1 * size_of(previous)  # the same-sized state
     assert checkpoint.list_checkpoints(out) == [previous] and leftovers(out) == []
     monkeypatch.undo()
-    model, _, meta = checkpoint.load_model(out)
-    assert meta["step"] == 1 and checkpoint.load_train_state(previous)["step"].item() == 1
+    model, _, meta = loading.load_model(out)
+    assert meta["step"] == 1 and loading.load_train_state(previous)["step"].item() == 1
 
 
 def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch, free_space):
@@ -177,8 +177,8 @@ def test_full_disk_while_training_is_one_line_and_exit_2(form, char_dataset, tmp
     assert abs(needed_bytes(err) - size_of(previous)) < 0.1 * size_of(previous)
     assert checkpoint.list_checkpoints(out) == [previous] and leftovers(out) == []
     monkeypatch.undo()
-    assert checkpoint.load_train_state(previous)["counters"]["step"] == 4
-    checkpoint.load_model(out)
+    assert loading.load_train_state(previous)["counters"]["step"] == 4
+    loading.load_model(out)
 
 
 def test_full_disk_for_the_run_files_is_one_line(char_dataset, tmp_path, monkeypatch, capsys):
@@ -187,7 +187,7 @@ def test_full_disk_for_the_run_files_is_one_line(char_dataset, tmp_path, monkeyp
     def write(self, **record):
         raise OSError(errno.ENOSPC, "No space left on device", str(self.jsonl))
 
-    monkeypatch.setattr(runlog.RunLog, "write", write)
+    monkeypatch.setattr(metrics.RunLog, "write", write)
     assert train.main(train_args(char_dataset, out, "--max_iters=4")) == 2
     assert one_line(capsys.readouterr().err) == (
         f"error: no space left on device writing {out}/metrics.jsonl; free some space there, or "
@@ -251,7 +251,7 @@ def test_outputs_follow_the_umask(umask, dir_mode, file_mode, tmp_path):
     old = os.umask(umask)
     try:
         ckpt = tiny_save(tmp_path / "run", 1)
-        model, _, _ = checkpoint.load_model(ckpt)
+        model, _, _ = loading.load_model(ckpt)
         hf.write_hf_dir(model, tmp_path / "fresh_export", gpt2_tokenizer=False)
         (tmp_path / "existing_export").mkdir()
         hf.write_hf_dir(model, tmp_path / "existing_export", gpt2_tokenizer=False)

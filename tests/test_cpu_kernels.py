@@ -1,6 +1,6 @@
 """The CPU decode kernels (engine/cpu_kernels.py): packing each weight format, every kernel path
 this CPU runs (portable C++, AVX2, AVX-512, VNNI, BF16) against plain torch on the unpacked weight, the
-fallback without a compiler, and PackedLinear (engine/weights.py) inside a model."""
+fallback without a compiler, and PackedLinear (engine/inference/packed.py) inside a model."""
 from __future__ import annotations
 
 import copy
@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from engine.inference import cpu_kernels
+from engine.inference import packed as packing
+from engine.inference.kv_cache import new_kv_cache
 
-from engine import cpu_kernels, weights
 
 PATHS = cpu_kernels.cpu_isas()
 FLOAT_PATHS = [isa for isa in PATHS if isa not in cpu_kernels.LAYOUT_OF]  # the blocked layout's
@@ -136,13 +138,13 @@ def test_without_a_compiler_the_product_is_plain_torch(monkeypatch):
         cpu_kernels.status.cache_clear()
 
 
-@pytest.mark.parametrize("rows", [1, weights.KERNEL_ROWS, weights.KERNEL_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, packing.KERNEL_ROWS, packing.KERNEL_ROWS + 5])
 def test_packed_linear_is_the_linear_of_its_unpacked_weight(rows):
     """Kernels up to KERNEL_ROWS rows, plain torch above (a prompt's prefill), on the path
     best_path picks for the format here (vnni for int8 where the CPU has it)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 40)
-    packed = weights.PackedLinear(linear, "int8")
+    packed = packing.PackedLinear(linear, "int8")
     assert (packed.isa, packed.layout) == (cpu_kernels.best_path("int8") if
                                            cpu_kernels.status()[0] else ("torch", "blocked"))
     x = torch.randn(rows, 64)
@@ -166,8 +168,8 @@ def packed_model(fmt: str, **overrides) -> torch.nn.Module:
     from model import GPT
     model = GPT(tiny_model_config(n_embd=64, n_head=4, block_size=32, vocab_size=50,
                                   **overrides)).eval()
-    for parent, attr, linear in weights.linears(model):  # float32 too: the packed kind
-        setattr(parent, attr, weights.PackedLinear(linear, fmt))
+    for parent, attr, linear in packing.linears(model):  # float32 too: the packed kind
+        setattr(parent, attr, packing.PackedLinear(linear, fmt))
     return model
 
 
@@ -178,21 +180,21 @@ def packed_model(fmt: str, **overrides) -> torch.nn.Module:
 def test_a_fused_block_step_gives_forward_logits(built, fmt, overrides):
     """decode_rows (each block one compiled call) against forward() over the same packed
     Linears: rows at different positions in one call, as the server's slots are."""
-    from engine.sampling import prefill
+    from engine.inference.sampling import prefill
     torch.manual_seed(1)
     model = packed_model(fmt, **overrides)
-    assert weights.fused(model)
+    assert packing.fused(model)
     lengths = [5, 11, 2]
     caches, ids = [], []
     for length in lengths:  # each row's context, prefilled alone (batch 1)
         tokens = torch.randint(0, 50, (1, length + 1))
-        cache = model.new_kv_cache(1)
+        cache = new_kv_cache(model, 1)
         prefill(model, tokens[:, :length], cache)
         caches.append(cache)
         ids.append(tokens)
     kv = [torch.cat([c.kv[i] for c in caches], dim=1) for i in range(len(model.transformer.h))]
     last = torch.cat([t[:, -1:] for t in ids])  # (3, 1): each row's next token
-    got = weights.decode_rows(model, last, kv, torch.tensor(lengths))
+    got = packing.decode_rows(model, last, kv, torch.tensor(lengths))
     for row, (tokens, length) in enumerate(zip(ids, lengths)):
         want, _ = model(tokens)  # the whole context through forward()
         torch.testing.assert_close(got[row, 0], want[0, length], **block_tolerance(model))
@@ -239,27 +241,27 @@ def test_auto_decodes_with_the_format_it_picked(built, monkeypatch):
     """auto times each format by decoding with it: the blocks' arguments made for the first
     one timed must not outlive it (they did: every format was timed, and then decoded, with
     float32's weights)."""
-    from engine.sampling import prefill
+    from engine.inference.sampling import prefill
     times = iter([3.0, 2.0, 5.0, 1.0])  # torch, float32, bfloat16, int8: int8 wins
-    real = weights.step_seconds
+    real = packing.step_seconds
 
     def timed(model):
         real(model, steps=2)  # decodes: makes the blocks' arguments for what is packed now
         return next(times)
 
-    monkeypatch.setattr(weights, "step_seconds", timed)
+    monkeypatch.setattr(packing, "step_seconds", timed)
     torch.manual_seed(2)
     model = packed_model("float32")
-    for parent, attr, packed in weights.linears(model):  # back to plain Linears
+    for parent, attr, packed in packing.linears(model):  # back to plain Linears
         linear = torch.nn.Linear(packed.in_features, packed.out_features)
         setattr(parent, attr, linear)
-    note = weights.convert(model, "auto", torch.device("cpu"))
+    note = packing.convert(model, "auto", torch.device("cpu"))
     assert note.startswith("int8"), note
-    assert weights.block_arguments(model)[0][6] == cpu_kernels.FORMATS["int8"]
+    assert packing.block_arguments(model)[0][6] == cpu_kernels.FORMATS["int8"]
     tokens = torch.randint(0, 50, (1, 6))
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     prefill(model, tokens[:, :5], cache)
-    got = weights.decode_rows(model, tokens[:, 5:], cache.kv, torch.tensor([5]))
+    got = packing.decode_rows(model, tokens[:, 5:], cache.kv, torch.tensor([5]))
     torch.testing.assert_close(got[0, 0], model(tokens)[0][0, 5],
                                **block_tolerance(model))
 
@@ -285,17 +287,17 @@ def test_every_output_block_is_computed_once_whatever_the_threads(built, threads
 def test_one_call_decodes_some_rows_and_reads_a_prompt_into_another(built, fmt):
     """forward_tokens: a decoding row's next token and a new prompt's 7 tokens (its own cache
     row, read causally in the same call) -> forward()'s logits at each token asked for."""
-    from engine.sampling import prefill
+    from engine.inference.sampling import prefill
     torch.manual_seed(3)
     model = packed_model(fmt)
     running, fresh = torch.randint(0, 50, (1, 6)), torch.randint(0, 50, (1, 7))
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     prefill(model, running[:, :5], cache)
     kv = [torch.cat([c, torch.zeros_like(c), torch.zeros_like(c)], dim=1) for c in cache.kv]
     tokens = torch.cat([running[0, 5:], fresh[0]])  # row 0 at 5; row 2 at 0..6
     rows = torch.tensor([0] + [2] * 7)
     positions = torch.tensor([5, 0, 1, 2, 3, 4, 5, 6])
-    got = weights.forward_tokens(model, tokens, kv, rows, positions, torch.tensor([0, 3, 7]))
+    got = packing.forward_tokens(model, tokens, kv, rows, positions, torch.tensor([0, 3, 7]))
     want_running, want_fresh = model(running)[0][0], model(fresh)[0][0]
     torch.testing.assert_close(got[0], want_running[5], **block_tolerance(model))
     torch.testing.assert_close(got[1], want_fresh[2], **block_tolerance(model))
@@ -304,21 +306,25 @@ def test_one_call_decodes_some_rows_and_reads_a_prompt_into_another(built, fmt):
 
 
 def test_the_kernel_decodes_only_the_math_it_has(monkeypatch):
-    """A ModelConfig field the kernel does not know, away from its default (a technique added
-    later), or an activation without a kernel id, sends decoding through forward()."""
-    from model import ACTIVATIONS, GeluErf, ModelConfig
-    assert weights.kernel_has_the_math(ModelConfig(activation="relu2", bias=False))
-    monkeypatch.setattr(GeluErf, "kernel_id", -1)
-    assert not weights.kernel_has_the_math(ModelConfig(activation="gelu_erf"))
-    monkeypatch.setattr(weights, "KERNEL_KNOWS", weights.KERNEL_KNOWS - {"bias"})
-    assert not weights.kernel_has_the_math(ModelConfig(bias=False))
+    """A ModelConfig field the kernel does not know (its field says kernel=False), away from its
+    default, or an activation without a kernel id, sends decoding through forward()."""
+    import dataclasses
+
+    from model import ACTIVATIONS, ModelConfig
+    assert packing.kernel_has_the_math(ModelConfig(activation="relu2", bias=False))
+    monkeypatch.setitem(ACTIVATIONS, "gelu_erf",
+                        dataclasses.replace(ACTIVATIONS["gelu_erf"], kernel_id=-1))
+    assert not packing.kernel_has_the_math(ModelConfig(activation="gelu_erf"))
+    bias = next(f for f in dataclasses.fields(ModelConfig) if f.name == "bias")
+    monkeypatch.setattr(bias, "metadata", {**bias.metadata, "kernel": False})
+    assert not packing.kernel_has_the_math(ModelConfig(bias=False))
     assert ACTIVATIONS["gelu_tanh"].kernel_id == 0
-    assert weights.kernel_has_the_math(ModelConfig(tie_embeddings=False, zero_init_proj=True,
+    assert packing.kernel_has_the_math(ModelConfig(tie_embeddings=False, zero_init_proj=True,
                                                    logit_softcap=30.0))
-    assert not weights.kernel_has_the_math(ModelConfig(position="rotary"))
-    assert not weights.kernel_has_the_math(ModelConfig(attn_scale=0.3))
-    assert not weights.kernel_has_the_math(ModelConfig(unet_skips=True))
-    assert not weights.kernel_has_the_math(ModelConfig(qk_norm=True))
+    assert not packing.kernel_has_the_math(ModelConfig(position="rotary"))
+    assert not packing.kernel_has_the_math(ModelConfig(attn_scale=0.3))
+    assert not packing.kernel_has_the_math(ModelConfig(unet_skips=True))
+    assert not packing.kernel_has_the_math(ModelConfig(qk_norm=True))
 
 
 # The largest rounding of one stored value, as a fraction of the largest value sharing its
@@ -360,8 +366,8 @@ def dequantized_twin(model: torch.nn.Module, packed: torch.nn.Module) -> torch.n
     and the token embedding as convert left it: plain torch products of the stored values, the
     inputs rounded first where the packed path rounds its activations."""
     twin = copy.deepcopy(model)
-    for (parent, attr, linear), (_, _, stored) in zip(weights.linears(twin),
-                                                      weights.linears(packed)):
+    for (parent, attr, linear), (_, _, stored) in zip(packing.linears(twin),
+                                                      packing.linears(packed)):
         linear.weight = torch.nn.Parameter(cpu_kernels.unpack(stored.packed))  # unties the head
         if stored.layout != "blocked":
             setattr(parent, attr, RoundedInputs(linear, stored.layout))
@@ -373,10 +379,10 @@ def whole_and_decoded_logits(model: torch.nn.Module, x: torch.Tensor, prompt: in
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(forward's logits over x, the logits of a cached decode of x: its first `prompt` tokens
     prefilled, then one decode_step a token), for positions prompt-1 onwards."""
-    from engine.sampling import decode_step, prefill
+    from engine.inference.sampling import decode_step, prefill
     with torch.no_grad():
         whole = model(x)[0]
-        cache = model.new_kv_cache(x.size(0))
+        cache = new_kv_cache(model, x.size(0))
         first, pos = prefill(model, x[:, :prompt], cache)
         steps = [decode_step(model, x[:, t:t + 1], cache, t, torch.tensor([t]))
                  for t in range(pos, x.size(1))]
@@ -424,11 +430,11 @@ def test_each_format_gives_the_logits_of_what_it_stores(fmt, path, request, monk
             if p.dim() == 1:
                 p.add_(torch.randn_like(p), alpha=0.1)
     model = copy.deepcopy(original)
-    assert weights.convert(model, fmt, torch.device("cpu")).startswith(fmt)
+    assert packing.convert(model, fmt, torch.device("cpu")).startswith(fmt)
     head = model.lm_head
-    assert {linear.format for _, _, linear in weights.linears(model)} == {fmt}
+    assert {linear.format for _, _, linear in packing.linears(model)} == {fmt}
     assert head.isa == ("torch" if path == "torch" else cpu_kernels.best_path(fmt)[0])
-    assert weights.fused(model) == (path != "torch")
+    assert packing.fused(model) == (path != "torch")
     twin = dequantized_twin(original, model)
     x = torch.randint(0, 50, (5, 32))
     with torch.no_grad():  # 160 rows: past KERNEL_ROWS, the unpacked weight's dense product

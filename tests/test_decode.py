@@ -11,9 +11,15 @@ from torch import nn
 
 from config import Config, SystemConfig
 from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
-import model as model_module
-from engine import checkpoint, runtime, sampling, techniques
-from model import GPT, sliced_matvec
+from engine import checkpoint
+from model import GPT
+from engine.inference.matvec import sliced_matvec
+from engine import compiling
+from engine import device as machine
+from engine.inference import matvec
+from engine.inference import quantize
+from engine.inference import sampling
+from engine.inference.kv_cache import new_kv_cache
 
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
 
@@ -21,7 +27,7 @@ LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e
 def poisoned_cache(model: GPT, batch: int):
     """A cache whose every slot holds NaN: any read of a slot not yet written shows in the
     logits, masked or not (a zero attention weight times NaN is NaN)."""
-    cache = model.new_kv_cache(batch)
+    cache = new_kv_cache(model, batch)
     for t in cache.kv:
         t.fill_(float("nan"))
     return cache
@@ -56,7 +62,7 @@ def test_prefill_computes_the_last_logits_only(device):
     with torch.no_grad():
         full, _ = model(x)
         for bucket in (0, 4, 32):  # exact, padded to 8, padded to block_size
-            logits, pos = sampling.prefill(model, x, model.new_kv_cache(2), bucket)
+            logits, pos = sampling.prefill(model, x, new_kv_cache(model, 2), bucket)
             assert logits.shape == (2, 1, 37) and pos == 6
             torch.testing.assert_close(logits, full[:, -1:], **LOGITS_TOL[device])
 
@@ -69,7 +75,7 @@ def test_cached_decode_steps_give_the_whole_sequences_logits(impls):
     NaN in every slot not written -> the logits of one forward over the whole sequence."""
     torch.manual_seed(0)
     model = GPT(tiny_model_config(**impls)).eval()  # block_size 16
-    sampling.set_weight_layout(model, "column")
+    matvec.set_weight_layout(model, "column")
     x = torch.randint(0, 37, (2, 16))
     with torch.no_grad():
         whole = model(x)[0]
@@ -93,18 +99,18 @@ def test_rows_at_their_own_positions_decode_as_each_row_alone():
     model = GPT(tiny_model_config()).eval()
     x, at = torch.randint(0, 37, (3, 16)), [2, 7, 4]
     with torch.no_grad():
-        cache = model.new_kv_cache(3)
+        cache = new_kv_cache(model, 3)
         for kv in cache.kv:  # stale keys and values (finite: masked ones weigh 0, as in a server)
             kv.normal_(0, 100)
         for row, n in enumerate(at):  # each row's context, positions 0..n-1
-            scratch = model.new_kv_cache(1)
+            scratch = new_kv_cache(model, 1)
             sampling.prefill(model, x[row:row + 1, :n], scratch)
             cache.copy_row(row, scratch, n)
         cache.filled = max(at) + 1
         tokens = torch.stack([x[row, n] for row, n in enumerate(at)])[:, None]
         together = model(tokens, kv_cache=cache, input_pos=torch.tensor(at)[:, None])[0]
         for row, n in enumerate(at):
-            alone = model.new_kv_cache(1)
+            alone = new_kv_cache(model, 1)
             whole = model(x[row:row + 1, :n + 1], kv_cache=alone)[0][:, -1:]
             torch.testing.assert_close(together[row:row + 1], whole, atol=1e-5, rtol=1e-5)
         view = cache.rows(1)
@@ -121,7 +127,7 @@ def test_compiled_decoding_gives_the_eager_tokens():
     prompt = torch.randint(0, 37, (1, 5))
     eager = sampling.generate_tokens(model, prompt, 20, temperature=0)
     torch._dynamo.reset()
-    sampling.set_weight_layout(model, "column")  # traced with its strides, as generate.py does
+    matvec.set_weight_layout(model, "column")  # traced with its strides, as generate.py does
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # traced: is_compiling()
     static = sampling.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
     torch._dynamo.reset()
@@ -149,9 +155,9 @@ def test_inductor_compiled_decoding_gives_the_eager_tokens():
     eager = sampling.generate_tokens(model, prompt, 20, temperature=0)
     assert len(set(eager[0, 5:].tolist())) >= 4
     torch._dynamo.reset()  # a fresh cache: no earlier test's graphs, no recompile limit reached
-    sampling.set_weight_layout(model, "auto")  # as generate.py: compiled with these strides
+    matvec.set_weight_layout(model, "auto")  # as generate.py: compiled with these strides
     system = SystemConfig(device="cpu", compile=True)
-    compiled, _ = techniques.compile_model(model, system, runtime.setup(system))
+    compiled, _ = compiling.compile_model(model, system, machine.setup(system))
     sampling.warm_up(compiled, prompt.size(1), 20, bucket=8)
     graphs = counters["stats"]["unique_graphs"]
     tokens = sampling.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)
@@ -163,13 +169,12 @@ def test_inductor_compiled_decoding_gives_the_eager_tokens():
 
 def test_int8_decoding_with_the_cache_gives_the_uncached_tokens():
     pytest.importorskip("torchao", reason="sample.quantize=int8 needs torchao (not installed)")
-    from engine import quantize
     torch.manual_seed(0)
     model = GPT(tiny_model_config(n_embd=32, attention="sdpa")).eval()
     quantize.quantize_linears(model, "attn,mlp")
     prompt = torch.randint(0, 37, (1, 5))
     plain = sampling.generate_tokens(model, prompt, 20, temperature=0, kv_cache=False)
-    sampling.set_weight_layout(model, "column")  # the int8 Linears stay, the head changes
+    matvec.set_weight_layout(model, "column")  # the int8 Linears stay, the head changes
     assert not model.lm_head.weight.is_contiguous()
     cached = sampling.generate_tokens(model, prompt, 20, temperature=0)
     assert torch.equal(cached, plain)
@@ -183,14 +188,14 @@ def test_column_major_weights_give_the_row_major_logits_and_tokens():
     torch.manual_seed(0)
     row = GPT(tiny_model_config(attention="sdpa", vocab_pad_multiple=8)).eval()
     column = copy.deepcopy(row)
-    assert sampling.set_weight_layout(column, "column") == "column"
+    assert matvec.set_weight_layout(column, "column") == "column"
     # every Linear, the tied head too, is now the transpose of a contiguous (in, out) matrix
     assert all(w.t().is_contiguous() and not w.is_contiguous() for w in linear_weights(column))
     assert column.lm_head.weight is column.transformer.wte.weight  # still one tied parameter
     x = torch.randint(0, 37, (2, 16))
     with torch.no_grad():
         for model in (row, column):
-            cache = model.new_kv_cache(2)
+            cache = new_kv_cache(model, 2)
             first, pos = sampling.prefill(model, x[:, :5], cache)
             steps = [sampling.decode_step(model, x[:, t:t + 1], cache, t, torch.tensor([t]))
                      for t in range(pos, 16)]
@@ -199,7 +204,7 @@ def test_column_major_weights_give_the_row_major_logits_and_tokens():
     prompt = x[:1, :3]
     uncached = sampling.generate_tokens(row, prompt, 20, temperature=0, kv_cache=False)
     assert torch.equal(sampling.generate_tokens(column, prompt, 20, temperature=0), uncached)
-    assert sampling.set_weight_layout(column, "row") == "row"
+    assert matvec.set_weight_layout(column, "row") == "row"
     assert all(w.is_contiguous() for w in linear_weights(column))
     assert all(torch.equal(a, b) for a, b in zip(linear_weights(column), linear_weights(row)))
 
@@ -209,7 +214,7 @@ def test_by_shape_layout_makes_only_the_wider_outputs_column_major():
     model = GPT(tiny_model_config(vocab_pad_multiple=8)).eval()
     x = torch.randint(0, 37, (1, 3))
     rows = sampling.generate_tokens(model, x, 20, temperature=0, kv_cache=False)
-    assert sampling.set_weight_layout(model, "auto") == "by_shape"  # on CPU
+    assert matvec.set_weight_layout(model, "auto") == "by_shape"  # on CPU
     for name, m in model.named_modules():  # c_attn, c_fc, the head: more outputs than inputs
         if isinstance(m, nn.Linear):
             wide = m.out_features > m.in_features
@@ -221,16 +226,16 @@ def test_column_major_weights_leave_saved_checkpoints_unchanged(tmp_path):
     torch.manual_seed(0)
     model, cfg = GPT(tiny_model_config()), Config()
     before = checkpoint.save(tmp_path / "row", 1, model, cfg, {}) / "model.safetensors"
-    sampling.set_weight_layout(model, "column")
+    matvec.set_weight_layout(model, "column")
     after = checkpoint.save(tmp_path / "column", 1, model, cfg, {}) / "model.safetensors"
     assert before.read_bytes() == after.read_bytes()
 
 
 def test_weight_layout_auto_and_bad_names():
-    assert sampling.weight_layout_for("auto", torch.device("cpu")) == "by_shape"
-    assert sampling.weight_layout_for("auto", torch.device("cuda")) == "row"
+    assert matvec.weight_layout_for("auto", torch.device("cpu")) == "by_shape"
+    assert matvec.weight_layout_for("auto", torch.device("cuda")) == "row"
     with pytest.raises(ValueError, match="weight layout 'colum' is not one of auto, row, column"):
-        sampling.weight_layout_for("colum", torch.device("cpu"))
+        matvec.weight_layout_for("colum", torch.device("cpu"))
 
 
 def test_generate_names_the_layout_and_gives_the_same_text(tmp_path, capsys):
@@ -274,23 +279,23 @@ def test_sliced_matvec_gives_f_linear(layout, out, slices, bias):
 
 
 def linear_slices(model: GPT) -> set[int]:
-    return {m.slices for m in model.modules() if isinstance(m, model_module.Linear)}
+    return {getattr(m, "slices", 1) for m in model.modules() if isinstance(m, nn.Linear)}
 
 
 @pytest.mark.parametrize("layout", ["row", "column", "auto"])
 def test_sliced_decoding_gives_the_forward_logits_and_tokens(layout, monkeypatch):
     """Batch 1, every Linear sliced (the size floor lowered), 3 slices: the vocabulary (37)
     and the qkv (48) leave a remainder; the same logits as one F.linear and the same tokens."""
-    monkeypatch.setattr(model_module, "SLICED_MIN_BYTES", 0)
+    monkeypatch.setattr(matvec, "SLICED_MIN_BYTES", 0)
     model = GPT(tiny_model_config(attention="sdpa", norm="native", activation_impl="native")).eval()
-    sampling.set_weight_layout(model, layout)
+    matvec.set_weight_layout(model, layout)
     x = torch.randint(0, 37, (1, 16))
     reference = sampling.generate_tokens(model, x[:, :3], 30, temperature=0, kv_cache=False)
     logits = {}
     with torch.no_grad():
         for slices in (1, 3):
             for module in model.modules():
-                if isinstance(module, model_module.Linear):
+                if isinstance(module, matvec.SlicedLinear):
                     module.slices = slices
             cache = poisoned_cache(model, 1)
             sampling.prefill(model, x[:, :5], cache)
@@ -303,19 +308,19 @@ def test_sliced_decoding_gives_the_forward_logits_and_tokens(layout, monkeypatch
 def test_set_matvec_auto_blas_sliced_and_bad_names():
     model = GPT(tiny_model_config())
     torch.set_num_threads(2)
-    assert sampling.set_matvec(model, "auto") == "sliced" and linear_slices(model) == {2}
-    assert sampling.set_matvec(model, "blas") == "blas" and linear_slices(model) == {1}
+    assert matvec.set_matvec(model, "auto") == "sliced" and linear_slices(model) == {2}
+    assert matvec.set_matvec(model, "blas") == "blas" and linear_slices(model) == {1}
     torch.set_num_threads(1)  # one thread: nothing to run side by side
-    assert sampling.set_matvec(model, "auto") == "blas" and linear_slices(model) == {1}
+    assert matvec.set_matvec(model, "auto") == "blas" and linear_slices(model) == {1}
     with pytest.raises(ValueError, match="matvec 'slice' is not one of auto, blas, sliced"):
-        sampling.set_matvec(model, "slice")
+        matvec.set_matvec(model, "slice")
 
 
 def test_huge_pages_hold_the_same_weights_on_2_mib_boundaries(tmp_path):
     """A 2 MiB LM head (8192 x 64) moves into 2 MiB pages in the layout asked for; the values,
     the tokens and a saved checkpoint stay the same; a second call copies nothing."""
-    if not sampling.huge_pages_for(True, torch.device("cpu"))[0]:
-        pytest.skip(sampling.huge_pages_for(True, torch.device("cpu"))[1])
+    if not matvec.huge_pages_for(True, torch.device("cpu"))[0]:
+        pytest.skip(matvec.huge_pages_for(True, torch.device("cpu"))[1])
     model = GPT(tiny_model_config(vocab_size=8192, n_embd=64)).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     head = model.lm_head.weight
@@ -324,8 +329,8 @@ def test_huge_pages_hold_the_same_weights_on_2_mib_boundaries(tmp_path):
     saved = checkpoint.save(tmp_path / "a", 1, model, Config(), {}) / "model.safetensors"
     small = model.transformer.h[0].attn.c_proj.weight  # 16 KiB, stays row-major: left in place
     small_pointer = small.data_ptr()
-    assert sampling.set_weight_layout(model, "auto", huge_pages=True) == "by_shape"
-    assert head.data_ptr() % sampling.HUGE_PAGE == 0 and head.t().is_contiguous()
+    assert matvec.set_weight_layout(model, "auto", huge_pages=True) == "by_shape"
+    assert head.data_ptr() % matvec.HUGE_PAGE == 0 and head.t().is_contiguous()
     assert model.transformer.wte.weight is head  # still tied: one tensor
     assert small.data_ptr() == small_pointer
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -333,31 +338,31 @@ def test_huge_pages_hold_the_same_weights_on_2_mib_boundaries(tmp_path):
     again = checkpoint.save(tmp_path / "b", 1, model, Config(), {}) / "model.safetensors"
     assert saved.read_bytes() == again.read_bytes()
     pointer = head.data_ptr()
-    sampling.set_weight_layout(model, "auto", huge_pages=True)
+    matvec.set_weight_layout(model, "auto", huge_pages=True)
     assert head.data_ptr() == pointer
-    sampling.set_weight_layout(model, "row", huge_pages=True)  # a row-major copy, also aligned
-    assert head.is_contiguous() and head.data_ptr() % sampling.HUGE_PAGE == 0
+    matvec.set_weight_layout(model, "row", huge_pages=True)  # a row-major copy, also aligned
+    assert head.is_contiguous() and head.data_ptr() % matvec.HUGE_PAGE == 0
     assert torch.equal(copy.deepcopy(model).lm_head.weight, before["lm_head.weight"])
 
 
 def test_huge_page_empty_is_aligned_and_writable():
-    t = sampling.huge_page_empty((3, sampling.HUGE_PAGE // 4), torch.float32)
-    assert t.shape == (3, sampling.HUGE_PAGE // 4) and t.data_ptr() % sampling.HUGE_PAGE == 0
+    t = matvec.huge_page_empty((3, matvec.HUGE_PAGE // 4), torch.float32)
+    assert t.shape == (3, matvec.HUGE_PAGE // 4) and t.data_ptr() % matvec.HUGE_PAGE == 0
     t.fill_(2.0)
     assert float(t.sum()) == 2.0 * math.prod(t.shape)
 
 
 def test_huge_pages_say_why_they_are_off(tmp_path, monkeypatch):
     cpu = torch.device("cpu")
-    assert sampling.huge_pages_for(False, cpu) == (False, "off")
-    assert sampling.huge_pages_for(True, torch.device("cuda")) == (
+    assert matvec.huge_pages_for(False, cpu) == (False, "off")
+    assert matvec.huge_pages_for(True, torch.device("cuda")) == (
         False, "off (CPU only; cuda memory is the driver's)")
     mode = tmp_path / "enabled"
-    monkeypatch.setattr(sampling, "THP_MODE", mode)
-    assert sampling.huge_pages_for(True, cpu) == (
+    monkeypatch.setattr(matvec, "THP_MODE", mode)
+    assert matvec.huge_pages_for(True, cpu) == (
         False, "off (this system has no transparent huge pages)")
     mode.write_text("always madvise [never]\n")
-    assert sampling.huge_pages_for(True, cpu)[1].startswith(
+    assert matvec.huge_pages_for(True, cpu)[1].startswith(
         "off (transparent huge pages are disabled")
     mode.write_text("always [madvise] never\n")
-    assert sampling.huge_pages_for(True, cpu) == (True, "on")
+    assert matvec.huge_pages_for(True, cpu) == (True, "on")

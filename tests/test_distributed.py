@@ -17,16 +17,19 @@ import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load_file
 
-from engine import checkpoint
-from engine import distributed
-from engine import resume
-from engine import runtime
-from engine import techniques
+from engine import checkpoint, loading
 import train
 from config import Config, ConfigError, TrainConfig, load_config
 from data.loader import Batches, load_meta
 from model import GPT
 from conftest import tiny_model_config
+from engine import device as machine
+from engine.training import parallel
+from engine.training import processes
+from engine.training import restore
+from engine.training import resume
+from engine.training import speedups
+from engine.training import step
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 steps of 2 micro-steps, evaluated (and saved) every 2; the global micro-batch is 4 sequences:
@@ -78,7 +81,7 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
-    sa, sb = (checkpoint.load_train_state(c)["optimizer"] for c in (a, b))
+    sa, sb = (loading.load_train_state(c)["optimizer"] for c in (a, b))
     assert [g["params"] for g in sa["param_groups"]] == [g["params"] for g in sb["param_groups"]]
     for i, moments in sa["state"].items():
         for name in ("exp_avg", "exp_avg_sq", "step"):
@@ -162,8 +165,8 @@ def test_accelerate_flags_this_code_cannot_honour_are_refused(env, message, monk
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     cfg, _ = load_config(["--config", "tiny", "--dtype=float16"])
-    with pytest.raises(runtime.SetupError, match=message):
-        distributed.apply_launcher_flags(cfg)
+    with pytest.raises(machine.SetupError, match=message):
+        parallel.apply_launcher_flags(cfg)
 
 
 def test_accelerate_flags_set_the_config(monkeypatch):
@@ -172,13 +175,13 @@ def test_accelerate_flags_set_the_config(monkeypatch):
                        "ACCELERATE_USE_CPU": "True"}.items():
         monkeypatch.setenv(key, value)
     cfg, _ = load_config(["--config", "tiny", "--device=auto"])
-    notes = distributed.apply_launcher_flags(cfg)
+    notes = parallel.apply_launcher_flags(cfg)
     assert (cfg.system.dtype, cfg.system.compile, cfg.system.compile_mode, cfg.system.device) \
         == ("float16", True, "max-autotune", "cpu")
     assert len(notes) == 3
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # accelerate's default: the config's
     cfg, _ = load_config(["--config", "tiny", "--dtype=bfloat16"])
-    distributed.apply_launcher_flags(cfg)
+    parallel.apply_launcher_flags(cfg)
     assert cfg.system.dtype == "bfloat16"
 
 
@@ -187,8 +190,8 @@ FAULTY_RANK = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import train
-    from engine import distributed
     from data import loader
+    from engine.training import processes
 
     if os.environ["RANK"] == "1":
         fetch, fetched = loader.Batches.next, [0]
@@ -203,7 +206,7 @@ FAULTY_RANK = textwrap.dedent("""
             return fetch(self)
 
         loader.Batches.next = next_batch
-    sys.exit(distributed.record(train.main)(sys.argv[2:]))
+    sys.exit(processes.record(train.main)(sys.argv[2:]))
 """)
 
 
@@ -251,7 +254,7 @@ def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset, tmp_pa
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     saved = Batches(meta, "train", 4, 16, seed=1)
     x, y = saved.next()  # the next global batch, as two processes save it
-    state = resume.capture(distributed.Dist(), model, optimizer, scaler, saved, (x, y),
+    state = resume.capture(processes.Dist(), model, optimizer, scaler, saved, (x, y),
                            resume.Counters(), torch.device("cpu"))
     cfg = Config()
     cfg.train.init_from = "resume"
@@ -259,7 +262,7 @@ def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset, tmp_pa
     (tmp_path / "config.json").write_text(cfg.to_json())
     for rank in range(2):
         batches = Batches(meta, "train", 2, 16, seed=1, rank=rank, world_size=2)
-        _, (xr, yr), notes = resume.restore(tmp_path, cfg, distributed.Dist(), model, optimizer,
+        _, (xr, yr), notes = restore.restore(tmp_path, cfg, processes.Dist(), model, optimizer,
                                             scaler, batches, torch.device("cpu"))
         assert torch.equal(xr, x[rank::2]) and torch.equal(yr, y[rank::2]) and notes == []
 
@@ -267,15 +270,15 @@ def test_resume_hands_each_rank_its_rows_of_the_saved_batch(char_dataset, tmp_pa
 def test_tokens_per_step_sets_the_accumulation():
     for world, accum in ((1, 32), (2, 16), (8, 4)):
         t = TrainConfig(batch_size=16, grad_accum_steps=32, tokens_per_step=524288)
-        note = techniques.set_global_batch(t, 1024, world)
+        note = speedups.set_global_batch(t, 1024, world)
         assert t.grad_accum_steps == accum
         assert (note == "") == (world == 1)
     t = TrainConfig(batch_size=16, grad_accum_steps=32, tokens_per_step=0)
-    assert techniques.set_global_batch(t, 1024, 8) == "" and t.grad_accum_steps == 32
+    assert speedups.set_global_batch(t, 1024, 8) == "" and t.grad_accum_steps == 32
     with pytest.raises(ConfigError, match=r"16 x 1024 x 3 = 49,152; no batch_size fits 3 "):
-        techniques.set_global_batch(TrainConfig(batch_size=16, tokens_per_step=524288), 1024, 3)
+        speedups.set_global_batch(TrainConfig(batch_size=16, tokens_per_step=524288), 1024, 3)
     with pytest.raises(ConfigError, match=r"use --batch_size=8"):
-        techniques.set_global_batch(TrainConfig(batch_size=12, tokens_per_step=524288), 1024, 2)
+        speedups.set_global_batch(TrainConfig(batch_size=12, tokens_per_step=524288), 1024, 2)
     with pytest.raises(ConfigError, match=r"tokens_per_step=1000 must be a multiple of "
                                           r"batch_size x block_size = 4096"):
         load_config(["--config", "tiny", "--tokens_per_step=1000", "--batch_size=128"])
@@ -291,9 +294,9 @@ def process_group(tmp_path):
 
 
 def test_ddp_averages_gradients_on_the_last_micro_step_only(process_group):
-    d = distributed.Dist(parallel="ddp")
-    rt = runtime.Runtime(device=torch.device("cpu"), dtype=torch.float32, tf32=False, notes=[])
-    ddp = techniques.wrap(GPT(tiny_model_config()), Config(), rt, d)
+    d = processes.Dist(parallel="ddp")
+    rt = machine.Runtime(device=torch.device("cpu"), dtype=torch.float32, tf32=False, notes=[])
+    ddp = parallel.wrap(GPT(tiny_model_config()), Config(), rt, d)
     reductions = []
 
     def count(state, bucket):  # a comm hook that records each all-reduce and does nothing
@@ -306,7 +309,7 @@ def test_ddp_averages_gradients_on_the_last_micro_step_only(process_group):
     idx = torch.randint(0, 37, (2, 16))
     seen = []
     for micro in range(3):
-        with techniques.grad_sync(ddp)(micro == 2):
+        with step.grad_sync(ddp)(micro == 2):
             _, loss = ddp(idx, idx)
             loss.backward()
         seen.append(len(reductions))
@@ -327,7 +330,7 @@ def test_a_stop_signal_waits_for_the_shared_step_boundary():
     assert alone and alone.reason == "SIGTERM"
 
 
-class TwoEqualRanks(distributed.Dist):
+class TwoEqualRanks(parallel.ProcessGroup):
     """Dist as seen on rank 0 of two ranks that send the same values: the all-reduce doubles."""
 
     def _all_reduce(self, values, op=None):
@@ -347,16 +350,16 @@ def test_sync_step_shares_a_signal_one_step_late_and_means_the_loss():
 def test_launcher_environment_errors(monkeypatch):
     for key in LAUNCHER_ENV:
         monkeypatch.delenv(key, raising=False)
-    assert distributed.launch_env() == (0, 0, 1)
+    assert processes.launch_env() == (0, 0, 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(runtime.SetupError, match="MASTER_ADDR, MASTER_PORT not set; start the "
+    with pytest.raises(machine.SetupError, match="MASTER_ADDR, MASTER_PORT not set; start the "
                                                  "processes with torchrun"):
-        distributed.launch_env()
+        processes.launch_env()
     monkeypatch.setenv("RANK", "two")
-    with pytest.raises(runtime.SetupError, match="must be integers"):
-        distributed.launch_env()
-    with pytest.raises(runtime.SetupError, match="several processes cannot share MPS"):
-        distributed.rank_device("mps", 0)
-    assert distributed.rank_device("cpu", 1) == ("cpu", "")
-    assert distributed.error_prefix() == "rank two: "
+    with pytest.raises(machine.SetupError, match="must be integers"):
+        processes.launch_env()
+    with pytest.raises(machine.SetupError, match="several processes cannot share MPS"):
+        parallel.rank_device("mps", 0)
+    assert parallel.rank_device("cpu", 1) == ("cpu", "")
+    assert processes.error_prefix() == "rank two: "

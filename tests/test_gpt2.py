@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from engine import checkpoint, sources
+from engine import checkpoint, loading
 from engine import hf as gpt2
 import generate
 import load_gpt2_weights
@@ -23,6 +23,7 @@ from config import ConfigError, ModelConfig, load_config
 from model import ACTIVATIONS
 from data.loader import DataError
 from data.tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
+from engine.training import build
 
 # Odd head counts, n_positions != 1024, vocabularies that are not multiples of 64.
 SHAPES = {
@@ -293,7 +294,7 @@ def test_cli_import_verify_sample_export(hf_dirs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 layers, 2 heads, width 32, context 64, vocab 50257 padded to 50304" in out
     assert "verify: max |logit difference|" in out
-    _, stored, meta = checkpoint.load_model(run)
+    _, stored, meta = loading.load_model(run)
     assert stored.model.vocab_pad_multiple == 64 and meta["tokenizer"] == {"kind": "gpt2"}
 
     assert generate.main([f"--checkpoint={run}", "--prompt", "Hello world", "--temperature=0",
@@ -375,7 +376,7 @@ def test_finetune_from_hf_dir(hf_dirs, gpt2_dataset, tmp_path):
     cfg = finetune_cfg(path, gpt2_dataset, tmp_path / "ft", "--max_iters=8", "--eval_interval=8",
                        "--learning_rate=3e-3")
     from data.loader import load_meta
-    model, source = sources.build_model(cfg, load_meta(str(gpt2_dataset)), torch.device("cpu"))
+    model, source = build.build_model(cfg, load_meta(str(gpt2_dataset)), torch.device("cpu"))
     assert source == path and model.transformer.wpe.weight.shape == (32, 32)  # cropped 64 -> 32
     ids = ids_for(50257, T=32)
     with torch.no_grad():
@@ -388,7 +389,7 @@ def test_finetune_from_hf_dir(hf_dirs, gpt2_dataset, tmp_path):
     evals = [r for r in records if r["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 8
     assert evals[-1]["val"] < evals[0]["val"] - 0.5
-    tuned, stored, meta = checkpoint.load_model(summary["checkpoint"])
+    tuned, stored, meta = loading.load_model(summary["checkpoint"])
     assert (stored.model.n_layer, stored.model.n_embd, stored.model.block_size) == (2, 32, 32)
     assert stored.model.vocab_pad_multiple == 64 and meta["tokenizer"] == {"kind": "gpt2"}
 

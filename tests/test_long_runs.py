@@ -24,15 +24,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import checkpoint
+from engine import checkpoint, loading
 import generate
-from engine import runlog
-from engine import resume, runtime
-from engine.step import Trainer, train_step
+from engine.training.step import Trainer, train_step
 import train
 from config import load_config
 from model import GPT
 from conftest import tiny_model_config, train_args
+from engine import device as machine
+from engine.training import metrics
+from engine.training import optim
+from engine.training import restore
+from engine.training import resume
 
 ROOT = Path(__file__).resolve().parents[1]
 # 12 steps, evaluated every 4, with dropout so the torch RNG matters
@@ -81,19 +84,19 @@ def assert_same_tensors(a, b, where=""):
 def uninterrupted(char_dataset, tmp_path_factory):
     """12 steps in one go; stdout kept, and every loss-curve redraw counted."""
     out = tmp_path_factory.mktemp("whole")
-    plots, real_plot = [], runlog.plot_losses
+    plots, real_plot = [], metrics.plot_losses
 
     def counting_plot(rows, path, title):
         plots.append(max(r["step"] for r in rows))
         real_plot(rows, path, title)
 
-    runlog.plot_losses = counting_plot
+    metrics.plot_losses = counting_plot
     stdout = io.StringIO()
     try:
         with contextlib.redirect_stdout(stdout):
             summary = run_train(char_dataset, out, *RUN)
     finally:
-        runlog.plot_losses = real_plot
+        metrics.plot_losses = real_plot
     return out, summary, stdout.getvalue(), plots
 
 
@@ -101,7 +104,7 @@ def test_every_rng_round_trips_through_a_safe_load(tmp_path):
     state = resume.rng_state(torch.device("cpu"))
     torch.save(state, tmp_path / "rng.pt")
     draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
-    resume.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True),
+    restore.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True),
                                torch.device("cpu"))
     assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == draws
 
@@ -185,7 +188,7 @@ def test_sigterm_in_a_real_process_saves_and_exits(char_dataset, tmp_path):
     stopped = re.search(r"stopped \(SIGTERM\): step (\d+) of 100000", stdout)
     ckpt = checkpoint.latest_checkpoint(out)
     assert stopped and ckpt.name == f"ckpt_{int(stopped.group(1)):07d}"
-    state = checkpoint.load_train_state(ckpt)
+    state = loading.load_train_state(ckpt)
     assert state["counters"]["step"] == int(stopped.group(1)) >= 2
 
 
@@ -195,7 +198,7 @@ STALL_IN_STEP_3 = textwrap.dedent("""
     import runpy, sys, time
     root, stalled = sys.argv[1], sys.argv[2]
     sys.path.insert(0, root)
-    from engine import optim
+    from engine.training import optim
 
     real_lr_at = optim.lr_at
 
@@ -335,11 +338,11 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
         out = tmp_path / phase
         latest = checkpoint.latest_checkpoint(out)
         assert latest.name == f"ckpt_{step:07d}", phase
-        model, _, _ = checkpoint.load_model(latest)
+        model, _, _ = loading.load_model(latest)
         torch.manual_seed(step)
         expected = GPT(model.config)
         assert_same_tensors(checkpoint.model_state(model), checkpoint.model_state(expected))
-        assert checkpoint.load_train_state(latest)["step"].item() == step
+        assert loading.load_train_state(latest)["step"].item() == step
         checkpoint.recover(out)  # what the next save or resume does first
         left = sorted(p.name for p in out.iterdir() if p.name != "STALLED")
         assert left == (["ckpt_0000001", "ckpt_0000002"] if phase != "prune"
@@ -417,7 +420,7 @@ def nan_loss_from(call: int, poison_weights: bool = False):
 
 
 def optimizer_updates(ckpt) -> int:
-    return int(checkpoint.load_train_state(ckpt)["optimizer"]["state"][0]["step"])
+    return int(loading.load_train_state(ckpt)["optimizer"]["state"][0]["step"])
 
 
 def test_nonfinite_steps_are_skipped_and_counted(char_dataset, tmp_path, monkeypatch, capsys):
@@ -481,7 +484,7 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(monkeypatch):
     torch.manual_seed(0)
     model = GPT(tiny_model_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    rt = runtime.Runtime(torch.device("cpu"), torch.float32, False, [])
+    rt = machine.Runtime(torch.device("cpu"), torch.float32, False, [])
     x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
     feed = type("Feed", (), {"next": lambda self: (x, x)})()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -512,7 +515,7 @@ def test_nan_weights_are_never_saved(char_dataset, tmp_path, monkeypatch, capsys
                            "--max_nonfinite_steps=5")) == 3
     assert "weights hold NaN/inf: not saved" in capsys.readouterr().out
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000002"]
-    model, _, _ = checkpoint.load_model(out)
+    model, _, _ = loading.load_model(out)
     assert resume.weights_finite(model)
     model.transformer.ln_f.weight.data[0] = math.nan
     with pytest.raises(checkpoint.CheckpointError, match="refusing to save step 9: NaN/inf in 1 "
@@ -552,12 +555,12 @@ def test_a_run_without_the_start_evaluation_or_the_loss_curve(char_dataset, tmp_
 
 def test_eta_from_recent_pace(tmp_path, monkeypatch):
     clock = {"now": 100.0}
-    monkeypatch.setattr(runlog.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock["now"])
     cfg, _ = load_config(["--config", "tiny", f"--out_dir={tmp_path}", "--max_iters=1000"])
-    run = runlog.RunLog(cfg, start_step=0, resumed=False)
+    run = metrics.RunLog(cfg, start_step=0, resumed=False)
     clock["now"] = 110.0
     assert run.progress(100) == " | 10.0% | eta 1m30s"  # 0.1 s per step, 900 steps to go
-    assert [runlog.format_duration(s) for s in (59, 61, 7300, 200000)] == \
+    assert [metrics.format_duration(s) for s in (59, 61, 7300, 200000)] == \
         ["59s", "1m01s", "2h01m", "2d07h"]
 
 

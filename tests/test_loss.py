@@ -7,12 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as model_module
 from config import Config, ConfigError, load_config
 from conftest import tiny_model_config
-from engine import memory, runtime
-from engine.step import Trainer, train_step
-from model import GPT, IGNORE_INDEX, ChunkedCrossEntropy
+from engine.training.step import Trainer, train_step
+from model import GPT, IGNORE_INDEX
+from engine.training import chunked_loss
+from engine.training.chunked_loss import ChunkedCrossEntropy
+from engine import device as machine
+from engine.training import memory_estimate
+from engine.inference.kv_cache import new_kv_cache
 
 HAS_TORCH_LCE = hasattr(F, "linear_cross_entropy")  # torch >= 2.13
 
@@ -21,7 +24,7 @@ HAS_TORCH_LCE = hasattr(F, "linear_cross_entropy")  # torch >= 2.13
 def small_chunks(monkeypatch):
     """Chunks of 200 logits: 5 tokens at the test vocabulary of 37, so every loss has several
     chunks and a short last one."""
-    monkeypatch.setattr(model_module, "LOSS_CHUNK_LOGITS", 200)
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK_LOGITS", 200)
 
 
 def twins(pad: int = 1, **overrides) -> tuple[GPT, GPT]:
@@ -57,7 +60,7 @@ def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_c
     """float32, several chunks: equal to 1e-5; the padded rows get no gradient, as in full."""
     if impl == "torch" and not HAS_TORCH_LCE:
         pytest.skip("this torch has no F.linear_cross_entropy (torch >= 2.13)")
-    monkeypatch.setattr(model_module, "chunked_loss_impl", lambda dtype, cap=0.0: impl)
+    monkeypatch.setattr(chunked_loss, "chunked_loss_impl", lambda dtype, cap=0.0: impl)
     full, chunked = twins(pad)
     x, y = batch(full.config, ignored=ignored)
     _, loss_full, grads_full = loss_and_grads(full, x, y)
@@ -75,7 +78,7 @@ def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_c
 def test_compiled_model_runs_our_chunk_loop_eagerly_with_the_same_loss(small_chunks,
                                                                       monkeypatch):
     """The chunk loop is kept out of the graph (wrapped on first use, not at import)."""
-    monkeypatch.setattr(model_module, "chunked_loss_impl", lambda dtype, cap=0.0: "ours")
+    monkeypatch.setattr(chunked_loss, "chunked_loss_impl", lambda dtype, cap=0.0: "ours")
     full, chunked = twins()
     x, y = batch(full.config)
     _, loss_full, grads_full = loss_and_grads(full, x, y)
@@ -98,7 +101,7 @@ def test_chunked_under_bf16_autocast_matches_full(small_chunks):
     x, y = batch(full.config, ignored=True)
     _, loss_full, grads_full = loss_and_grads(full, x, y, autocast=True)
     _, loss, grads = loss_and_grads(chunked, x, y, autocast=True)
-    assert model_module.chunked_loss_impl(torch.bfloat16) == "ours"
+    assert chunked_loss.chunked_loss_impl(torch.bfloat16) == "ours"
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, loss_full, rtol=0, atol=1e-5)
     for name, g in grads_full.items():
@@ -139,7 +142,7 @@ def test_train_step_with_chunked_loss_equals_full(small_chunks):
     updated weights (SGD: AdamW's first step, g / |g|, would blow up rounding in near-zero
     gradients)."""
     full, chunked = twins(64)
-    rt = runtime.Runtime(torch.device("cpu"), torch.float32, False, [])
+    rt = machine.Runtime(torch.device("cpu"), torch.float32, False, [])
     x, y = batch(full.config, B=4, ignored=True)
     results = []
     for model in (full, chunked):
@@ -173,7 +176,7 @@ def test_logits_at_equals_the_full_logits_at_those_positions():
         part, loss = model(x, logits_at=at)
         assert part.shape == (3, 3, model.vocab_size) and loss is None
         torch.testing.assert_close(part, full[:, at], rtol=0, atol=1e-5)
-        cache = model.new_kv_cache(3)  # a prefill's last real position, as engine.sampling's
+        cache = new_kv_cache(model, 3)  # a prefill's last real position, as engine.sampling's
         positions = torch.arange(12)
         last, _ = model(x[:, :12], kv_cache=cache, input_pos=positions, logits_at=positions[-1:])
         torch.testing.assert_close(last, full[:, 11:12], rtol=0, atol=1e-5)
@@ -188,13 +191,13 @@ def test_memory_estimate_counts_one_chunk():
     cfg, _ = load_config(["--config", "gpt2_124m", "--batch_size=4", "--dtype=float32"])
     assert cfg.model.loss == "chunked"
     tokens, C, V, padded = 4 * 1024, 768, 50257, 50304
-    chunked = memory.estimate(cfg).logits
+    chunked = memory_estimate.estimate(cfg).logits
     assert chunked == 667 * V * 4 + 4 * tokens * C + 4 * V * C  # 287 MiB
     cfg.system.dtype = "bfloat16"
-    assert memory.estimate(cfg).logits == 667 * V * 6 + 2 * tokens * C + 4 * V * C
+    assert memory_estimate.estimate(cfg).logits == 667 * V * 6 + 2 * tokens * C + 4 * V * C
     cfg.system.dtype, cfg.model.loss = "float32", "full"
-    assert memory.estimate(cfg).logits == tokens * (4 * padded + 8 * V)  # 2.30 GiB
-    assert memory.estimate(cfg).logits > 8 * chunked
+    assert memory_estimate.estimate(cfg).logits == tokens * (4 * padded + 8 * V)  # 2.30 GiB
+    assert memory_estimate.estimate(cfg).logits > 8 * chunked
 
 
 def test_loss_choice_is_validated():

@@ -6,12 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import memory, optim, quantize, step, techniques
 import train
-from config import Config, ConfigError, checkpoint_plan, load_config
+from config import Config, ConfigError, load_config
+from engine.training.recompute import checkpoint_plan
 from conftest import on_each_device, tiny_model_config
 from data.loader import Batches, load_meta
 from model import ACTIVATIONS, GPT
+from engine import compiling
+from engine import device as machine
+from engine.inference import quantize
+from engine.training import master_weights
+from engine.training import memory_estimate
+from engine.training import optim
+from engine.training import step
+from engine.inference.kv_cache import new_kv_cache
 
 MODES = ["all", "attention", "mlp", "every:2", "blocks:0,2"]
 
@@ -71,7 +79,7 @@ def test_checkpointing_is_off_without_grad_and_with_kv_cache():
     plain = GPT(tiny_model_config())
     plain.load_state_dict(model.state_dict())
     idx = torch.randint(0, cfg.vocab_size, (2, 8))
-    cache, plain_cache = model.new_kv_cache(2), plain.eval().new_kv_cache(2)
+    cache, plain_cache = new_kv_cache(model, 2), new_kv_cache(plain.eval(), 2)
     with torch.no_grad():
         torch.testing.assert_close(model(idx, kv_cache=cache)[0],
                                    plain(idx, kv_cache=plain_cache)[0])
@@ -88,7 +96,7 @@ def test_estimate_matches_hand_count():
                  + (4 * C * C + 4 * C) + (4 * C * C + C))  # MLP
     params = V * C + T * C + L * per_block + 2 * C
     assert params == sum(p.numel() for p in GPT(m).parameters())
-    e = memory.estimate(cfg)
+    e = memory_estimate.estimate(cfg)
     assert (e.weights, e.gradients, e.optimizer) == (4 * params, 4 * params, 8 * params)
     # per token per block, float32: ln_1 in, c_attn in, q k v, attention out, c_proj in,
     # ln_2 in, c_fc in, GELU in (4C), MLP c_proj in (4C): 17 C floats; then ln_f and lm_head in
@@ -97,16 +105,16 @@ def test_estimate_matches_hand_count():
     assert e.logits == tokens * (4 * V + 8 * V)
     assert e.recompute == 0
     cfg.model.activation_checkpointing = "all"
-    e_all = memory.estimate(cfg)
+    e_all = memory_estimate.estimate(cfg)
     assert e_all.activations == tokens * 4 * (C * L + 2 * C)  # each block keeps its input
     assert e_all.recompute == tokens * 4 * 17 * C  # one block rebuilt at a time
     cfg.system.dtype, cfg.system.parallel = "bfloat16", "fsdp"
-    e_half = memory.estimate(cfg, world_size=2)
+    e_half = memory_estimate.estimate(cfg, world_size=2)
     assert e_half.weights == 4 * params // 2
     assert e_half.recompute == tokens * (8 * C + 2 * 15 * C)  # LayerNorm inputs stay float32
     cfg.system.weights_dtype = "bfloat16"  # bf16 weights and grads, + a float32 master copy
-    e_bf16 = memory.estimate(cfg, world_size=1)
-    assert (e_bf16.weights, e_bf16.gradients, e_bf16.optimizer) == (2 * params, 2 * params,
+    e_bf16 = memory_estimate.estimate(cfg, world_size=1)  # whose float32 gradients the step holds
+    assert (e_bf16.weights, e_bf16.gradients, e_bf16.optimizer) == (2 * params, 6 * params,
                                                                     12 * params)
 
 
@@ -180,10 +188,9 @@ def test_empty_cache_returns_what_an_evaluation_left_cached(char_dataset):
     """system.empty_cache: after an evaluation at a bigger batch, the blocks its activations used
     stay reserved by the caching allocator until release_cached hands them back; the model's
     own memory stays allocated. With the switch off it does nothing."""
-    from engine import runtime
     from config import SystemConfig
     device = torch.device("cuda")
-    rt = runtime.setup(SystemConfig(device="cuda"))
+    rt = machine.setup(SystemConfig(device="cuda"))
     meta = load_meta(str(char_dataset))
     model = GPT(tiny_model_config(vocab_size=65, block_size=128, n_embd=64, n_head=4)).to(device)
     val = Batches(meta, "val", 64, 128, seed=1, device=device)  # scores: (64, 4, 128, 128)
@@ -191,20 +198,20 @@ def test_empty_cache_returns_what_an_evaluation_left_cached(char_dataset):
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     assert reserved - allocated > 16 * 2**20  # the evaluation's blocks, free but still held
-    assert memory.release_cached(device, enabled=False) is False
+    assert machine.release_cached(device, enabled=False) is False
     assert torch.cuda.memory_reserved() == reserved
-    assert memory.release_cached(device, enabled=True) is True
+    assert machine.release_cached(device, enabled=True) is True
     assert torch.cuda.memory_reserved() < reserved - 16 * 2**20
     assert torch.cuda.memory_allocated() == allocated
 
 
 def test_empty_cache_is_a_no_op_off_cuda():
-    assert memory.release_cached(torch.device("cpu"), enabled=True) is False
+    assert machine.release_cached(torch.device("cpu"), enabled=True) is False
 
 
 def test_empty_cache_only_at_phase_boundaries(char_dataset, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(memory, "release_cached",
+    monkeypatch.setattr(machine, "release_cached",
                         lambda device, enabled: calls.append(enabled) or False)
     cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}",
                           f"--out_dir={tmp_path}", "--device=cpu", "--max_iters=6",
@@ -222,9 +229,9 @@ def test_config_switches_exist_with_defaults():
 def test_bf16_weights_keep_float32_islands_and_master_copy():
     torch.manual_seed(0)
     model = GPT(tiny_model_config(n_layer=2))
-    techniques.hold_weights(model, "bfloat16", "ddp", 1)
+    master_weights.hold_weights(model, "ddp", 1)
     groups = model.optimizer_groups(0.1)
-    optimizer = optim.MasterWeights(groups, torch.optim.AdamW, lr=1e-2)
+    optimizer = master_weights.MasterWeights(groups, torch.optim.AdamW, lr=1e-2)
     seen = {}
     model.transformer.h[1].register_forward_hook(lambda m, i, o: seen.update(block=o.dtype))
     model.transformer.ln_f.register_forward_hook(lambda m, i, o: seen.update(ln_f=o.dtype))
@@ -241,8 +248,8 @@ def test_bf16_weights_keep_float32_islands_and_master_copy():
         assert torch.equal(p, master.to(torch.bfloat16))  # the model holds the rounded masters
     # a resumed optimizer continues from the float32 masters, not from the rounded weights
     other = GPT(tiny_model_config(n_layer=2))
-    techniques.hold_weights(other, "bfloat16", "ddp", 1)
-    resumed = optim.MasterWeights(other.optimizer_groups(0.1), torch.optim.AdamW, lr=1e-2)
+    master_weights.hold_weights(other, "ddp", 1)
+    resumed = master_weights.MasterWeights(other.optimizer_groups(0.1), torch.optim.AdamW, lr=1e-2)
     resumed.load_state_dict(optimizer.state_dict())
     for a, b in zip(resumed.masters, optimizer.masters):
         assert torch.equal(a, b)
@@ -280,7 +287,6 @@ def test_static_kv_cache_with_buckets_gives_the_same_tokens(device):
 @on_each_device
 def test_compiled_run_does_not_recompile_after_warm_up(device):
     import generate
-    from engine import runtime
     from config import SystemConfig
     compiles = []
 
@@ -291,8 +297,8 @@ def test_compiled_run_does_not_recompile_after_warm_up(device):
     torch._dynamo.reset()
     model = GPT(tiny_model_config(dropout=0.1)).to(device)  # block_size 16
     compiled = torch.compile(model, backend=counting_backend)
-    rt = runtime.setup(SystemConfig(device=device))
-    techniques.warm_up(compiled, model, rt, batch_size=4)
+    rt = machine.setup(SystemConfig(device=device))
+    compiling.warm_up(compiled, model, rt, batch_size=4)
     compiled.eval()
     generate.warm_up(compiled, prompt_length=6, max_new_tokens=20, bucket=8)
     warmed = len(compiles)
@@ -319,7 +325,7 @@ def test_compiled_run_does_not_recompile_after_warm_up(device):
 
 
 def test_shared_memory_workers_read_the_in_process_batches_and_resume(char_dataset):
-    from data.workers import SharedMemoryBatches
+    from data.loader_workers import SharedMemoryBatches
     meta = load_meta(str(char_dataset))
     plain = Batches(meta, "train", 4, 16, seed=5)
     shared = SharedMemoryBatches(Batches(meta, "train", 4, 16, seed=5), meta, "train", workers=2)
@@ -411,6 +417,7 @@ def test_the_optimizers_state_is_what_the_estimate_counts(name):
     optimizer.step()
     held = sum(t.numel() for state in optimizer.state.values() for t in state.values()
                if torch.is_tensor(t) and t.dim() > 0)
-    params = memory.parameter_count(m)
-    assert held == optim.state_floats(name, params, 12 * m.n_embd ** 2 * m.n_layer)
-    assert memory.estimate(cfg).optimizer == 4 * held
+    params, matrices = model.num_params(False), 12 * m.n_embd ** 2 * m.n_layer
+    hidden, rest = memory_estimate.STATE_TENSORS[name]
+    assert held == hidden * matrices + rest * (params - matrices)
+    assert memory_estimate.estimate(cfg).optimizer == 4 * held

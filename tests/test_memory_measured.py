@@ -1,4 +1,4 @@
-"""The memory estimate (engine/memory.py) against memory measured on the CPU.
+"""The memory estimate (engine/memory_estimate.py) against memory measured on the CPU.
 
 Activations: the bytes autograd keeps for backward during one training forward, seen through
 torch.autograd.graph.saved_tensors_hooks (each storage once: views share it), plus the inputs a
@@ -12,19 +12,23 @@ tokens x C x 2 bytes. Narrower ones (LayerNorm's and RMSNorm's per-row statistic
 logsumexp and mask, the token ids) the estimate does not claim: they are left out of the
 comparison and checked to stay a few percent. Beyond what is measured the estimate counts
 exactly the tensors `overcount` names, which the CPU never makes (an upper estimate may). The
-loss's part is a peak, so what the loss keeps is bounded by it, not equal. A case where the
-estimate is known to be wrong is marked xfail(strict=True) with the defect.
+loss's part is a peak, so what the loss keeps is bounded by it, not equal. The cases these tests
+first found wrong (scratch LayerNorm, the smear's and U-net's kept tensors, autocast's weight
+copies, the bf16 masters' gradients, the parameter count) are counted now.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-import model as model_module
-from config import Config, checkpoint_plan, load_config
+from config import Config, load_config
+from engine.training import recompute
+from engine.training.recompute import checkpoint_plan
 from conftest import tiny_model_config
-from engine import memory, optim, techniques
 from model import GPT
+from engine.training import master_weights
+from engine.training import memory_estimate
+from engine.training import optim
 
 VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
          "SliceBackward0", "AliasBackward0", "ExpandBackward0"}
@@ -121,7 +125,7 @@ def measure_kept(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> KeptBytes:
     shape = (cfg.train.batch_size, m.block_size)
     idx, targets = torch.randint(0, m.vocab_size, shape), torch.randint(0, m.vocab_size, shape)
     kept = KeptBytes(gpt, idx.numel())
-    checkpoint = model_module.checkpoint
+    checkpoint = recompute.checkpoint
 
     def holding_inputs(function, *args, **kwargs):  # a checkpointed part keeps its inputs
         for a in args:
@@ -129,7 +133,7 @@ def measure_kept(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> KeptBytes:
                 kept.add(a, "trunk")
         return checkpoint(function, *args, **kwargs)
 
-    monkeypatch.setattr(model_module, "checkpoint", holding_inputs)
+    monkeypatch.setattr(recompute, "checkpoint", holding_inputs)
     ln_f_out = []
     handles = mark_parts(kept) + [gpt.transformer.ln_f.register_forward_hook(
         lambda module, args, out: ln_f_out.append(out))]
@@ -159,8 +163,6 @@ def overcount(cfg: Config, attention_parts: int) -> int:
     # the output transposed is contiguous already, and is the projection's input (one storage)
     if m.attention == "sdpa" and not m.qk_norm and m.position != "rotary":
         per_block += act * m.n_embd
-    if m.loss == "chunked":  # the LM head's input: the chunked loss keeps its gradient instead
-        once += act * m.n_embd
     return cfg.train.batch_size * m.block_size * (per_block * attention_parts + once)
 
 
@@ -173,7 +175,7 @@ def attention_kept(cfg: Config) -> int:
 def assert_activations_match(cfg: Config, kept: KeptBytes) -> None:
     """The estimate is every wide tensor kept, plus what `overcount` names, to the byte; the
     narrow tensors left out stay a few percent."""
-    estimated = memory.estimate(cfg).activations
+    estimated = memory_estimate.estimate(cfg).activations
     wide = kept.bytes(kept.activation)
     narrow = kept.bytes(kept.activation, wide=False)
     assert estimated - wide == overcount(cfg, attention_kept(cfg)), (estimated, wide)
@@ -196,12 +198,7 @@ def shipped_config() -> Config:
     return cfg
 
 
-SCRATCH_NORM = pytest.mark.xfail(strict=True, reason=(
-    "estimate defect: norm=scratch LayerNorm keeps three float32 (tokens, C) tensors (x - mean "
-    "twice, once for the variance and once for x-hat, and x-hat), block_saved_bytes counts two; "
-    "and activation_bytes counts ln_f's input alone (4C) whatever the norm, where the scratch "
-    "ln_f keeps 12C bytes per token"))
-NORMS = [pytest.param("scratch", marks=SCRATCH_NORM), "native"]
+NORMS = ["scratch", "native"]
 # each checkpointing mode with both attentions; the loss and autocast where they change what
 # is kept (the LM head's input or its gradient; 16-bit matmul inputs and the softmax's copy)
 CASES = [dict(attention=a, activation_checkpointing=c) for a in ("scratch", "sdpa")
@@ -230,10 +227,6 @@ def shipped_kept() -> KeptBytes:
         return measure_kept(shipped_config(), monkeypatch)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "estimate defect: model.smear keeps each token's previous-token embedding (4C bytes per "
-    "token) and model.unet_skips the middle block's output, which no block input shares (4C "
-    "per token with an even n_layer); activation_bytes counts neither"))
 def test_shipped_activations_are_what_backward_keeps(shipped_kept):
     assert_activations_match(shipped_config(), shipped_kept)
 
@@ -249,7 +242,7 @@ def test_recompute_is_one_part_as_a_plain_forward_keeps_it(mode, dtype, norm, mo
     blocks = range(plain.gpt.config.n_layer)
     rebuilt = max(sum(plain.part(i, part) for part in parts) for i in blocks)
     cfg = gpt2_config(dtype, norm=norm, activation_checkpointing=mode)
-    assert memory.estimate(cfg).recompute - rebuilt == overcount(cfg, "attention" in parts)
+    assert memory_estimate.estimate(cfg).recompute - rebuilt == overcount(cfg, "attention" in parts)
 
 
 # full and chunked (torch's F.linear_cross_entropy in float32, ours in bf16 and soft-capped)
@@ -267,25 +260,23 @@ def test_the_loss_keeps_no_more_than_its_estimate(case, monkeypatch):
     in forward) and more (the logits and their gradient, or one chunk's buffers)."""
     cfg = gpt2_config(norm="native", **case)
     kept = measure_kept(cfg, monkeypatch)
-    assert 0 < kept.bytes(lambda w: w == "loss", wide=None) <= memory.estimate(cfg).logits
+    assert 0 < kept.bytes(lambda w: w == "loss", wide=None) <= memory_estimate.estimate(cfg).logits
 
 
 def test_the_shipped_loss_keeps_no_more_than_its_estimate(shipped_kept):
     loss = shipped_kept.bytes(lambda w: w == "loss", wide=None)
-    assert 0 < loss <= memory.estimate(shipped_config()).logits
+    assert 0 < loss <= memory_estimate.estimate(shipped_config()).logits
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.xfail(
-    strict=True, reason="estimate defect: under bf16 autocast backward keeps the 16-bit copy "
-    "autocast makes of each weight matrix (2 bytes per parameter of every Linear and the LM "
-    "head); no part of the estimate counts them"))])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_everything_kept_for_backward_fits_the_estimate(dtype, monkeypatch):
     """All the forward leaves for backward, wide or narrow, with the loss's and any copies of
     the weights: within activations + logits."""
     cfg = gpt2_config(dtype, norm="native", attention="sdpa")
     kept = measure_kept(cfg, monkeypatch)
-    e = memory.estimate(cfg)
-    assert kept.bytes(wide=None) <= e.activations + e.logits
+    e = memory_estimate.estimate(cfg)
+    assert kept.bytes(wide=None) <= e.activations + e.logits + e.weight_copies
+    assert kept.bytes(lambda w: w == "weight_copies", wide=None) == e.weight_copies
 
 
 def storage_bytes(tensors) -> int:
@@ -300,7 +291,8 @@ def held_by_a_step(cfg: Config) -> dict[str, int]:
     with bf16 weights, the float32 masters are optimizer state and their .grad gradients."""
     torch.manual_seed(0)
     gpt = GPT(cfg.model)
-    techniques.hold_weights(gpt, cfg.system.weights_dtype, "ddp", 1)
+    if cfg.system.weights_dtype == "bfloat16":
+        master_weights.hold_weights(gpt, "ddp", 1)
     optimizer = optim.make_optimizer(gpt, cfg, torch.device("cpu"))
     idx = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.system.dtype == "bfloat16"):
@@ -326,28 +318,18 @@ def with_optimizer(cfg: Config, name: str) -> Config:
     return cfg
 
 
-PARAMETER_COUNT = pytest.mark.xfail(strict=True, reason=(
-    "estimate defect: memory.parameter_count leaves out model.unet_skips' skip_weights "
-    "(n_layer // 2) and model.smear's smear_weights (n_embd), so weights, gradients and "
-    "optimizer state each come out short"))
-MASTER_GRADIENTS = pytest.mark.xfail(strict=True, reason=(
-    "estimate defect: with weights_dtype=bfloat16, optim.MasterWeights.step gives each float32 "
-    "master a float32 copy of its gradient (4 bytes per parameter), held with the bf16 "
-    "gradients until zero_grad; the estimate's gradients count only the bf16 ones"))
 STEP_CASES = [
     pytest.param(lambda: gpt2_config(), id="gpt2-adamw"),
     pytest.param(lambda: with_optimizer(gpt2_config(), "muon"), id="gpt2-muon"),
-    pytest.param(lambda: bf16_weights(gpt2_config()), id="gpt2-adamw-bf16-weights",
-                 marks=MASTER_GRADIENTS),
-    pytest.param(shipped_config, id="shipped-muon", marks=PARAMETER_COUNT),
-    pytest.param(lambda: with_optimizer(shipped_config(), "adamw"), id="shipped-adamw",
-                 marks=PARAMETER_COUNT),
+    pytest.param(lambda: bf16_weights(gpt2_config()), id="gpt2-adamw-bf16-weights"),
+    pytest.param(shipped_config, id="shipped-muon"),
+    pytest.param(lambda: with_optimizer(shipped_config(), "adamw"), id="shipped-adamw"),
 ]
 
 
 @pytest.mark.parametrize("make_config", STEP_CASES)
 def test_weights_gradients_and_optimizer_state_are_what_a_step_holds(make_config):
     cfg = make_config()
-    e = memory.estimate(cfg)
+    e = memory_estimate.estimate(cfg)
     assert held_by_a_step(cfg) == {"weights": e.weights, "gradients": e.gradients,
                                    "optimizer": e.optimizer}

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import on_each_device, tiny_model_config
-from model import ACTIVATIONS, GPT, IGNORE_INDEX, MLP, gelu_tanh, padded_vocab_size
+from model import ACTIVATIONS, GPT, IGNORE_INDEX, MLP, gelu_tanh
+from engine.inference.kv_cache import new_kv_cache
 
 # float32 on both; CUDA kernels (cuBLAS, the memory-efficient SDPA kernel) sum in other orders
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
@@ -155,7 +156,7 @@ def test_padded_vocab_matches_unpadded(device):
     cfg = tiny_model_config(vocab_size=37)
     reference = GPT(cfg)
     padded = GPT(tiny_model_config(vocab_size=37, vocab_pad_multiple=64))
-    assert padded.transformer.wte.weight.shape[0] == padded_vocab_size(37, 64) == 64
+    assert padded.transformer.wte.weight.shape[0] == padded.padded_vocab == 64
     state = reference.state_dict()
     with torch.no_grad():
         own = padded.state_dict()
@@ -183,7 +184,7 @@ def test_kv_cache_matches_full_forward(attention, mask, device):
     model = GPT(cfg).to(device).eval()
     x, _ = batch(cfg, B=2, device=device)
     full, _ = model(x)
-    cache = model.new_kv_cache(2)
+    cache = new_kv_cache(model, 2)
     model(x.flip(1), kv_cache=cache)  # stale keys in every slot: each is masked or overwritten
     prefix, _ = model(x[:, :5], kv_cache=cache)  # a multi-token prefill at 0..4 ...
     steps = [model(x[:, t:t + 1], kv_cache=cache, input_pos=torch.tensor([t], device=device))[0]

@@ -15,11 +15,13 @@ from safetensors.torch import load_file
 
 import train
 from config import Config, ConfigError, load_config
-from engine import checkpoint, optim
+from engine import checkpoint, loading
 from model import GPT
 from conftest import tiny_model_config, train_whole_and_resumed
 from test_distributed import RUN as DIST_RUN, assert_same_trajectory, output, torchrun, \
     trajectory
+from engine.training import master_weights, optim, polar_express
+from engine.training import muon as muon_module
 
 HIDDEN = {f"transformer.h.{layer}.{name}.weight" for layer in range(2)
           for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
@@ -57,7 +59,7 @@ def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest():
     assert model.lm_head.weight is model.transformer.wte.weight
     assert isinstance(optimizer, torch.optim.Optimizer)
     assert optimizer.state is optimizer.adamw.state is optimizer.muon.state
-    assert type(optimizer.muon) is optim.Float32Muon  # auto, on a CPU
+    assert type(optimizer.muon) is muon_module.Float32Muon  # auto, on a CPU
     cuda = optim.make_optimizer(model, muon_config(), torch.device("cuda"))
     assert type(cuda.muon) is torch.optim.Muon  # auto on CUDA: torch's bfloat16 iteration
 
@@ -78,7 +80,7 @@ def test_float32_newton_schulz_orthogonalizes_like_bfloat16_and_float64():
     gen = torch.Generator().manual_seed(0)
     for shape in [(48, 16), (16, 48), (24, 24)]:
         update = torch.randn(shape, generator=gen)
-        got = optim.orthogonalize(update, coefficients, 5, 1e-7)
+        got = muon_module.orthogonalize(update, coefficients, 5, 1e-7)
         exact = newton_schulz_float64(update, coefficients)
         bf16 = torch.optim._muon._zeropower_via_newtonschulz(update, coefficients, 5, 1e-7)
         assert got.shape == shape and got.dtype == torch.float32
@@ -94,11 +96,11 @@ def test_a_step_is_torch_muon_and_adamw_applied_by_hand_at_each_scheduled_lr(ns_
     """bfloat16 is torch.optim.Muon itself; float32 (Float32Muon) equals torch.optim.Muon with
     its Newton-Schulz swapped for the float32 one: the rest of the update is torch's."""
     if ns_dtype == "float32":
-        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim.orthogonalize)
+        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", muon_module.orthogonalize)
     cfg = muon_config(warmup_iters=2, max_iters=5, muon_ns_dtype=ns_dtype)
     model, reference = tiny_gpt(), tiny_gpt()
     optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
-    hidden = optim.muon_params(reference)
+    hidden = muon_module.muon_params(reference)
     ids = {id(p) for p in hidden}
     t = cfg.train
     by_hand_muon = torch.optim.Muon(hidden, lr=t.muon_lr, weight_decay=t.weight_decay,
@@ -138,9 +140,9 @@ def test_orthogonalizing_all_at_once_is_one_by_one():
     updates = [torch.randn(shape, generator=gen) for shape in
                [(64, 16), (16, 64), (48, 16), (24, 24), (16, 64), (16, 20)]]
     updates += [low_rank + 1e-4 * torch.randn(16, 64, generator=gen), torch.zeros(64, 16)]
-    got = optim.orthogonalize_all(updates, coefficients, 5, 1e-7)
+    got = muon_module.orthogonalize_all(updates, coefficients, 5, 1e-7)
     for update, result in zip(updates[:-1], got):
-        one = optim.orthogonalize(update, coefficients, 5, 1e-7)
+        one = muon_module.orthogonalize(update, coefficients, 5, 1e-7)
         assert result.shape == update.shape and result.dtype == torch.float32
         torch.testing.assert_close(result, one, rtol=0, atol=2e-5)
         torch.testing.assert_close(result.double(), newton_schulz_float64(update, coefficients),
@@ -167,8 +169,8 @@ def test_each_polar_express_quintic_is_the_closest_to_one_where_the_values_are_b
     """Step k's quintic alternates its error 1 - p at four points with the largest size it has
     anywhere on its interval (so no quintic is closer: Chebyshev), and maps the interval into
     [1 - E, 1 + E], the next step's interval. The whole schedule takes [1e-3, 1] there."""
-    schedule = optim.polar_express_coefficients(5)
-    lo, hi = optim.POLAR_EXPRESS_LOWER, 1.0
+    schedule = polar_express.polar_express_coefficients(5)
+    lo, hi = polar_express.POLAR_EXPRESS_LOWER, 1.0
     for a, b, c in schedule:
         s = torch.logspace(math.log10(lo), math.log10(hi), 200_001, dtype=torch.float64)
         miss = 1 - (a * s + b * s**3 + c * s**5)
@@ -187,10 +189,10 @@ def test_each_polar_express_quintic_is_the_closest_to_one_where_the_values_are_b
     s = torch.logspace(-3, 0, 10_001, dtype=torch.float64)
     end = quintics(schedule, s)  # five steps: within [0.89, 1.11], where torch's five are not
     assert lo - 1e-9 < end.min() and end.max() < hi + 1e-9 and 0.88 < lo and hi < 1.12
-    torch_five = quintics(optim.per_step((3.4445, -4.7750, 2.0315), 5), s)
+    torch_five = quintics(muon_module.per_step((3.4445, -4.7750, 2.0315), 5), s)
     assert torch_five.min() < 0.48 and torch_five.max() > 1.2
-    many = optim.polar_express_coefficients(12)  # past ~6 steps: the quintics' limit at 1
-    assert many[:5] == schedule and many[-1] == optim.NEAR_ONE
+    many = polar_express.polar_express_coefficients(12)  # past ~6 steps: the quintics' limit at 1
+    assert many[:5] == schedule and many[-1] == polar_express.NEAR_ONE
     assert (quintics(many, s) - 1).abs().max() < 1e-12
 
 
@@ -199,7 +201,7 @@ def test_a_polar_express_iteration_maps_each_singular_value_by_its_quintics(step
     """orthogonalize_all with a schedule (plain, and through the Gram matrix at 4:1) and
     orthogonalize give U q(S) V^T, q the schedule's quintics composed, of an update U S V^T
     divided by its Frobenius norm: singular values from 1 down to below the schedule's 1e-3."""
-    schedule = optim.polar_express_coefficients(steps)
+    schedule = polar_express.polar_express_coefficients(steps)
     values = torch.logspace(0, -4, 16, dtype=torch.float64)
     updates, expected = [], []
     for seed, (rows, cols) in enumerate([(64, 16), (16, 64), (16, 16), (16, 48)]):
@@ -207,22 +209,22 @@ def test_a_polar_express_iteration_maps_each_singular_value_by_its_quintics(step
         updates.append(update.float())
         scaled = values / values.norm()
         expected.append(u @ torch.diag(quintics(schedule, scaled)) @ v.T)
-    got = optim.orthogonalize_all(updates, schedule, steps, 1e-7)
+    got = muon_module.orthogonalize_all(updates, schedule, steps, 1e-7)
     close = 2e-5 if steps == 3 else 1e-3  # float32 rounding, grown ~1,000x by five steps' slopes
     for update, result, want in zip(updates, got, expected):
         torch.testing.assert_close(result.double(), want, rtol=0, atol=close)
-        one = optim.orthogonalize(update, schedule, steps, 1e-7)
+        one = muon_module.orthogonalize(update, schedule, steps, 1e-7)
         torch.testing.assert_close(one.double(), want, rtol=0, atol=close)
     with pytest.raises(ValueError, match="3 Newton-Schulz quintics for 4 steps"):
-        optim.orthogonalize_all(updates, optim.polar_express_coefficients(3), 4, 1e-7)
+        muon_module.orthogonalize_all(updates, polar_express.polar_express_coefficients(3), 4, 1e-7)
 
 
 def test_polar_express_is_float32_muon_on_any_device_and_refused_with_bfloat16():
     cfg = muon_config(muon_ns_coefficients="polar_express", muon_ns_steps=3)
     optimizer = optim.make_optimizer(tiny_gpt(), cfg, torch.device("cpu"))
-    assert isinstance(optimizer.muon, optim.Float32Muon)
+    assert isinstance(optimizer.muon, muon_module.Float32Muon)
     group = optimizer.param_groups[-1]
-    assert group["ns_coefficients"] == optim.polar_express_coefficients(3)
+    assert group["ns_coefficients"] == polar_express.polar_express_coefficients(3)
     plain = optim.make_optimizer(tiny_gpt(), muon_config(), torch.device("cpu"))
     assert plain.param_groups[-1]["ns_coefficients"] == (3.4445, -4.775, 2.0315)
     with pytest.raises(ConfigError, match="polar_express iterates in float32"):
@@ -266,7 +268,7 @@ def assert_near_run(out: Path, want: Path, since: int = 0) -> None:
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5, msg=name)
-    sa, sb = (checkpoint.load_train_state(c)["optimizer"] for c in (a, b))
+    sa, sb = (loading.load_train_state(c)["optimizer"] for c in (a, b))
     as_json = json.loads(json.dumps(sa["param_groups"]))  # a sharded load gives lists, not tuples
     assert as_json == json.loads(json.dumps(sb["param_groups"]))
     for i, moments in sa["state"].items():
@@ -304,7 +306,7 @@ def test_bf16_weights_step_muon_on_float32_masters():
     model.to(torch.bfloat16)
     optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
     by_hand = optim.make_optimizer(reference, cfg, torch.device("cpu"))
-    assert isinstance(optimizer, optim.MasterWeights)
+    assert isinstance(optimizer, master_weights.MasterWeights)
     with torch.no_grad():  # the reference starts from the same (bf16-rounded) weights
         for p, q in zip(model.parameters(), reference.parameters()):
             q.copy_(p)

@@ -13,9 +13,11 @@ import generate
 import prune as prune_script
 import train
 from config import Config, ConfigError, load_config
-from engine import checkpoint, optim, pruning, sparse
+from engine import checkpoint, loading, pruning
 from model import GPT
 from conftest import tiny_model_config, train_args
+from engine.inference import sparse
+from engine.training import optim
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:
@@ -81,14 +83,14 @@ def test_masks_are_saved_with_the_checkpoint_and_checked_on_load(tmp_path):
     path = checkpoint.save(tmp_path / "run", 3, model, config_of(model), {})
     stored = load_file(str(path / checkpoint.MASK_FILE))
     assert stored.keys() == masks.keys() and all(torch.equal(stored[k], masks[k]) for k in masks)
-    loaded, _, _ = checkpoint.load_model(path)
+    loaded, _, _ = loading.load_model(path)
     assert all(torch.equal(pruning.masks_of(loaded)[k], masks[k]) for k in masks)
     weights = load_file(str(path / "model.safetensors"))
     name = "transformer.h.0.mlp.c_fc.weight"
     weights[name] = weights[name] + 1.0  # non-zero where the mask prunes
     save_file(weights, str(path / "model.safetensors"))
     with pytest.raises(checkpoint.CheckpointError, match="non-zero where the masks prune them"):
-        checkpoint.load_model(path)
+        loading.load_model(path)
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])

@@ -13,7 +13,8 @@ import torch
 
 import data.shards as shards
 import data.stream as stream
-from data.loader import Batches, DataError, ShardBatches, load_meta, open_batches
+from data.loader import Batches, DataError, load_meta, open_batches
+from data.shard_batches import ShardBatches
 from data.shards import Source, prepare
 from data.tokenizer import GPT2Tokenizer
 

@@ -14,10 +14,14 @@ from transformers import AutoModelForCausalLM
 import generate
 from config import Config, ConfigError, gpt2_recipe_flags, load_config
 from conftest import tiny_model_config, train_whole_and_resumed
-from engine import checkpoint, optim, sources
+from engine import checkpoint, loading
 from engine import hf as gpt2
-from engine.sampling import generate_tokens
-from model import GPT, ModelConfig, Rotary, departures
+from engine.inference.sampling import generate_tokens
+from model import GPT, ModelConfig, Rotary
+from engine.fields import departures
+from engine import loading
+from engine.training import optim
+from engine.inference.kv_cache import new_kv_cache
 
 EVERY = dict(position="rotary", qk_norm=True, attn_scale=0.3, tie_embeddings=False,
              zero_init_head=True, zero_init_proj=True, logit_softcap=15.0, unet_skips=True,
@@ -214,14 +218,14 @@ def test_decoding_with_a_kv_cache_matches_the_whole_forward(flag):
             p.add_(0.05 * torch.randn_like(p))  # zero inits would hide a wrong path
         idx = torch.randint(0, 37, (2, 12))
         whole = model(idx)[0]
-        cache, rows = model.new_kv_cache(2), model.new_kv_cache(2)
+        cache, rows = new_kv_cache(model, 2), new_kv_cache(model, 2)
         for t in range(12):
             step = model(idx[:, t:t + 1], kv_cache=cache, input_pos=torch.tensor([t]))[0]
             torch.testing.assert_close(step[:, 0], whole[:, t], atol=1e-5, rtol=1e-5)
             per_row = model(idx[:, t:t + 1], kv_cache=rows, input_pos=torch.tensor([[t], [t]]))[0]
             torch.testing.assert_close(per_row[:, 0], whole[:, t], atol=1e-5, rtol=1e-5)
         # a prompt in two chunks, then a row alone through a view of the cache
-        chunks = model.new_kv_cache(2)
+        chunks = new_kv_cache(model, 2)
         first = model(idx[:, :5], kv_cache=chunks, input_pos=torch.arange(5))[0]
         then = model(idx[:, 5:9], kv_cache=chunks, input_pos=torch.arange(5, 9))[0]
         torch.testing.assert_close(torch.cat([first, then], 1), whole[:, :9], atol=1e-5,
@@ -314,8 +318,8 @@ def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset
 
     whole, parts = train_whole_and_resumed(char_dataset, tmp_path, *run)
     a, b = (checkpoint.latest_checkpoint(out) for out in (whole, parts))
-    model_a, cfg_a, _ = checkpoint.load_model(a)
-    model_b = checkpoint.load_model(b)[0]
+    model_a, cfg_a, _ = loading.load_model(a)
+    model_b = loading.load_model(b)[0]
     assert departures(cfg_a.model) == departures(ModelConfig(**EVERY))
     for (name, p), q in zip(model_a.state_dict().items(), model_b.state_dict().values()):
         assert torch.equal(p, q), name
@@ -325,7 +329,7 @@ def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset
     # whole forward's
     assert generate.main(["--checkpoint", str(a), "--max_new_tokens=20", "--device=cpu",
                           "--prompt=ROMEO:", "--temperature=0"]) == 0
-    model = sources.load_model(str(a), Config())[0].eval()
+    model = loading.load_source(str(a), Config())[0].eval()
     idx = torch.tensor([[5, 6, 7]])
     cached = generate_tokens(model, idx, 10, 0.0, 0, 1.0, True, torch.Generator())
     plain = generate_tokens(model, idx, 10, 0.0, 0, 1.0, False, torch.Generator())

@@ -17,13 +17,17 @@ import sys
 import pytest
 import torch
 
-from engine.step import Trainer, train_step
-from engine import runtime
-from engine import memory, optim, techniques
+from engine.training.step import Trainer, train_step
 from config import Config, SystemConfig
 from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
 from data.loader import Batches, load_meta
 from model import GPT
+from engine import compiling
+from engine import device as machine
+from engine.benchmarks import measure, timing
+from engine.training import auto_batch
+from engine.training import optim
+from engine.training import speedups
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -35,11 +39,11 @@ def tiny_batch(cfg, B=4, seed=1, device="cpu"):
     return x.to(device), y.to(device)
 
 
-def device_runtime(device: str = "cpu", dtype: str = "float32", **system) -> runtime.Runtime:
-    return runtime.setup(SystemConfig(device=device, dtype=dtype, **system))
+def device_runtime(device: str = "cpu", dtype: str = "float32", **system) -> machine.Runtime:
+    return machine.setup(SystemConfig(device=device, dtype=dtype, **system))
 
 
-def cpu_runtime(dtype: str = "float32") -> runtime.Runtime:
+def cpu_runtime(dtype: str = "float32") -> machine.Runtime:
     return device_runtime("cpu", dtype)
 
 
@@ -92,7 +96,7 @@ def test_compiled_matches_eager(device):
     twin = GPT(cfg)
     twin.load_state_dict(eager.state_dict())
     twin.to(device)
-    compiled, note = techniques.compile_model(twin, SystemConfig(compile=True), rt)
+    compiled, note = compiling.compile_model(twin, SystemConfig(compile=True), rt)
     assert note == "default" and compiled is not twin
     x, y = tiny_batch(cfg, device=device)
     logits, loss = eager(x, y)
@@ -116,7 +120,7 @@ def test_compiled_default_model_matches_eager_with_every_gradient():
         eager.smear_weights.normal_()
     twin = GPT(eager.config)
     twin.load_state_dict(eager.state_dict())
-    compiled, _ = techniques.compile_model(twin, SystemConfig(compile=True), cpu_runtime())
+    compiled, _ = compiling.compile_model(twin, SystemConfig(compile=True), cpu_runtime())
     x, y = tiny_batch(eager.config)
     logits, loss = eager(x, y)
     c_logits, c_loss = compiled(x, y)
@@ -143,7 +147,7 @@ def test_autocast_loss_close_to_float32(dtype, tolerance, device):
     rt = device_runtime(device, dtype)
     with rt.autocast():
         logits, loss = model(x, y)
-    assert logits.dtype == runtime.DTYPES[dtype]  # the matmuls really ran in low precision
+    assert logits.dtype == machine.DTYPES[dtype]  # the matmuls really ran in low precision
     assert loss.dtype == torch.float32  # the loss is always computed in float32
     assert loss.item() != loss32.item()
     assert abs(loss.item() - loss32.item()) < tolerance * loss32.item()
@@ -206,7 +210,7 @@ def test_grad_scaler_skips_an_overflowing_float16_step(device):
 
 @pytest.mark.cuda
 def test_tf32_switch_acts_on_cuda_matmuls():
-    """system.tf32, read in runtime.setup: off keeps float32 matmuls exact to float32 rounding;
+    """system.tf32, read in machine.setup: off keeps float32 matmuls exact to float32 rounding;
     on lets cuBLAS round the inputs to TF32 (10-bit mantissa): close to float32, not equal."""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip(f"TF32 needs an Ampere or newer GPU, not {torch.cuda.get_device_name()}")
@@ -249,7 +253,7 @@ def test_pinned_batches_equal_the_plain_ones(char_dataset, device):
     cfg = Config()
     cfg.model = tiny_model_config()
     cfg.data.pin_memory = True
-    values = techniques.settings(cfg, device_runtime(device), techniques.Notes(batch="8x1"))
+    values = speedups.settings(cfg, device_runtime(device), speedups.Notes(batch="8x1"))
     assert values["pin_memory"] == ("on" if device == "cuda" else "off (needs CUDA)")
 
 
@@ -260,10 +264,10 @@ def test_micro_batch_search_finds_largest_divisor_in_few_trials():
         tried.append(b)
         return b <= 13
 
-    assert techniques.split_global_batch(48, fits) == (12, 4)  # 16 does not fit, 12 divides 48
+    assert auto_batch.split_global_batch(48, fits) == (12, 4)  # 16 does not fit, 12 divides 48
     assert len(tried) <= 4  # binary search over the 10 divisors of 48
-    assert techniques.split_global_batch(64, lambda b: True) == (64, 1)
-    assert techniques.split_global_batch(64, lambda b: False) is None
+    assert auto_batch.split_global_batch(64, lambda b: True) == (64, 1)
+    assert auto_batch.split_global_batch(64, lambda b: False) is None
 
 
 @on_each_device
@@ -307,9 +311,9 @@ def test_auto_micro_batch_off_cuda_says_what_it_kept():
     cfg.model = tiny_model_config()
     cfg.train.batch_size, cfg.train.grad_accum_steps = 8, 3
     model = GPT(cfg.model)
-    assert techniques.auto_micro_batch(cfg, model, cpu_runtime()) == "8x3"
+    assert auto_batch.auto_micro_batch(cfg, model, cpu_runtime()) == "8x3"
     cfg.train.batch_size_auto = True
-    note = techniques.auto_micro_batch(cfg, model, cpu_runtime())
+    note = auto_batch.auto_micro_batch(cfg, model, cpu_runtime())
     assert note == "8x3 (batch_size_auto needs CUDA: kept)"
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 3)
 
@@ -323,23 +327,23 @@ def test_auto_micro_batch_finds_the_largest_size_that_fits(monkeypatch):
     rt = device_runtime("cuda")
     model = GPT(cfg.model).to(rt.device)
     cfg.train.batch_size, cfg.train.grad_accum_steps = 4, 16
-    assert techniques.auto_micro_batch(cfg, model, rt) == "4x16"  # the flag is off: kept
+    assert auto_batch.auto_micro_batch(cfg, model, rt) == "4x16"  # the flag is off: kept
     cfg.train.batch_size_auto = True
-    assert techniques.auto_micro_batch(cfg, model, rt) == "64x1 (auto, of 64 per step)"
+    assert auto_batch.auto_micro_batch(cfg, model, rt) == "64x1 (auto, of 64 per step)"
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (64, 1)
     assert all(p.grad is None for p in model.parameters())  # the trials leave no gradients
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    techniques._trial_step(model, rt, 8)
+    auto_batch._trial_step(model, rt, 8)
     need = torch.cuda.max_memory_reserved()
     model.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     # auto_micro_batch's budget is MEMORY_HEADROOM x (free + reserved): make it 1.1 x need
-    monkeypatch.setattr(techniques, "MEMORY_HEADROOM",
+    monkeypatch.setattr(auto_batch, "MEMORY_HEADROOM",
                         1.1 * need / (free + torch.cuda.memory_reserved()))
     cfg.train.batch_size, cfg.train.grad_accum_steps = 4, 16
-    assert techniques.auto_micro_batch(cfg, model, rt) == "8x8 (auto, of 64 per step)"
+    assert auto_batch.auto_micro_batch(cfg, model, rt) == "8x8 (auto, of 64 per step)"
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 8)
 
 
@@ -350,11 +354,11 @@ def test_auto_micro_batch_finds_the_largest_size_that_fits(monkeypatch):
 ])
 def test_attention_kernel_report(attention, mask, expected):
     model = GPT(tiny_model_config(attention=attention, causal_mask=mask))
-    assert techniques.probe_attention(model, cpu_runtime(), micro_batch=2) == expected
+    assert speedups.probe_attention(model, cpu_runtime(), micro_batch=2) == expected
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no trace
     x, y = tiny_batch(model.config)
-    assert techniques.attention_kernels(lambda: model(x, y)[1].backward()) == expected
-    assert techniques.attention_kernels(lambda: model(x, y)[1].backward(), eager=True) == expected
+    assert measure.profiled_attention_kernels(lambda: model(x, y)[1].backward()) == expected
+    assert speedups.attention_kernels(lambda: model(x, y)[1].backward()) == expected
 
 
 @pytest.mark.cuda
@@ -370,7 +374,7 @@ def test_sdpa_picks_flash_on_cuda_for_16_bit_causal_attention(dtype, mask, flash
     cfg = tiny_model_config(n_embd=128, n_head=2, block_size=64, attention="sdpa",
                             causal_mask=mask)  # head size 64, as GPT-2's
     model = GPT(cfg).cuda()
-    kernels = techniques.probe_attention(model, device_runtime("cuda", dtype), micro_batch=2)
+    kernels = speedups.probe_attention(model, device_runtime("cuda", dtype), micro_batch=2)
     assert kernels, "no scaled_dot_product_attention kernel was recorded"
     assert ("flash" in kernels) == flash, kernels
 
@@ -382,10 +386,10 @@ def test_an_attention_kernel_that_cannot_run_is_one_line_with_the_fix(monkeypatc
         raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
     monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", fails)
     # not the variable itself: torch reads it once, at its first kernel choice in the process
-    monkeypatch.setattr(runtime, "kernel_overrides", lambda: {"ATEN_CPU_CAPABILITY": "avx2"})
+    monkeypatch.setattr(speedups, "kernel_overrides", lambda: {"ATEN_CPU_CAPABILITY": "avx2"})
     model = GPT(tiny_model_config(attention="sdpa"))
-    with pytest.raises(runtime.SetupError) as error:
-        techniques.probe_attention(model, cpu_runtime(), micro_batch=2)
+    with pytest.raises(machine.SetupError) as error:
+        speedups.probe_attention(model, cpu_runtime(), micro_batch=2)
     assert str(error.value) == (
         "--attention=sdpa: torch's attention kernel failed at the training shape in float32 "
         "(pack_vnni2 is only supported when avx512 is supported); ATEN_CPU_CAPABILITY=avx2 "
@@ -396,7 +400,7 @@ def test_an_attention_kernel_that_cannot_run_is_one_line_with_the_fix(monkeypatc
 def narrowed_below_amx() -> bool:
     """A CPU whose AMX oneDNN may use, but whose torch kernels ATEN_CPU_CAPABILITY narrowed
     below AVX-512."""
-    return "AMX" in runtime.cpu_bf16_units() and torch.backends.cpu.get_cpu_capability() != "AVX512"
+    return "AMX" in machine.cpu_bf16_units() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -424,13 +428,13 @@ def test_flash_kernel_matches_the_math_kernel_and_the_reference(dtype, device):
         return logits.float(), loss.item(), [p.grad.clone() for p in model.parameters()]
 
     out = {}
-    if device == "cpu" and dtype == "bfloat16" and narrowed_below_amx():  # techniques.sdpa_failure
+    if device == "cpu" and dtype == "bfloat16" and narrowed_below_amx():  # speedups.sdpa_failure
         with pytest.raises(RuntimeError, match="pack_vnni2 is only supported when avx512"):
             run(SDPBackend.FLASH_ATTENTION)
         pytest.xfail("torch's CPU Flash kernel takes its AMX path by the CPU, built only for "
                      "AVX-512: it raises under ATEN_CPU_CAPABILITY="
                      f"{torch.backends.cpu.get_cpu_capability().lower()}")
-    kernels = techniques.attention_kernels(lambda: out.update(flash=run(SDPBackend.FLASH_ATTENTION)))
+    kernels = speedups.attention_kernels(lambda: out.update(flash=run(SDPBackend.FLASH_ATTENTION)))
     assert kernels == (["flash"] if device == "cuda" else ["flash (cpu)"])
     out["math"] = run(SDPBackend.MATH)
     (f_logits, f_loss, f_grads), (m_logits, m_loss, m_grads) = out["flash"], out["math"]
@@ -450,30 +454,30 @@ def test_banner_names_every_flag_and_each_fallback():
     cfg.system = SystemConfig(device="cpu", tf32=True)
     cfg.data.pin_memory = True
     cfg.train.batch_size_auto = True
-    rt = runtime.setup(cfg.system)
+    rt = machine.setup(cfg.system)
     model = GPT(cfg.model)
-    batch_note = techniques.auto_micro_batch(cfg, model, rt)
-    values = techniques.settings(cfg, rt, techniques.Notes(batch=batch_note, fused_adamw="on",
+    batch_note = auto_batch.auto_micro_batch(cfg, model, rt)
+    values = speedups.settings(cfg, rt, speedups.Notes(batch=batch_note, fused_adamw="on",
                                                        kernels=["flash (cpu)"]))
     assert list(values) == ["device", "causal_mask", "tf32", "fused_adamw", "pin_memory", "dtype",
                             "norm", "activation", "attention", "compile", "vocab", "loss",
                             "optimizer", "batch", "recipe"]
-    line = techniques.banner(values, rt.notes)
+    line = speedups.banner(values, rt.notes)
     for part in ("tf32=off", "pin_memory=off (needs CUDA)", "vocab=65->128",
                  "batch=32x1 (batch_size_auto needs CUDA: kept)", "attention=scratch [flash (cpu)]",
                  "[tf32 needs CUDA: off]"):
         assert part in line, part
-    same = techniques.effective(values)
+    same = speedups.effective(values)
     assert same["pin_memory"] == "off" and same["batch"] == "32x1"
 
 
 def test_compile_without_a_compiler_is_refused(monkeypatch):
-    monkeypatch.setattr(techniques.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     model = GPT(tiny_model_config())
-    with pytest.raises(runtime.SetupError, match="--compile=false"):
-        techniques.compile_model(model, SystemConfig(compile=True), cpu_runtime())
-    assert techniques.compile_model(model, SystemConfig(compile=False), cpu_runtime()) == \
+    with pytest.raises(machine.SetupError, match="--compile=false"):
+        compiling.compile_model(model, SystemConfig(compile=True), cpu_runtime())
+    assert compiling.compile_model(model, SystemConfig(compile=False), cpu_runtime()) == \
         (model, "off")
 
 
@@ -491,35 +495,35 @@ def test_compiled_code_is_cached_per_vector_isa(monkeypatch, tmp_path, isa, fold
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: picked)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     model = GPT(tiny_model_config())
-    techniques.compile_model(model, SystemConfig(compile=True), cpu_runtime())
+    compiling.compile_model(model, SystemConfig(compile=True), cpu_runtime())
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(default_cache_dir(), folder)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice stays
-    assert techniques.inductor_cache_per_isa() == str(tmp_path)
+    assert compiling.inductor_cache_per_isa() == str(tmp_path)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reset is Linux's")
 def test_cpu_peak_memory_tracks_and_resets():
     device = torch.device("cpu")
-    memory.reset_peak_memory(device)
-    before = memory.peak_memory(device)["rss"]
+    timing.reset_peak_memory(device)
+    before = timing.peak_memory(device)["rss"]
     big = torch.ones(64 * 2**20)  # 256 MiB, touched
     del big
-    peak = memory.peak_memory(device)["rss"]
+    peak = timing.peak_memory(device)["rss"]
     assert peak >= before + 200 * 2**20
-    memory.reset_peak_memory(device)
-    assert memory.peak_memory(device)["rss"] < peak - 100 * 2**20
+    timing.reset_peak_memory(device)
+    assert timing.peak_memory(device)["rss"] < peak - 100 * 2**20
 
 
 @pytest.mark.cuda
 def test_cuda_peak_memory_tracks_and_resets():
     device = torch.device("cuda")
-    memory.reset_peak_memory(device)
-    before = memory.peak_memory(device)
+    timing.reset_peak_memory(device)
+    before = timing.peak_memory(device)
     assert set(before) == {"allocated", "reserved"}
     big = torch.ones(64 * 2**20, device=device)  # 256 MiB
     del big
-    peak = memory.peak_memory(device)
+    peak = timing.peak_memory(device)
     assert peak["allocated"] >= before["allocated"] + 256 * 2**20
     assert peak["reserved"] >= peak["allocated"]
-    memory.reset_peak_memory(device)
-    assert memory.peak_memory(device)["allocated"] < peak["allocated"] - 200 * 2**20
+    timing.reset_peak_memory(device)
+    assert timing.peak_memory(device)["allocated"] < peak["allocated"] - 200 * 2**20

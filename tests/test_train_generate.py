@@ -8,14 +8,16 @@ import math
 import pytest
 import torch
 
-from engine import checkpoint, memory
+from engine import checkpoint, loading
 import generate
 import load_gpt2_weights
-from engine import sampling
 import train
 from config import load_config
 from conftest import on_each_device, tiny_model_config
 from model import GPT
+from engine import device as machine
+from engine.inference import sampling
+from engine.training import memory_estimate
 
 
 def tiny_cfg(char_dataset, out_dir, *extra):
@@ -46,17 +48,16 @@ def test_training_lowers_loss_and_checkpoints(trained):
 
 def test_checkpoint_reproduces_final_eval(trained, char_dataset):
     cfg, summary, out = trained
-    model, stored, meta = checkpoint.load_model(out)
+    model, stored, meta = loading.load_model(out)
     assert stored == cfg  # the resolved config is stored
     assert meta["step"] == 60 and meta["tokenizer"]["kind"] == "char"
-    from engine import runtime
     from data.loader import Batches, load_meta
     data_meta = load_meta(str(char_dataset))
     loaders = {s: Batches(data_meta, s, cfg.train.batch_size, cfg.model.block_size, 0)
                for s in ("train", "val")}
     eval_sets = {s: b.fixed(cfg.train.eval_iters, seed=cfg.system.seed + 1 + i)
                  for i, (s, b) in enumerate(loaders.items())}
-    rt = runtime.setup(cfg.system)
+    rt = machine.setup(cfg.system)
     losses = train.evaluate(model, loaders, eval_sets, rt)
     assert losses["val"] == pytest.approx(summary["final"]["val"], abs=1e-6)
 
@@ -114,7 +115,7 @@ def test_generate_and_serve_share_their_model_options_and_both_command_lines_tak
 
 def test_long_prompt_is_cropped_and_empty_prompt_starts_at_newline(trained, capsys):
     _, _, out = trained
-    model, _, meta = checkpoint.load_model(out)
+    model, _, meta = loading.load_model(out)
     from data.tokenizer import from_meta
     tok = from_meta(meta["tokenizer"])
     ids = generate.encode_prompt(tok, "To be or not to be " * 5, model.config.block_size)
@@ -205,7 +206,7 @@ def test_checkpoint_from_other_architecture_is_refused(trained, tmp_path):
     _, _, out = trained
     other = GPT(tiny_model_config(vocab_size=65, block_size=32, n_embd=48, n_head=2))
     with pytest.raises(checkpoint.CheckpointError, match="do not fit the model .*mis-shaped"):
-        checkpoint.load_weights(other, checkpoint.resolve(out))
+        loading.load_weights(other, checkpoint.resolve(out))
 
 
 def test_truncated_checkpoint_is_refused(trained, tmp_path):
@@ -216,7 +217,7 @@ def test_truncated_checkpoint_is_refused(trained, tmp_path):
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
-        checkpoint.load_model(broken)
+        loading.load_model(broken)
 
 
 def test_finetune_from_checkpoint_with_shorter_context(trained, char_dataset, tmp_path):
@@ -225,7 +226,7 @@ def test_finetune_from_checkpoint_with_shorter_context(trained, char_dataset, tm
                    "--block_size=16", "--max_iters=4", "--eval_interval=4",
                    "--attention=sdpa")
     summary = train.train(cfg)
-    model, stored, _ = checkpoint.load_model(tmp_path / "ft")
+    model, stored, _ = loading.load_model(tmp_path / "ft")
     assert stored.model.block_size == 16 and model.transformer.wpe.weight.shape[0] == 16
     assert summary["final"]["val"] < 3.5  # starts from the trained weights, not from scratch
 
@@ -252,7 +253,7 @@ def test_cuda_run_with_its_speedups_learns_like_the_cpu_reference(char_dataset, 
     assert "prefetch=on (side CUDA stream)" in out
     assert fast["final"]["val"] < 3.6  # learned, from ln(65) = 4.17
     assert fast["final"]["val"] == pytest.approx(reference["final"]["val"], rel=0.05)
-    model, _, _ = checkpoint.load_model(tmp_path / "cuda", torch.device("cuda"))
+    model, _, _ = loading.load_model(tmp_path / "cuda", torch.device("cuda"))
     assert next(model.parameters()).is_cuda
     rc = generate.main([f"--checkpoint={tmp_path / 'cuda'}", "--prompt", "ROMEO:",
                         "--max_new_tokens=20", "--seed=3", "--device=cuda"])
@@ -268,11 +269,11 @@ def test_relu_squared_end_to_end(char_dataset, tmp_path, capsys):
                    "--eval_interval=30")
     gelu = tiny_cfg(char_dataset, out)
     hidden = 4 * cfg.model.n_embd * cfg.model.n_layer * cfg.train.batch_size * cfg.model.block_size
-    assert (memory.estimate(gelu).activations - memory.estimate(cfg).activations
+    assert (memory_estimate.estimate(gelu).activations - memory_estimate.estimate(cfg).activations
             == 3 * 4 * hidden)  # float32: three fewer hidden-size tensors per block
     summary = train.train(cfg)
     assert summary["final"]["val"] < 3.9  # learned, from ln(65) = 4.17
-    model, _, _ = checkpoint.load_model(out, torch.device("cpu"))
+    model, _, _ = loading.load_model(out, torch.device("cpu"))
     assert model.config.activation == "relu2"
     capsys.readouterr()
     assert generate.main([f"--checkpoint={out}", "--prompt", "ROMEO:", "--max_new_tokens=10",

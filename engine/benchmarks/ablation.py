@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from config import BOOL_WORDS, Config, ConfigError, apply_override, opt, validate
-from engine.benchmarks import ablation_report, kernels, options
+from engine.benchmarks import ablation_report, kernels, checks
 from engine.benchmarks.report import utc_now
-from engine.benchmarks.runner import run_worker, time_left
-from engine.sources import dataset_meta
+from engine.benchmarks.timing import run_worker, time_left
+from data.dataset import load_or_prepare
 
 Flag = collections.namedtuple("Flag", "keys reference fast")  # keys: the config keys it sets
 FLAGS = {
@@ -65,7 +65,7 @@ class AblationOptions:
 def parse_steps(text: str) -> list[tuple[str, str]]:
     """'attention,compile=max-autotune' -> [('attention', 'sdpa'), ('compile', 'max-autotune')]."""
     steps: list[tuple[str, str]] = []
-    for item in options.comma_list(text):
+    for item in checks.comma_list(text):
         name, _, value = item.partition("=")
         if name not in FLAGS:
             close = difflib.get_close_matches(name, list(FLAGS), n=3, cutoff=0.5)
@@ -278,7 +278,7 @@ def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, only: bool,
 
 def run(cfg: Config, opts: AblationOptions, command: str) -> int:
     """Plan (every flag checked first), measure, print and write RESULTS/NAME.{json,md,png}."""
-    options.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
+    checks.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
                          "time_budget": 0, "ceiling_size": 0})
     if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
         raise ConfigError("--clock=process times this process's CPU time: it needs "
@@ -286,7 +286,7 @@ def run(cfg: Config, opts: AblationOptions, command: str) -> int:
     cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
     only = bool(opts.only)
     rows = plan(cfg, parse_steps(opts.order if opts.only in ("", "all") else opts.only), only)
-    dataset_meta(cfg.data.dataset)  # prepared once here, not in every row's process
+    load_or_prepare(cfg.data.dataset)  # prepared once here, not in every row's process
     print(f"bench: {len(rows)} rows on {cfg.system.device}, each {opts.warmup_steps} warm-up + "
           f"{opts.measure_steps} timed steps in its own process, {opts.repeat} run(s) each",
           flush=True)

@@ -23,13 +23,16 @@ import torch
 
 from config import ConfigError, opt
 from data.loader import Batches, load_meta
-from engine import checkpoint, runtime, weights
+from engine import loading
 from engine import hf as hf_weights
-from engine.benchmarks import options
+from engine.benchmarks import checks
 from engine.benchmarks.report import MIB, section, write_report
-from engine.benchmarks.runner import REPO_ROOT, take_turns, timed
-from engine.sampling import generate_tokens, huge_pages_for, set_matvec, set_weight_layout
-from engine.step import evaluate
+from engine.benchmarks.timing import REPO_ROOT, take_turns, timed
+from engine.device import Runtime, machine_line
+from engine.inference import packed
+from engine.inference.matvec import huge_pages_for, set_matvec, set_weight_layout
+from engine.inference.sampling import generate_tokens
+from engine.training.step import evaluate
 from model import GPT, ModelConfig
 
 LLAMA_WORKER = REPO_ROOT / "scripts" / "llama_decode.py"
@@ -37,7 +40,7 @@ DECODE_SHAPES = {  # the shapes of the random weights decoded (GPT-2's vocabular
     "gpt2": dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
     "tiny": dict(block_size=128, vocab_size=50257, n_layer=2, n_head=2, n_embd=64),
 }
-CPU = runtime.Runtime(torch.device("cpu"), torch.float32, False, [])
+CPU = Runtime(torch.device("cpu"), torch.float32, False, [])
 EVAL_BATCH_SIZE = 4  # quality: windows of block_size per held-out batch
 
 
@@ -70,13 +73,13 @@ def random_gpt2(shape: str = "gpt2", device: torch.device | str = "cpu") -> GPT:
                            norm="native", activation_impl="native")).to(device).eval()
 
 
-def our_generate(model: GPT, prompt: torch.Tensor, rt: runtime.Runtime
+def our_generate(model: GPT, prompt: torch.Tensor, rt: Runtime
                  ) -> Callable[[int], torch.Tensor]:
     """run(n): n greedy tokens after the prompt, with our KV cache, as generate.py decodes."""
     return lambda n: generate_tokens(model, prompt, n, temperature=0, autocast=rt.autocast)
 
 
-def hf_generate(ours: GPT, prompt: torch.Tensor, rt: runtime.Runtime) -> tuple[object, dict]:
+def hf_generate(ours: GPT, prompt: torch.Tensor, rt: Runtime) -> tuple[object, dict]:
     """(run(n), notes): transformers' GPT2LMHeadModel.generate on our weights, batch 1, greedy,
     with its cache; run is None where transformers is not installed."""
     try:
@@ -99,7 +102,7 @@ def hf_generate(ours: GPT, prompt: torch.Tensor, rt: runtime.Runtime) -> tuple[o
 def prepared(base: GPT, fmt: str, device: torch.device = CPU.device) -> tuple[GPT, str]:
     """A copy of base held in fmt as generate.py holds it -> (model, its note)."""
     model = copy.deepcopy(base)
-    note = weights.convert(model, fmt, device)
+    note = packed.convert(model, fmt, device)
     layout = set_weight_layout(model, "auto", huge_pages=True)
     return model, (f"{note}, {layout} weight layout, huge pages "
                    f"{huge_pages_for(True, device)[1]}, matvec {set_matvec(model, 'auto')}")
@@ -114,13 +117,13 @@ def token_row(engine: str, fmt: str, model: GPT, note: str) -> dict:
         rows.add(id(t.wte.weight))  # the head is its own (packed) copy: one row read
     params = {id(p): p for p in model.parameters()}
     nbytes = sum(p.nbytes for i, p in params.items() if i not in rows)
-    nbytes += sum(m.nbytes() for m in model.modules() if isinstance(m, weights.PackedLinear))
+    nbytes += sum(m.nbytes() for m in model.modules() if isinstance(m, packed.PackedLinear))
     nbytes += t.wte.weight[0].nbytes + (t.wpe.weight[0].nbytes if "wpe" in t else 0)
     return {"engine": engine, "format": fmt, "note": note, "bytes": nbytes}
 
 
 def time_rows(rows: dict[str, dict], runs: dict[str, Callable], new: int, rounds: int,
-              rt: runtime.Runtime) -> None:
+              rt: Runtime) -> None:
     """The runs take turns; each row gets its seconds, tok/s, ceiling (the best of 8 reads of
     a buffer of its bytes / its bytes), its time over the first row's (median of the rounds'
     ratios) and how many greedy tokens equal the first row's."""
@@ -175,7 +178,7 @@ def llama_imports(python: str) -> bool:
 def speed_part(o: DecodeOptions) -> dict:
     """Every format of ours, transformers and each GGUF file taking turns (time_rows)."""
     if o.checkpoint:
-        base, cfg, _ = checkpoint.load_model(o.checkpoint, "cpu")
+        base, cfg, _ = loading.load_model(o.checkpoint, "cpu")
         m = cfg.model
         about = f"{o.checkpoint}: {m.n_layer} x {m.n_embd}, vocab {m.vocab_size}"
     else:
@@ -184,7 +187,7 @@ def speed_part(o: DecodeOptions) -> dict:
     torch.manual_seed(0)
     prompt = torch.randint(0, base.config.vocab_size, (1, o.prompt_tokens))
     rows, runs = {}, {}
-    for fmt in options.comma_list(o.formats):
+    for fmt in checks.comma_list(o.formats):
         model, note = prepared(base, fmt)
         rows[f"ours {fmt}"] = token_row("ours", fmt, model, note)
         runs[f"ours {fmt}"] = our_generate(model, prompt, CPU)
@@ -193,7 +196,7 @@ def speed_part(o: DecodeOptions) -> dict:
         rows["transformers"] = token_row("transformers", "float32", base,
                                          "GPT2LMHeadModel.generate")
         runs["transformers"] = hf_run
-    files, python = options.comma_list(o.gguf), o.llama_python or sys.executable
+    files, python = checks.comma_list(o.gguf), o.llama_python or sys.executable
     if files and not llama_imports(python):
         print(f"  llama.cpp rows skipped: llama_cpp does not import in {python} (give "
               "--llama-python)", flush=True)
@@ -216,13 +219,13 @@ def speed_part(o: DecodeOptions) -> dict:
 def quality_rows(o: DecodeOptions, path: str) -> list[dict]:
     """Per format: perplexity on fixed held-out batches and its change from the first format's,
     and how many of agreement_tokens greedy tokens after 16 held-out ones equal the first's."""
-    base, cfg, _ = checkpoint.load_model(path, "cpu")
+    base, cfg, _ = loading.load_model(path, "cpu")
     base.float().eval()
     block, new, out = base.config.block_size, o.agreement_tokens, []
     val = Batches(load_meta(cfg.data.dataset), "val", EVAL_BATCH_SIZE, block, 0, CPU.device)
     starts = val.fixed(o.eval_batches, seed=1)
     prompt = val.windows(starts[0])[0][:1, :16]
-    for fmt in options.comma_list(o.formats):
+    for fmt in checks.comma_list(o.formats):
         model, note = prepared(base, fmt)
         ppl = math.exp(evaluate(model, {"val": val}, {"val": starts}, CPU)["val"])
         # past the context: the newest half re-read, as generate.py does
@@ -271,20 +274,20 @@ def quality_markdown(quality: list[dict]) -> list[str]:
 
 def run(o: DecodeOptions, command: str) -> int:
     """The parts asked for; the page to stdout and RESULTS/decode_NAME.{json,md}."""
-    parts = options.check_list(o, "parts", ("speed", "quality"))
-    for fmt in options.comma_list(o.formats):
-        if fmt not in weights.FORMATS[1:]:
-            raise ConfigError(f"--formats: {fmt!r} is not one of {', '.join(weights.FORMATS[1:])}")
+    parts = checks.check_list(o, "parts", ("speed", "quality"))
+    for fmt in checks.comma_list(o.formats):
+        if fmt not in packed.FORMATS[1:]:
+            raise ConfigError(f"--formats: {fmt!r} is not one of {', '.join(packed.FORMATS[1:])}")
     if o.threads:
         torch.set_num_threads(o.threads)
-    report = {"name": o.name, "machine": runtime.machine_line(CPU.device), "command": command}
+    report = {"name": o.name, "machine": machine_line(CPU.device), "command": command}
     page = [f"# Decode benchmark ({o.name})", "", f"Machine: {report['machine']}", "",
             f"Command: `{command}`", ""]
     if "speed" in parts:
         report["speed"] = speed_part(o)
         page += speed_markdown(report["speed"])
     if "quality" in parts and o.quality:
-        report["quality"] = [q for path in options.comma_list(o.quality)
+        report["quality"] = [q for path in checks.comma_list(o.quality)
                              for q in quality_rows(o, path)]
         page += quality_markdown(report["quality"])
     print("\n".join(page))

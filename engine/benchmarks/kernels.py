@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from config import Config, ConfigError, apply_override, from_dict
-from engine import runtime
+from engine.device import cpu_bf16_units
 from engine.benchmarks.report import markdown_table, not_measured
 
 DECODE_ROUNDS, DECODE_TOKENS = 3, 64  # timed batch-1 runs per row (the median), tokens per run
@@ -43,7 +43,7 @@ def configured(best: Config, overrides: dict[str, str]) -> Config:
 
 def run(best: Config, measurer) -> list[dict]:
     """Each variant's training row and batch-1 decode run (measurer: ablation.Measurer)."""
-    rows = variants(torch.get_num_threads(), runtime.cpu_bf16_units())
+    rows = variants(torch.get_num_threads(), cpu_bf16_units())
     for i, row in enumerate(r for r in rows if not r.get("skip")):
         cfg = configured(best, row["set"])
         print(f"[kernels] {row['label']}: training, then batch-1 decoding", flush=True)

@@ -1,29 +1,37 @@
-"""What a worker process measures: a training row (built by engine/run.py as train.py builds
-it, then timed steps), a batch-1 decode run, and the device's matmul ceiling."""
+"""What a worker process measures: a training row (built by engine/training/build.py as train.py
+builds it, then timed steps), a batch-1 decode run, and the device's matmul ceiling."""
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from config import Config, from_dict
-from engine import memory, runtime, sampling, techniques
-from engine.benchmarks.runner import timed
-from engine.distributed import Dist
-from engine.optim import lr_at
-from engine.run import Run, build_training
-from engine.runlog import log_line
-from engine.sources import build_model, dataset_meta
-from engine.step import train_step
+from data.dataset import load_or_prepare
+from engine import compiling
+from engine.benchmarks.timing import peak_memory, reset_peak_memory, timed
+from engine.device import (Runtime, cpu_bf16_units, cpu_has_native_bf16, machine_line, matmul_rate,
+                           peak_flops, setup)
+from engine.inference import sampling
+from engine.training import speedups
+from engine.training.build import Run, build_model, build_training
+from engine.training.metrics import log_line
+from engine.training.optim import lr_at
+from engine.training.processes import Dist
+from engine.training.step import train_step
 
 
 def build(cfg: Config) -> tuple[Run, dict]:
     """(the run as train.py builds it, without resume or run log; the banner's settings)."""
     run = build_training(cfg, Dist())
-    values = techniques.settings(cfg, run.rt, run.notes)
-    print(techniques.banner(values, run.rt.notes), flush=True)
+    values = speedups.settings(cfg, run.rt, run.notes)
+    print(speedups.banner(values, run.rt.notes), flush=True)
     return run, values
 
 
@@ -45,7 +53,7 @@ def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict
     times, losses = [], []
     for i in range(warmup + measure):
         if i == warmup:
-            memory.reset_peak_memory(rt.device)
+            reset_peak_memory(rt.device)
         dt, (loss, norm) = timed(lambda: step(lr_at(i, cfg)), rt, clock)
         if i >= warmup:
             times.append(dt)
@@ -53,8 +61,8 @@ def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict
         print(("warm-up " if i < warmup else "timed   ") + log_line(
             i + 1, loss, lr_at(i, cfg), norm.item(), 1000 * dt, run.tokens_per_step / dt, None),
             flush=True)
-    peak = memory.peak_memory(rt.device)
-    kernels = techniques.attention_kernels(lambda: step(lr_at(warmup + measure, cfg)))
+    peak = peak_memory(rt.device)
+    kernels = profiled_attention_kernels(lambda: step(lr_at(warmup + measure, cfg)))
     return {"tokens_per_step": run.tokens_per_step, "step_s": times, "losses": losses,
             "loss": losses[-1], "tokens_per_s": run.tokens_per_step / statistics.median(times),
             "memory": peak, "kernels": kernels}
@@ -72,14 +80,14 @@ def time_row(spec: dict) -> dict:
               "params": model.num_params(False), "build_s": time.perf_counter() - start,
               "flops_per_token": model.flops_per_token() - 6 * padding}
     previous = spec.get("previous")
-    if previous and techniques.effective(values) == techniques.effective(previous["settings"]):
+    if previous and speedups.effective(values) == speedups.effective(previous["settings"]):
         changed = [f"{k}={v}" for k, v in values.items() if v != previous["settings"].get(k)]
         changed += [n for n in rt.notes if n not in previous.get("notes", [])]
         return {**result, "status": "skipped",
                 "reason": "changes nothing here: " + "; ".join(changed or ["same settings"])}
     model.train()
     timing = time_steps(run, spec["warmup"], spec["measure"], spec["clock"])
-    rate = runtime.matmul_rate(rt.device, rt.dtype)  # train.py's start-up estimate, the same way
+    rate = matmul_rate(rt.device, rt.dtype)  # train.py's start-up estimate, the same way
     work = model.flops_per_token() * timing["tokens_per_step"]  # padded rows included
     return {**result, **timing, "matmul_rate": rate, "estimate_step_s": work / rate}
 
@@ -88,11 +96,11 @@ def decode_row(spec: dict) -> dict:
     """Batch-1 greedy decoding with the KV cache, as generate.py does it (random weights):
     tokens/s, the median of spec["rounds"] runs of spec["new_tokens"] after a warm-up."""
     cfg = from_dict(spec["config"])
-    rt = runtime.setup(cfg.system)
-    model, _ = build_model(cfg, dataset_meta(cfg.data.dataset), rt.device)
+    rt = setup(cfg.system)
+    model, _ = build_model(cfg, load_or_prepare(cfg.data.dataset), rt.device)
     model.eval()
     new, start = min(spec["new_tokens"], cfg.model.block_size - 1), time.perf_counter()
-    runner, note = techniques.compile_model(model, cfg.system, rt)
+    runner, note = compiling.compile_model(model, cfg.system, rt)
     bucket = cfg.sample.prompt_bucket if cfg.system.compile else 0
     if cfg.system.compile:
         sampling.warm_up(runner, 1, new, bucket, rt.autocast)
@@ -114,21 +122,50 @@ def decode_row(spec: dict) -> dict:
 def ceiling(spec: dict) -> dict:
     """The device's dense matmul ceiling (the best of its fast dtypes) and its datasheet peak."""
     system = from_dict(spec["config"]).system
-    rt = runtime.setup(system)
+    rt = setup(system)
     cuda, measured = rt.device.type == "cuda", {}
     n, iters = spec.get("matmul_n") or (8192 if cuda else 2048), 30 if cuda else 5
     dtypes = ([torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16] if cuda else
-              [torch.float32] + ([torch.bfloat16] if runtime.cpu_has_native_bf16() else []))
+              [torch.float32] + ([torch.bfloat16] if cpu_has_native_bf16() else []))
     for dtype in dtypes:
         a, b = (torch.randn(n, n, device=rt.device, dtype=dtype) for _ in range(2))
         [a @ b for _ in range(2)]  # warm-up
         seconds, _ = timed(lambda: [a @ b for _ in range(iters)], rt, spec["clock"])
         measured[str(dtype).removeprefix("torch.")] = 2 * n**3 * iters / seconds
     best = max(measured, key=measured.get)
-    half = runtime.Runtime(device=rt.device, dtype=torch.bfloat16, tf32=False, notes=[])
-    return {"hardware": runtime.machine_line(rt.device), "device": rt.device.type,
-            "isa": torch.backends.cpu.get_cpu_capability(), "bf16_units": runtime.cpu_bf16_units(),
-            "compile_kernels": techniques.compile_kernels(rt.device),
+    half = Runtime(device=rt.device, dtype=torch.bfloat16, tf32=False, notes=[])
+    return {"hardware": machine_line(rt.device), "device": rt.device.type,
+            "isa": torch.backends.cpu.get_cpu_capability(), "bf16_units": cpu_bf16_units(),
+            "compile_kernels": compiling.compile_kernels(rt.device),
             "measured": measured[best], "measured_dtype": best, "measured_all": measured,
-            "matmul_n": n, "datasheet": runtime.peak_flops(half, system.peak_flops),
+            "matmul_n": n, "datasheet": peak_flops(half, system.peak_flops),
             "torch": torch.__version__}
+
+
+def profiled_attention_kernels(run: Callable[[], object]) -> list[str]:
+    """The SDPA kernels `run` dispatched to, compiled code too: under torch.profiler, whose
+    first start costs seconds (train.py reads eager code's cheaply: speedups.attention_kernels)."""
+    prof = profile(activities=[ProfilerActivity.CPU])  # aten calls are recorded on the host
+    with quiet_stderr():
+        prof.start()
+    try:
+        run()
+    finally:
+        with quiet_stderr():
+            prof.stop()
+    names = {e.name for e in prof.events()}
+    return sorted({speedups.SDPA_KERNELS[n] for n in names if n in speedups.SDPA_KERNELS})
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence C-level stderr (the profiler's chatter)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -17,14 +17,17 @@ import torch
 
 from config import Config, ConfigError, from_dict, load_config, opt
 from data.loader import Batches, load_meta
-from data.workers import SharedMemoryBatches
-from engine import memory, quantize, runtime
-from engine.benchmarks import decode, measure, options
+from data.loader_workers import SharedMemoryBatches
+from engine.benchmarks import checks, decode, measure
 from engine.benchmarks.report import MIB, markdown_table, not_measured, section, write_report
-from engine.benchmarks.runner import run_worker, take_turns, time_left, timed
-from engine.optim import lr_at
-from engine.sampling import huge_pages_for, set_matvec, set_weight_layout, weight_layout_for
-from engine.step import evaluate
+from engine.benchmarks.timing import (peak_memory, reset_peak_memory, run_worker, take_turns,
+                                      time_left, timed)
+from engine.device import Runtime, machine_line, release_cached, resolve_device, setup
+from engine.inference import quantize
+from engine.inference.matvec import huge_pages_for, set_matvec, set_weight_layout, weight_layout_for
+from engine.training import memory_estimate
+from engine.training.optim import lr_at
+from engine.training.step import evaluate
 from model import GPT
 
 PARTS = ("train", "quant", "loader", "decode")
@@ -69,8 +72,8 @@ class MemoryOptions:  # the rest of the command line is the config
 def held(device: torch.device, reset: bool = True) -> int:
     """Bytes held now, or at the peak since the last reset (CUDA allocated, or the RSS)."""
     if reset:
-        memory.reset_peak_memory(device)
-    peak = memory.peak_memory(device)
+        reset_peak_memory(device)
+    peak = peak_memory(device)
     return peak.get("allocated", peak.get("rss", 0))
 
 
@@ -79,7 +82,7 @@ def train_row(spec: dict) -> dict:
     evaluation (then empty_cache as configured), `steps` more: the peak above what was held
     before them (the step's own memory), the peak above start-up, tokens/s after the eval."""
     cfg, steps = from_dict(spec["config"]), spec["steps"]
-    start = held(runtime.resolve_device(cfg.system.device))
+    start = held(resolve_device(cfg.system.device))
     run, _ = measure.build(cfg)
     rt, t, val, step = run.rt, cfg.train, run.loaders["val"], measure.stepper(run)
     run.model.train()
@@ -88,13 +91,13 @@ def train_row(spec: dict) -> dict:
     for i in range(2 * steps):
         if i == steps:
             evaluate(run.model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
-            memory.release_cached(rt.device, cfg.system.empty_cache)
+            release_cached(rt.device, cfg.system.empty_cache)
         times.append(timed(lambda: step(t.learning_rate), rt)[0])
-    top, e = held(rt.device, reset=False), memory.estimate(cfg)
+    top, e = held(rt.device, reset=False), memory_estimate.estimate(cfg)
     return {"tokens_per_s": run.tokens_per_step / statistics.median(times[steps:]),
             "step_peak": top - resident, "peak": top - start,
             "estimate_step": e.total - e.weights - e.optimizer, "estimate": e.total,
-            **{k: v for k, v in memory.peak_memory(rt.device).items() if k == "reserved"}}
+            **{k: v for k, v in peak_memory(rt.device).items() if k == "reserved"}}
 
 
 def train_cells(r: dict) -> list[str]:
@@ -113,7 +116,7 @@ def train_part(config_args: list[str], opts: MemoryOptions, device: torch.device
     """Each chosen row in a worker process, within the --time-budget."""
     rows, left = [], time_left(opts.time_budget)
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
-        for i, label in enumerate(options.comma_list(opts.rows) or TRAIN_ROWS):
+        for i, label in enumerate(checks.comma_list(opts.rows) or TRAIN_ROWS):
             overrides, needs_cuda = TRAIN_ROWS[label]
             if needs_cuda and device.type != "cuda":
                 row = {"setting": label, "status": "needs CUDA"}
@@ -202,7 +205,7 @@ def loader_markdown(lo: dict) -> list[str]:
                    "(reading alone):", ["producer", "batches/s"], rows)
 
 
-def decode_models(base: GPT, rt: runtime.Runtime, layers: str) -> tuple[dict, dict]:
+def decode_models(base: GPT, rt: Runtime, layers: str) -> tuple[dict, dict]:
     """(name -> (label, model, note), notes): ours as generate.py holds base, a copy per
     DECODE_CHANGES where it changes something here, int8 as generate.py --quantize=int8."""
     ours, note = decode.prepared(base, "torch", rt.device)
@@ -225,7 +228,7 @@ def decode_models(base: GPT, rt: runtime.Runtime, layers: str) -> tuple[dict, di
     return {**models, "int8": (f"ours, int8 {layers}", int8, "torchao int8 weight-only")}, {}
 
 
-def decode_part(opts: MemoryOptions, rt: runtime.Runtime) -> dict:
+def decode_part(opts: MemoryOptions, rt: Runtime) -> dict:
     """The rows of decode_models and transformers' generate on the same random weights, batch 1,
     greedy, taking turns, each against the read bandwidth at its size (decode.time_rows)."""
     base = decode.random_gpt2(opts.decode_model, rt.device)
@@ -252,14 +255,14 @@ def decode_part(opts: MemoryOptions, rt: runtime.Runtime) -> dict:
 
 def run(cfg: Config, opts: MemoryOptions, config_args: list[str], command: str) -> int:
     """Every part asked for; the report to stdout and to RESULTS/memory_NAME.{json,md}."""
-    chosen = options.check_list(opts, "part", PARTS)
+    chosen = checks.check_list(opts, "part", PARTS)
     if opts.rows:
-        options.check_list(opts, "rows", list(TRAIN_ROWS))
-    options.check(opts, {"steps": 1, "quant_steps": 1, "decode_tokens": 1, "prompt_tokens": 1,
+        checks.check_list(opts, "rows", list(TRAIN_ROWS))
+    checks.check(opts, {"steps": 1, "quant_steps": 1, "decode_tokens": 1, "prompt_tokens": 1,
                          "time_budget": 0})
     quantize.quantize_targets(opts.quantize_layers)
-    rt = runtime.setup(cfg.system)
-    report = {"hardware": runtime.machine_line(rt.device), "command": command,
+    rt = setup(cfg.system)
+    report = {"hardware": machine_line(rt.device), "command": command,
               "config": cfg.to_dict()}
     page = [f"Memory benchmark on {report['hardware']} (`{command}`)", ""]
     parts = {"train": (lambda: train_part(config_args, opts, rt.device), lambda rows: [

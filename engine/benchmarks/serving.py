@@ -27,11 +27,12 @@ import httpx
 import torch
 
 from config import Config, opt
-from engine import checkpoint, runtime
-from engine.benchmarks import decode, options
+from engine import checkpoint
+from engine.device import machine_line
+from engine.benchmarks import decode, checks
 from engine.benchmarks.report import MIB, section, write_report
-from engine.benchmarks.runner import REPO_ROOT
-from engine.serving.workers import pss_bytes
+from engine.benchmarks.timing import REPO_ROOT
+from engine.serving.supervisor import pss_bytes
 
 TEXT = REPO_ROOT / "data" / "tinyshakespeare.txt"
 PROMPT_CHARS = (8, 32, 96)  # the fixed mix: request i takes PROMPT_CHARS[i % 3] ...
@@ -285,7 +286,7 @@ def workers_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, 
 def memory_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
     """Total PSS of serve.py with N workers sharing the weights, and with one copy each."""
     rows = []
-    for workers in map(int, options.comma_list(o.memory_workers)):
+    for workers in map(int, checks.comma_list(o.memory_workers)):
         for shared in (True, False):
             with server(o, ckpt, f"--workers={workers}", "--threads=1", "--slots=4",
                         f"--share-weights={shared}", workers=workers) as up:
@@ -305,10 +306,10 @@ def memory_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, l
 def formats_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, list[str]]:
     """Our server per weight format beside the --outside servers, all up at once, taking turns
     at each level (each round starting one server later): greedy requests of --fixed-tokens."""
-    outside = dict(item.split("=", 1) for item in options.comma_list(o.outside))
+    outside = dict(item.split("=", 1) for item in checks.comma_list(o.outside))
     jobs = [{**job, "max_tokens": o.fixed_tokens} for job in workload(o.requests, o.gpt2_shaped)]
     with servers(o, ckpt, {f"ours {fmt}": [f"--slots={o.slots}", f"--weights={fmt}"]
-                           for fmt in options.comma_list(o.weights)}) as ours:
+                           for fmt in checks.comma_list(o.weights)}) as ours:
         urls = {**{label: s.url for label, s in ours.items()}, **outside}
         # the model id each lists first: outside servers want it named
         models = {label: httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
@@ -383,7 +384,7 @@ def prefill_part(o: ServeOptions, ckpt: Path, levels: list[int]) -> tuple[dict, 
     """Per round, our server once per prefill chunk setting, one up at a time (two would share
     the cores), each measured by prefill_round; medians over the rounds."""
     shape = json.loads((ckpt / "config.json").read_text())["model"]
-    chunks, weights = options.comma_list(o.chunks), options.comma_list(o.weights)[0]
+    chunks, weights = checks.comma_list(o.chunks), checks.comma_list(o.weights)[0]
     rounds: dict[str, list[dict]] = {chunk: [] for chunk in chunks}
     for _ in range(o.rounds):
         for chunk in chunks:
@@ -437,10 +438,10 @@ def served_model(o: ServeOptions, folder: Path) -> tuple[Path, str]:
 
 def run(o: ServeOptions, command: str) -> int:
     """The parts asked for; the page to stdout and RESULTS/serve_NAME.{json,md}."""
-    asked = options.check_list(o, "parts", PARTS)
-    levels = [int(c) for c in options.comma_list(o.concurrency)]
+    asked = checks.check_list(o, "parts", PARTS)
+    levels = [int(c) for c in checks.comma_list(o.concurrency)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # servers stopped on the way out
-    report = {"name": o.name, "machine": runtime.machine_line(torch.device("cpu")),
+    report = {"name": o.name, "machine": machine_line(torch.device("cpu")),
               "command": command}
     page: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:

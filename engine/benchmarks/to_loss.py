@@ -30,10 +30,10 @@ from typing import ClassVar
 import torch
 
 from config import ConfigError, gpt2_recipe_flags, opt
-from engine import runtime
-from engine.benchmarks import options
+from engine.device import machine_line
+from engine.benchmarks import checks
 from engine.benchmarks.report import figure, markdown_table, save_figure, utc_now, write_report
-from engine.benchmarks.runner import REPO_ROOT
+from engine.benchmarks.timing import REPO_ROOT
 
 # GPT-2's model and nanoGPT's schedule, whatever the default config turns on
 RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd=128",
@@ -215,11 +215,11 @@ def run_chain(opts: ToLossOptions, chosen: list[str]) -> list[dict]:
 
 def run(opts: ToLossOptions, command: str) -> int:
     """The chain to the target; the page to stdout and RESULTS/to_loss_NAME.*."""
-    options.check(opts, {"eval_every": 1, "repeat": 1, "keep_margin": 0})
+    checks.check(opts, {"eval_every": 1, "repeat": 1, "keep_margin": 0})
     if opts.target <= 0:
         raise ConfigError(f"the target loss must be > 0 (got {opts.target}): bench.py to-loss "
                           "1.886")
-    chosen = options.comma_list(opts.recipes)
+    chosen = checks.comma_list(opts.recipes)
     if unknown := [r for r in chosen if r not in RECIPES]:
         raise ConfigError(f"--recipes: unknown {', '.join(unknown)}; the recipes are "
                           f"{', '.join(RECIPES)}")
@@ -227,7 +227,7 @@ def run(opts: ToLossOptions, command: str) -> int:
         check_nanogpt(opts.nanogpt)
     rows = run_chain(opts, chosen)
     report = {"target": opts.target, "command": command, "rows": rows, "date": utc_now(),
-              "hardware": runtime.machine_line(torch.device("cpu"))}
+              "hardware": machine_line(torch.device("cpu"))}
     text = page(report, [f"target: val loss <= {opts.target}, checked every {opts.eval_every} "
                          "steps; time from launch (start-up and evaluations included), the "
                          f"median of {opts.repeat} run(s); each + row adds its technique to "
@@ -295,9 +295,9 @@ def side_programs(opts: VsNanoGPTOptions) -> dict[str, tuple[Path, list[str]]]:
 def vs_nanogpt(opts: VsNanoGPTOptions, command: str) -> int:
     """Every program to its end, in turn, round after round; the page after every round."""
     check_nanogpt(opts.nanogpt)
-    options.check(opts, {"rounds": 1, "max_iters": 1, "threads": 0})
+    checks.check(opts, {"rounds": 1, "max_iters": 1, "threads": 0})
     programs, runs = side_programs(opts), {}
-    if chosen := options.comma_list(opts.programs):
+    if chosen := checks.comma_list(opts.programs):
         keys = {"every speedup": "ours, every speedup (tanh GELU)",
                 "erf": "ours, nanoGPT's math (erf GELU)", "speedrun": "ours, speedrun config"}
         if unknown := [c for c in chosen if c not in keys]:
@@ -316,7 +316,7 @@ def vs_nanogpt(opts: VsNanoGPTOptions, command: str) -> int:
             if result["returncode"]:
                 print("\n".join(result["tail"]), file=sys.stderr)
                 return 1
-        report = {"command": command, "hardware": runtime.machine_line(torch.device("cpu")),
+        report = {"command": command, "hardware": machine_line(torch.device("cpu")),
                   "date": utc_now(), "runs": runs,
                   "programs": {k: {"cwd_is_nanogpt": cwd != REPO_ROOT, "args": args}
                                for k, (cwd, args) in programs.items()}}

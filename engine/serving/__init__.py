@@ -1,3 +1,3 @@
 """serve.py's machinery: its options (options.py), the HTTP app (app.py), continuous batching
-(batching.py), the worker supervisor (workers.py), log-probabilities (logprobs.py) and the
+(batching.py), the worker supervisor (supervisor.py), log-probabilities (logprobs.py) and the
 playground page (playground.py)."""

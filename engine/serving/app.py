@@ -5,7 +5,7 @@
                            logprobs (0-5) and echo (engine/serving/logprobs.py)
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
     GET  /                 the playground page (playground.py): prompt, controls, stream
-    GET  /metrics          Prometheus' text format, summed over the workers (workers.py)
+    GET  /metrics          Prometheus' text format, summed over the workers (supervisor.py)
 
     app = create_app(engine, ServedModel(name, block_size, vocab_size, options), tokenizer)
 

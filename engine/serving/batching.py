@@ -12,7 +12,7 @@ alone (the same `sampling.prefill` as generate.py), up to prefill_chunk prompt t
 long prompt is read over several steps, so the running streams wait for one chunk, never for
 the whole prompt), and copied into their row. With packed weights (--weights float32, bfloat16,
 int8, int4) a step is one forward instead: the decoding rows' tokens and the prompt tokens read
-this step, each straight into its slot's row (weights.forward_tokens). Sampling is
+this step, each straight into its slot's row (packed.forward_tokens). Sampling is
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
 
@@ -37,10 +37,11 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, Field
 
-from engine import memory, weights
+from engine.device import release_cached
+from engine.inference.kv_cache import new_kv_cache
+from engine.inference.sampling import prefill, sample_next
 from engine.serving import logprobs
 from engine.serving.logprobs import Scored
-from engine.sampling import prefill, sample_next
 from model import GPT
 
 
@@ -154,8 +155,13 @@ class BatchEngine:
         self.autocast = autocast or contextlib.nullcontext
         self.static, self.warmup, self.idle_release_s = static, warmup, idle_release_s
         self.empty_cache, self.log = empty_cache, log or (lambda text: print(text, file=sys.stderr))
-        self.cache = raw_model.new_kv_cache(slots)  # a row per slot, each at its own position
-        self.scratch = raw_model.new_kv_cache(1)  # prefills run batch 1 here, as generate.py's
+        self.cache = new_kv_cache(raw_model, slots)  # a row per slot, each at its own position
+        self.scratch = new_kv_cache(raw_model, 1)  # prefills run batch 1 here, as generate.py's
+        self.packed = None  # weights packed for the CPU kernels: one call a block per step
+        if raw_model.__dict__.get("decode_rows") is not None:
+            from engine.inference import packed
+
+            self.packed = packed
         # prompt tokens a step reads (a multiple of the bucket: only the last chunk is padded)
         self.chunk = -(-prefill_chunk // max(prompt_bucket, 1)) * max(prompt_bucket, 1)
         self.prefilling: Sequence | None = None  # the one part-read into scratch
@@ -227,7 +233,7 @@ class BatchEngine:
                     return False
                 left = idle_since + self.idle_release_s - time.monotonic()
                 if not released and left <= 0:
-                    if memory.release_cached(self.device, self.empty_cache):
+                    if release_cached(self.device, self.empty_cache):
                         self.released_idle += 1
                     released = True
                 self.lock.wait(timeout=None if released else left)
@@ -238,7 +244,7 @@ class BatchEngine:
         self.chunk prompt tokens in all (0: every waiting prompt whole), the one part-read
         first (it holds the scratch cache). Packed weights: both in one forward (_step_tokens)."""
         self._admit()
-        if self.model is self.raw_model and weights.fused(self.raw_model):
+        if self.model is self.raw_model and self.packed is not None:
             return self._step_tokens()
         decoding = [s for s in self.running if s is not None and s.pos is not None]
         if decoding:
@@ -257,7 +263,7 @@ class BatchEngine:
             fresh = fresh[len(group) or 1:]
 
     def _step_tokens(self) -> None:
-        """One forward (weights.forward_tokens): each decoding sequence's next token in its
+        """One forward (packed.forward_tokens): each decoding sequence's next token in its
         row, and up to self.chunk prompt tokens of the sequences reading their context, in slot
         order, straight into their rows (with nothing decoding, up to READ_ALONE: no stream
         waits); logits only where a token is sampled or a prompt token scored."""
@@ -286,7 +292,7 @@ class BatchEngine:
             logits_at += at if scored or done else []
             seq.read += n
             budget -= n
-        logits = weights.forward_tokens(self.raw_model, torch.tensor(tokens), self.cache.kv,
+        logits = self.packed.forward_tokens(self.raw_model, torch.tensor(tokens), self.cache.kv,
                                         torch.tensor(rows), torch.tensor(positions),
                                         torch.tensor(logits_at))
         for seq, context, start, n, at, scored, done in reads:
@@ -387,7 +393,7 @@ class BatchEngine:
         longest = max(map(len, contexts))
         ids = torch.tensor([c + [0] * (longest - len(c)) for c in contexts], device=self.device)
         last = torch.tensor([[len(c) - 1] for c in contexts], device=self.device)
-        cache = self.raw_model.new_kv_cache(len(group), positions=longest)
+        cache = new_kv_cache(self.raw_model, len(group), positions=longest)
         cache.filled = longest
         with self.autocast():
             logits = self.model(ids, kv_cache=cache, input_pos=torch.arange(
@@ -411,8 +417,8 @@ class BatchEngine:
         row = {s.slot: s.slot for s in seqs}  # each seq's row of the logits
         cache = self.cache
         eager = self.model is self.raw_model
-        if eager and weights.fused(self.raw_model):  # one call a block
-            logits = weights.decode_rows(self.raw_model, tokens, self.cache.kv,
+        if eager and self.packed is not None:  # one call a block
+            logits = self.packed.decode_rows(self.raw_model, tokens, self.cache.kv,
                                          positions.view(rows))[:, -1, :]  # (rows, V)
         else:
             if eager and len(seqs) == 1:  # alone: its own row of the cache, no mask

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from config import Config, ConfigError, opt
-from engine.sources import InferenceOptions
+from engine.inference.load import InferenceOptions
 
 API_KEY_ENV = "GPT2S_API_KEY"  # the key from the environment, so it need not show in `ps`
 

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from config import Config, ConfigError
-from engine import runtime, sources, techniques
-from engine.serving.options import ServeOptions
 from data.tokenizer import from_meta
+from engine.device import Runtime, setup
+from engine.inference.load import load_for_inference, prepare_weights
+from engine.serving.options import ServeOptions
 
 if TYPE_CHECKING:  # imported by the worker only, after the fork
     from engine.serving.batching import BatchEngine
@@ -64,7 +65,7 @@ def load_for_serving(cfg: Config, options: ServeOptions,
     sample.quantize), on the CPU, with its tokenizer. Served on the CPU (`device`), its weights
     are prepared here (prepare_for_serving), before any fork, so the workers share them; a GPU
     worker prepares them after moving them."""
-    model, meta, label = sources.load_for_inference(cfg, options, "cpu", "serve")
+    model, meta, label = load_for_inference(cfg, options, "cpu", "serve")
     if device.type == "cpu":
         prepare_for_serving(model, cfg, options, device)
     step = f" (step {meta['step']})" if "step" in meta else ""
@@ -73,9 +74,9 @@ def load_for_serving(cfg: Config, options: ServeOptions,
 
 
 def prepare_for_serving(model, cfg: Config, options: ServeOptions, device: torch.device) -> None:
-    """generate.py's preparation of the weights (sources.prepare_weights), a pruned model's
+    """generate.py's preparation of the weights (prepare_weights), a pruned model's
     sparse kernels probed at --slots rows (a decode step's), said in the log."""
-    prepared = sources.prepare_weights(model, cfg, options, device, options.slots)
+    prepared = prepare_weights(model, cfg, options, device, options.slots)
     log(f"weights={prepared.weights}")
     if prepared.sparse:
         log(prepared.sparse)
@@ -112,7 +113,7 @@ def run_worker(cfg: Config, options: ServeOptions, loaded: LoadedModel | None, s
     for sig in (signal.SIGTERM, signal.SIGINT):  # before uvicorn: end now; uvicorn takes them
         signal.signal(sig, exit_now)  # over, and raises them again once it has drained
     torch.set_num_threads(options.threads_per_worker(cfg))
-    rt = runtime.setup(cfg.system)
+    rt = setup(cfg.system)
     loaded = loaded or load_for_serving(cfg, options, rt.device)
     engine = start_engine(cfg, options, loaded, rt)
     served = ServedModel(loaded.name, engine.block_size, engine.raw_model.config.vocab_size,
@@ -126,7 +127,7 @@ def run_worker(cfg: Config, options: ServeOptions, loaded: LoadedModel | None, s
 
 
 def start_engine(cfg: Config, options: ServeOptions, loaded: LoadedModel,
-                 rt: runtime.Runtime) -> BatchEngine:
+                 rt: Runtime) -> BatchEngine:
     """The worker's model on its device (prepared there, unless the supervisor did it on the
     CPU), compiled if system.compile, in a BatchEngine with the worker's slots and queue."""
     from engine.serving.batching import BatchEngine
@@ -134,7 +135,11 @@ def start_engine(cfg: Config, options: ServeOptions, loaded: LoadedModel,
     raw_model = loaded.model.to(rt.device)
     if rt.device.type != "cpu":  # on the CPU the supervisor did it, before the fork
         prepare_for_serving(raw_model, cfg, options, rt.device)
-    model, _ = techniques.compile_model(raw_model, cfg.system, rt)
+    model = raw_model
+    if cfg.system.compile:
+        from engine.compiling import compile_model
+
+        model, _ = compile_model(raw_model, cfg.system, rt)
     return BatchEngine(model, raw_model, loaded.tokenizer, rt.device, options.slots,
                        options.max_queue,
                        prompt_bucket=cfg.sample.prompt_bucket if cfg.system.compile else 0,

@@ -1,6 +1,9 @@
-"""Runtime setup shared by every script: device, seeds, threads, precision (autocast, TF32,
-dtype=auto), what the machine is (CPU model, vector ISA, native bf16), the device's peak FLOP/s
-for MFU, and its measured matmul rate for the start-up time estimate."""
+"""The device a process runs on, set up the same way by every script: the device, seeds, threads
+and precision (autocast, TF32, dtype=auto); what the machine is (CPU model, vector ISA, native
+bf16); its peak FLOP/s for MFU and its measured matmul rate for the start-up time estimate.
+
+    rt = setup(cfg.system)          # rt.device, rt.dtype; `with rt.autocast(): ...`
+"""
 from __future__ import annotations
 
 import contextlib
@@ -274,3 +277,17 @@ def format_seconds(seconds: float) -> str:
     if minutes < 60:
         return f"{int(minutes)}m{int(seconds % 60):02d}s"
     return f"{int(minutes // 60)}h{int(minutes % 60):02d}m"
+
+
+def format_bytes(n: int) -> str:
+    """'12.3 MiB', '1.50 GiB'."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def release_cached(device: torch.device, enabled: bool) -> bool:
+    """system.empty_cache: hand cached CUDA blocks back, between phases only (inside a step it
+    would only force new cudaMallocs). Returns whether it ran."""
+    if not enabled or device.type != "cuda":
+        return False
+    torch.cuda.empty_cache()
+    return True

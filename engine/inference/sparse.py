@@ -1,7 +1,7 @@
 """Running a pruned model's Linear layers with sparse kernels, where they measured faster here.
 
     note = prepare_for_inference(model, "auto", device)   # generate.py --sparse=auto
-    python -m engine.sparse                                # CSR/BSR vs dense at GPT-2 124M shapes
+    python -m engine.inference.sparse       # CSR/BSR vs dense at GPT-2 124M shapes
 
 Kernels: on CPU, the weight as a CSR tensor (torch.mm(csr, x^T)); on CUDA, 2:4 semi-structured
 (torch.sparse.to_sparse_semi_structured, in float16, Ampere or newer). `auto` times dense
@@ -12,6 +12,7 @@ keep their dense weights with zeros.
 """
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import statistics
@@ -26,6 +27,9 @@ import torch.nn.functional as F
 
 from config import ConfigError, load_options, opt
 from engine import pruning
+from engine.inference.matvec import set_weight_layout
+from engine.inference.sampling import generate_tokens
+from model import GPT, ModelConfig
 
 MODES = ("dense", "sparse", "auto")
 SPEEDUP_NEEDED = 1.1  # auto: sparse must beat dense by this factor (timing noise)
@@ -244,11 +248,6 @@ def bench(device: torch.device, rows_list: list[int], repeats: int) -> list[dict
 def decode_race(sparsity: float, tokens: int, rounds: int = 3) -> list[str]:
     """Batch-1 greedy decoding of a GPT-2 124M-shaped model (random weights) pruned at
     `sparsity`: dense, auto and sparse in turns; tok/s per mode, median of the rounds."""
-    import copy
-
-    from engine.sampling import generate_tokens, set_weight_layout
-    from model import GPT, ModelConfig
-
     torch.manual_seed(0)
     base = GPT(ModelConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12,
                            n_embd=768)).eval()
@@ -303,7 +302,7 @@ def write_table(results: list[dict], device: torch.device, path: Path, command: 
 
 @dataclass
 class BenchOptions:
-    """python -m engine.sparse's options."""
+    """python -m engine.inference.sparse's options."""
 
     device: str = opt("cpu", "cpu | cuda | cuda:N")
     rows: str = opt("1,16,128", "input rows per call, a comma list (1 = a decode step)")
@@ -318,7 +317,7 @@ class BenchOptions:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        o = load_options(argv, BenchOptions, "-m engine.sparse", __doc__)
+        o = load_options(argv, BenchOptions, "-m engine.inference.sparse", __doc__)
         if not all(r.strip().isdigit() and int(r) > 0 for r in o.rows.split(",")):
             raise ConfigError(f"--rows={o.rows!r} must be a comma list of positive integers, "
                               "e.g. 1,16,128")
@@ -333,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(o.device)
     results = bench(device, [int(r) for r in o.rows.split(",")], o.repeats)
     if o.out:
-        write_table(results, device, Path(o.out), " ".join(["python -m engine.sparse", *argv]))
+        write_table(results, device, Path(o.out),
+                    " ".join(["python -m engine.inference.sparse", *argv]))
     return 0
 
 

@@ -1,7 +1,9 @@
 """Each measurement in a fresh process, so that its peak memory and compile state are its own
-(run_worker runs `python -m engine.benchmarks.worker SPEC.json`), and the clocks they share."""
+(run_worker runs `python -m engine.benchmarks.worker SPEC.json`), and the clocks and the peak
+memory they read."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -13,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from engine import runtime
+from engine.device import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +26,7 @@ def time_left(budget: float) -> Callable[[], float]:
     return lambda: deadline - time.monotonic()
 
 
-def timed(fn: Callable[[], object], rt: runtime.Runtime, clock: str = "wall"
+def timed(fn: Callable[[], object], rt: Runtime, clock: str = "wall"
           ) -> tuple[float, object]:
     """(seconds, fn()) with the device synced around it; clock "process": this process's CPU
     time, not its waits for the cores."""
@@ -37,7 +39,7 @@ def timed(fn: Callable[[], object], rt: runtime.Runtime, clock: str = "wall"
 
 
 def take_turns(runs: dict[str, Callable[[int], torch.Tensor]], new: int, rounds: int,
-               rt: runtime.Runtime) -> dict[str, dict]:
+               rt: Runtime) -> dict[str, dict]:
     """name -> {each round's seconds, the last `new` tokens} of each run(n) generating n tokens,
     timed in turns (A B C A B C: load on the machine hits each alike) after a warm-up run(4)."""
     for run in runs.values():
@@ -70,3 +72,30 @@ def run_worker(spec: dict, workdir: Path, name: str, timeout: float = math.inf,
         return json.loads(result_path.read_text())
     return {"status": "failed", "error": f"the row's process exited with {proc.returncode} "
             "and wrote no result"}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # resets VmHWM (peak RSS) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Peak bytes since the last reset: CUDA allocated/reserved, else the process's peak RSS."""
+    if device.type == "cuda":
+        return {"allocated": torch.cuda.max_memory_allocated(device),
+                "reserved": torch.cuda.max_memory_reserved(device)}
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return {"rss": int(line.split()[1]) * 1024}
+    try:
+        import resource
+    except ImportError:  # Windows: no peak RSS without extra packages
+        return {}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rss": peak if sys.platform == "darwin" else peak * 1024}

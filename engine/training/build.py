@@ -3,9 +3,9 @@
     run = build_run(cfg, dist)         # train.py: the model, optimizer, loaders, resume, run log
     run = build_training(cfg, Dist())  # a benchmark: the same, without resume or a run log
 
-build_training makes the model with its techniques applied, the optimizer, the gradient scaler
-and the loaders (single-file or sharded data alike); build_run adds HellaSwag scoring, the
-resumed state and the run log.
+build_training makes the model (fresh, or from train.init_from), applies the speedups, makes
+the optimizer, the gradient scaler and the loaders (single-file or sharded data alike);
+build_run adds HellaSwag scoring, the resumed state and the run log.
 """
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from typing import Callable
 import torch
 
 from config import Config
+from data.dataset import check_vocab, load_or_prepare
 from data.loader import Batches, open_batches
-from data.workers import SharedMemoryBatches
-from engine import checkpoint, distributed, hellaswag, resume, runlog, runtime, techniques
-from engine.optim import fused_note, make_optimizer
-from engine.sources import build_model, dataset_meta
-from engine.step import Trainer
+from engine import checkpoint, device
+from engine.training import metrics, resume, speedups
+from engine.training.optim import fused_note, make_optimizer
+from engine.training.processes import Dist
+from engine.training.step import Trainer, grad_sync
 from model import GPT
 
 
@@ -30,30 +31,30 @@ class Run:
     """Everything one training run holds, made by build_training and build_run."""
 
     cfg: Config
-    dist: distributed.Dist
-    rt: runtime.Runtime
+    dist: Dist
+    rt: device.Runtime
     meta: dict
     raw_model: GPT  # the plain model: checkpoints, HellaSwag, sampling
-    model: torch.nn.Module  # what the loop trains: raw_model with its techniques applied
+    model: torch.nn.Module  # what the loop trains: raw_model with its speedups applied
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     batches: Batches  # this rank's training batches
     loaders: dict[str, Batches]  # both splits, for evaluation
     eval_sets: dict[str, list]  # the fixed evaluation batches
     source: Path | None  # the checkpoint or weights the run starts from
-    notes: techniques.Notes  # for the start-up banner
+    notes: speedups.Notes  # for the start-up banner
     peak_flops: float  # of every process together; 0 when unknown
     counters: resume.Counters = field(default_factory=resume.Counters)
     next_batch: tuple | None = None  # (x, y) of the first step; build_run fetches it
-    hellaswag: hellaswag.TrainingEval | None = None
-    log: runlog.RunLog | None = None  # build_run's; benchmarks write none
+    hellaswag: object | None = None  # engine/hellaswag.TrainingEval: train.hellaswag_interval
+    log: metrics.RunLog | None = None  # build_run's; benchmarks write none
 
     def trainer(self, sync: Callable | None = None) -> Trainer:
         """What train_step works on; sync(loss_sum): the mean over ranks (train.py's loop)."""
         t = self.cfg.train
         return Trainer(self.model, self.raw_model, self.optimizer, self.scaler, self.batches,
                        self.rt, t.grad_accum_steps, t.grad_clip,
-                       techniques.grad_sync(self.model), sync)
+                       grad_sync(self.model), sync)
 
     @property
     def tokens_per_step(self) -> int:
@@ -61,7 +62,7 @@ class Run:
         return t.batch_size * self.cfg.model.block_size * t.grad_accum_steps * self.dist.world_size
 
 
-def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed.Dist
+def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
                  ) -> tuple[Batches, dict[str, Batches], dict[str, list]]:
     """This rank's training batches, both splits' loaders, and the fixed evaluation batches."""
     t, d = cfg.train, cfg.data
@@ -72,44 +73,57 @@ def make_loaders(cfg: Config, meta: dict, rt: runtime.Runtime, dist: distributed
     eval_sets = {name: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
                  for i, (name, b) in enumerate(split.items())}
     batches = split["train"]
-    if d.loader_workers:
+    if d.loader_workers:  # batches read by worker processes into shared memory
+        from data.loader_workers import SharedMemoryBatches
+
         batches = SharedMemoryBatches(batches, meta, "train", d.loader_workers)
     return batches, {"train": batches, "val": split["val"]}, eval_sets
 
 
-def build_training(cfg: Config, dist: distributed.Dist) -> Run:
-    """The model (from train.init_from as given) with its techniques, optimizer, scaler and
+def build_training(cfg: Config, dist: Dist) -> Run:
+    """The model (from train.init_from as given) with its speedups, optimizer, scaler and
     loaders; out_dir is neither read nor written."""
-    rt, t = runtime.setup(cfg.system, device=dist.device), cfg.train
+    rt, t = device.setup(cfg.system, device=dist.device), cfg.train
     with dist.main_first():  # rank 0 prepares the data and downloads GPT-2 first
-        meta = dataset_meta(cfg.data.dataset)
+        meta = load_or_prepare(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
     if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
         print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
-    model, notes = techniques.apply(raw_model, cfg, rt, dist)
+    model, notes = speedups.apply(raw_model, cfg, rt, dist)
     optimizer = make_optimizer(raw_model, cfg, rt.device)
     notes.fused_adamw = fused_note(optimizer, cfg)
+    if getattr(raw_model, checkpoint.MASKS, None):  # a pruned model keeps its zeros
+        from engine import pruning
+
+        notes.lines += pruning.hold_zeros(raw_model, optimizer)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
     return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
                eval_sets, source, notes,
-               runtime.peak_flops(rt, cfg.system.peak_flops) * dist.world_size)
+               device.peak_flops(rt, cfg.system.peak_flops) * dist.world_size)
 
 
-def build_run(cfg: Config, dist: distributed.Dist) -> Run:
+def build_run(cfg: Config, dist: Dist) -> Run:
     """out_dir's run to resume (or none), build_training, then HellaSwag scoring, the resumed
     state (or a fresh start) and the run log."""
     with dist.main_first():  # rank 0 tidies out_dir first
         cfg.train.init_from = resume.resolve_init(cfg.train.init_from, cfg.train.out_dir)
     run = build_training(cfg, dist)
     if cfg.train.hellaswag_interval:
-        run.hellaswag = hellaswag.TrainingEval(cfg, run.meta, run.rt)
-    run.counters, next_batch, run.notes.lines = resume.restore(
-        run.source, cfg, dist, run.raw_model, run.optimizer, run.scaler, run.batches,
-        run.rt.device)
-    run.log = runlog.RunLog(cfg, run.counters.step, resumed=cfg.train.init_from == "resume",
+        from engine.hellaswag import TrainingEval
+
+        run.hellaswag = TrainingEval(cfg, run.meta, run.rt)
+    next_batch, resumed = None, []
+    if cfg.train.init_from == "resume" or dist.enabled:  # as saved; each rank's dropout stream
+        from engine.training.restore import restore
+
+        run.counters, next_batch, resumed = restore(
+            run.source, cfg, dist, run.raw_model, run.optimizer, run.scaler, run.batches,
+            run.rt.device)
+    run.notes.lines += resumed
+    run.log = metrics.RunLog(cfg, run.counters.step, resumed=cfg.train.init_from == "resume",
                             files=dist.is_main, train_seconds=run.counters.train_seconds,
                             wandb_id=run.counters.wandb_id)
     run.counters.wandb_id = run.log.wandb_id
@@ -117,7 +131,7 @@ def build_run(cfg: Config, dist: distributed.Dist) -> Run:
     return run
 
 
-def estimate_line(cfg: Config, raw_model: GPT, rt: runtime.Runtime, world_size: int) -> str:
+def estimate_line(cfg: Config, raw_model: GPT, rt: device.Runtime, world_size: int) -> str:
     """About the time a step and the whole run take: their FLOPs at this device's matmul rate
     in the chosen dtype (measured now, in about 0.2 s; bench.py sets it against measured)."""
     t, block = cfg.train, cfg.model.block_size
@@ -125,11 +139,11 @@ def estimate_line(cfg: Config, raw_model: GPT, rt: runtime.Runtime, world_size: 
     per_token = raw_model.flops_per_token()  # training: forward + backward
     evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)
     eval_tokens = evaluations * 2 * t.eval_iters * t.batch_size * block  # both splits
-    rate = runtime.matmul_rate(rt.device, rt.dtype)
-    est = runtime.time_estimate(per_token * tokens / world_size, t.max_iters,
+    rate = device.matmul_rate(rt.device, rt.dtype)
+    est = device.time_estimate(per_token * tokens / world_size, t.max_iters,
                                 per_token / 3 * eval_tokens, rate)
-    line = (f"estimate: ~{runtime.format_seconds(est['step_s'])} per step, ~"
-            f"{runtime.format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
+    line = (f"estimate: ~{device.format_seconds(est['step_s'])} per step, ~"
+            f"{device.format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
             f"evaluations ({per_token * tokens / world_size / 1e9:,.1f} GFLOP per step at "
             f"{rate / 1e9:,.1f} GFLOP/s, the {str(rt.dtype).removeprefix('torch.')} matmul rate "
             "measured here; other work adds to it, a busy machine's probe reads low)")
@@ -137,3 +151,14 @@ def estimate_line(cfg: Config, raw_model: GPT, rt: runtime.Runtime, world_size: 
         line += "\nnote: this recipe is far too big for this device; on a CPU try --config " \
                 "shakespeare_char, or a smaller model, batch or --max_iters"
     return line
+
+
+def build_model(cfg: Config, meta: dict, target: torch.device) -> tuple[GPT, Path | None]:
+    """train.init_from's model and its checkpoint or HF directory (None: fresh)."""
+    if cfg.train.init_from != "scratch":  # a checkpoint's or GPT-2's weights
+        from engine.training.init_from import load_for_training
+
+        return load_for_training(cfg, meta, target)
+    cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
+    check_vocab(meta, cfg.model.vocab_size)
+    return GPT(cfg.model).to(target), None

@@ -14,8 +14,7 @@ from typing import Callable
 import torch
 
 from data.loader import Batches
-from engine import distributed
-from engine.runtime import Runtime
+from engine.device import Runtime
 
 
 @dataclass
@@ -49,9 +48,20 @@ def update_unless_nonfinite(optimizer: torch.optim.Optimizer, scaler: torch.amp.
             del optimizer.found_inf
 
 
+def grad_sync(model: torch.nn.Module) -> Callable[[bool], contextlib.AbstractContextManager] | None:
+    """grad_sync(last): gradients all-reduced on the last micro-step only (DDP's no_sync, FSDP2's
+    set_requires_gradient_sync); None with one process."""
+    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    if hasattr(inner, "set_requires_gradient_sync"):  # FSDP2
+        return lambda last: inner.set_requires_gradient_sync(last) or contextlib.nullcontext()
+    if hasattr(inner, "no_sync"):  # DDP
+        return lambda last: contextlib.nullcontext() if last else inner.no_sync()
+    return None
+
+
 @dataclass
 class Trainer:
-    """What train_step works on, made once per run (engine/run.Run.trainer)."""
+    """What train_step works on, made once per run (build.Run.trainer)."""
 
     model: torch.nn.Module  # as trained: compiled, DDP or FSDP around raw_model, or raw_model
     raw_model: torch.nn.Module  # its parameters are clipped
@@ -87,7 +97,8 @@ def train_step(trainer: Trainer, batch: tuple, lr: float) -> StepResult:
     scaler.unscale_(optimizer)
     clip = trainer.grad_clip if trainer.grad_clip > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(trainer.raw_model.parameters(), clip)
-    norm = distributed.full_tensor(norm)  # under FSDP: a DTensor over every rank's shard
+    if hasattr(norm, "full_tensor"):  # under FSDP: a DTensor over every rank's shard
+        norm = norm.full_tensor()
     finite = torch.isfinite(loss_sum) & torch.isfinite(norm)  # no sync
     update_unless_nonfinite(optimizer, scaler, finite)
     scaler.update()  # with float16, a skipped step also lowers the loss scale

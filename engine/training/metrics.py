@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 from config import Config
-from engine.resume import Counters
-from engine.runtime import SetupError
+from engine.training.resume import Counters
 
 CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu",
                "train", "val")
@@ -58,28 +57,6 @@ def plot_losses(records: list[dict], path: Path, title: str) -> None:
     os.replace(tmp, path)  # a viewer never sees a half-written image
 
 
-def start_wandb(cfg: Config, out_dir: Path, run_id: str):
-    """wandb.init from the [wandb] section; continues run `run_id` when resuming."""
-    w = cfg.wandb
-    try:
-        import wandb
-    except ImportError:
-        raise SetupError("wandb.enabled=true but the wandb package is not installed; "
-                         "pip install wandb, or set --wandb.enabled=false") from None
-    kwargs = dict(project=w.project, entity=w.entity or None, name=w.name or out_dir.name,
-                  group=w.group or None, config=cfg.to_dict(), dir=str(out_dir),
-                  tags=[t.strip() for t in w.tags.split(",") if t.strip()] or None)
-    kwargs.update({"mode": w.mode} if w.mode != "auto" else {},
-                  **({"id": run_id, "resume": "allow"} if run_id else {}))
-    try:
-        return wandb.init(**kwargs)
-    except Exception as e:  # wandb raises many types: no API key, no network, bad entity, ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SetupError(f"could not start Weights & Biases logging ({first}); run `wandb login`, "
-                         "or log offline with WANDB_MODE=offline (then `wandb sync`), or set "
-                         "--wandb.enabled=false") from None
-
-
 class RunLog:
     """The run's metrics files, loss curve, optional wandb run, progress/ETA and summary."""
 
@@ -101,8 +78,11 @@ class RunLog:
         self.plot_note = ""
         self.plotted = time.perf_counter()  # the loss curve's last redraw (none yet: the start)
         self.unplotted = False  # evaluations since then
-        self.wandb = start_wandb(cfg, self.out_dir, wandb_id) if cfg.wandb.enabled and files \
-            else None
+        self.wandb = None
+        if cfg.wandb.enabled and files:  # Weights & Biases, on rank 0
+            from engine.training.wandb_log import start_wandb
+
+            self.wandb = start_wandb(cfg, self.out_dir, wandb_id)
         self.wandb_id = self.wandb.id if self.wandb is not None else ""
 
     @property

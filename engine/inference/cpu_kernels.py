@@ -1,4 +1,4 @@
-"""Weight-only matrix products for CPU decoding (engine/cpu_kernels.cpp): weights held as
+"""Weight-only matrix products for CPU decoding (engine/inference/cpu_kernels.cpp): weights held as
 float32, bfloat16, int8 (a scale per output) or int4 (a scale per output and group of inputs),
 multiplied by float32 activations, built on first use with the system's C++ compiler.
 
@@ -166,7 +166,7 @@ def reference(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None)
 
 def cpu_isas() -> list[str]:
     """The kernel paths this CPU can run, slowest first."""
-    from engine.runtime import cpu_info
+    from engine.device import cpu_info
     flags = set(cpu_info().get("flags", "").split())
     isas = ["portable"]
     if {"avx2", "fma", "f16c"} <= flags:

@@ -1,14 +1,15 @@
 """Weight formats for inference (sample.weights): every Linear of the blocks and the LM head held
 as float32, bfloat16, int8 or int4 and multiplied by float32 activations through the compiled
-kernels of engine/cpu_kernels.py; `torch` leaves the model as loaded (torch's own products);
-`auto` times the choices on this machine and keeps the fastest of those within 0.5% of float32's
-perplexity (torch, float32, bfloat16, int8: int4 is asked for by name).
+kernels of cpu_kernels.py; `torch` leaves the model as loaded (torch's own products); `auto`
+times the choices on this machine and keeps the fastest of those within 0.5% of float32's
+perplexity (torch, float32, bfloat16, int8: int4 is asked for by name). load.py loads this when
+sample.weights is not torch.
 
     note = convert(model, "int8", torch.device("cpu"))   # in place; -> the banner's note
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 import statistics
 import time
 
@@ -17,7 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from config import ConfigError
-from engine import cpu_kernels
+from engine.fields import facts
+from engine.inference import cpu_kernels
+from engine.inference.kv_cache import new_kv_cache
+from engine.inference.matvec import set_matvec, set_weight_layout
+from engine.inference.sampling import decode_step, prefill
 from model import ACTIVATIONS, ModelConfig, softcap
 
 FORMATS = ("auto", "torch", "float32", "bfloat16", "int8", "int4")
@@ -105,7 +110,7 @@ def convert(model: nn.Module, fmt: str, device: torch.device) -> str:
     for parent, attr, linear in linears(model):
         if not isinstance(linear, PackedLinear):  # auto packed them already
             setattr(parent, attr, PackedLinear(linear, fmt))
-    model._decode_blocks = model._fused = None
+    forget_packing(model)
     if fmt != "float32":  # the embedding is read a row a token: bf16 halves its memory
         model.transformer.wte.weight.data = model.transformer.wte.weight.data.to(torch.bfloat16)
     return f"{fmt}{note} ({weight_bytes(model) / 2**20:.0f} MiB)"
@@ -117,7 +122,6 @@ def choose(model: nn.Module, built: bool, why: str) -> tuple[str, str]:
     sliced products); the chosen packing is kept."""
     if not built:
         return "torch", f" (auto: {why})"
-    from engine.sampling import set_matvec, set_weight_layout  # they import this module
     set_weight_layout(model, "auto", huge_pages=True)
     set_matvec(model, "auto")
     found = linears(model)
@@ -140,14 +144,20 @@ def swap(model: nn.Module, found: list[tuple[nn.Module, str, nn.Linear]],
     are made again from them at the next step."""
     for (parent, attr, _), module in zip(found, modules):
         setattr(parent, attr, module)
+    forget_packing(model)
+
+
+def forget_packing(model: nn.Module) -> None:
+    """After the Linears changed: the kernel's arguments are made again, and model.decode_rows
+    (what sampling.decode_step calls) is this module's one-call-a-block decode, or None."""
     model._decode_blocks = model._fused = None
+    model.decode_rows = functools.partial(decode_rows, model) if fused(model) else None
 
 
 @torch.no_grad()
 def step_seconds(model: nn.Module, steps: int = 6) -> float:
     """The median seconds of one cached greedy decode step after a 4-token prompt."""
-    from engine.sampling import decode_step, prefill
-    cache, token = model.new_kv_cache(1), torch.zeros((1, 1), dtype=torch.long)
+    cache, token = new_kv_cache(model, 1), torch.zeros((1, 1), dtype=torch.long)
     prefill(model, torch.zeros((1, 4), dtype=torch.long), cache)
     times = []
     for pos in range(4, 4 + steps):
@@ -163,22 +173,13 @@ def weight_bytes(model: nn.Module) -> int:
     return params + sum(m.nbytes() for m in model.modules() if isinstance(m, PackedLinear))
 
 
-# ModelConfig fields the decode kernel (cpu_kernels.cpp) implements or that leave a block's math
-# as it is; a field outside these away from its default (a technique the kernel lacks) sends
-# decoding through forward(), the one math path
-KERNEL_KNOWS = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias",
-                "layer_norm_eps", "attention", "causal_mask", "norm", "activation",
-                "activation_impl", "vocab_pad_multiple", "activation_checkpointing", "loss",
-                "tie_embeddings", "zero_init_head", "zero_init_proj", "logit_softcap"}
-
-
 def kernel_has_the_math(cfg: ModelConfig) -> bool:
-    """Whether the decode kernel computes this config's blocks: its activation, and no
-    technique beyond KERNEL_KNOWS."""
+    """Whether the decode kernel computes this config's blocks: its activation, and every
+    option the kernel lacks (its field says kernel=False) at its default."""
     default = ModelConfig()
+    lacking = [name for name, has in facts(ModelConfig, "kernel").items() if not has]
     return ACTIVATIONS[cfg.activation].kernel_id >= 0 and all(
-        getattr(cfg, f.name) == getattr(default, f.name)
-        for f in dataclasses.fields(cfg) if f.name not in KERNEL_KNOWS)
+        getattr(cfg, name) == getattr(default, name) for name in lacking)
 
 
 def fused(model: nn.Module) -> bool:

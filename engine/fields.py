@@ -1,0 +1,48 @@
+"""Config fields and what they say about themselves: every section of the config (config.py, and
+ModelConfig in model.py) declares its fields with opt(), and code that needs to know something of
+an option reads it from the field instead of keeping a list of its own.
+
+    name: int = opt(6, "transformer blocks", fixed=True, hf="n_layer", check=POSITIVE)
+
+What a field may state (its metadata), and who reads it:
+    help, choices   --help, and config.validate (a value outside the choices is refused)
+    check           (what the value must be, test(value, its section)): config.validate
+    fixed           the trained weights set it: a checkpoint's value wins over the run's
+                    config when its weights are loaded (engine/training/build.py)
+    departure       one of the speedrun's departures from GPT-2, whose default is GPT-2's: the
+                    banner's recipe, the flags that turn them all off (config.gpt2_recipe_flags)
+    gpt2            Hugging Face's GPT-2 cannot hold it off its default, and has this instead:
+                    the export refuses such a model in one line (engine/hf.py)
+    hf              its key in a Hugging Face GPT2Config (engine/hf.py)
+    kernel          False: the packed decode kernel lacks it, so a model with it off its default
+                    decodes through forward() (engine/inference/packed.py)
+A departure is fixed by the weights and beyond the kernel unless it says otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+POSITIVE, NON_NEGATIVE = ("> 0", lambda v, _: v > 0), (">= 0", lambda v, _: v >= 0)
+FRACTION = ("in [0, 1)", lambda v, _: 0 <= v < 1)
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, **facts: Any) -> Any:
+    """A config field: its default, one line of help, the allowed values and its facts."""
+    if facts.get("departure"):
+        facts = {"fixed": True, "kernel": False, **facts}
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "choices": choices, **facts})
+
+
+def facts(section: type, fact: str) -> dict[str, Any]:
+    """{field name: the fact's value} for the fields of a config section that state it."""
+    return {f.name: f.metadata[fact] for f in dataclasses.fields(section)
+            if f.metadata.get(fact) is not None}
+
+
+def departures(section: Any) -> list[str]:
+    """'name=value' for each departure a section's values turn on ([]: all at their default)."""
+    default = type(section)()
+    return [f"{name}={getattr(section, name)}" for name in facts(type(section), "departure")
+            if getattr(section, name) != getattr(default, name)]

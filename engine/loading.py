@@ -1,0 +1,151 @@
+"""A model loaded from one of our checkpoints or a Hugging Face GPT-2, and a run's training state,
+all without unsafe pickle (safetensors; torch.load(weights_only=True)); every mismatch between
+the weights and the model is named in one error. Writing them is engine/checkpoint.py's.
+
+    model, cfg, meta = load_model("out/shakespeare_char")        # a run's latest checkpoint
+    model, cfg, meta, label = load_source("gpt2", cfg)            # or a Hugging Face GPT-2
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+import config
+from engine.checkpoint import (MASK_FILE, MASKS, CheckpointError, first_line, latest_checkpoint,
+                               model_state, read_meta, resolve)
+from model import GPT
+
+
+def read_config(ckpt: Path) -> config.Config:
+    return config.from_dict(read_meta(ckpt, "config.json"))
+
+
+def load_weights(model: GPT, ckpt: Path) -> None:
+    """Load model.safetensors into `model`; every mismatch is listed in one error."""
+    try:
+        state = load_file(str(ckpt / "model.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{ckpt}/model.safetensors is unreadable ({e}); the file is "
+                              "truncated or corrupt") from None
+    load_state(model, state, str(ckpt))
+    if not (ckpt / MASK_FILE).is_file():
+        return
+    try:  # a pruned checkpoint: its masks come with it (engine/pruning.py)
+        attach_masks(model, load_file(str(ckpt / MASK_FILE)))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}/{MASK_FILE} is unusable ({e}); the checkpoint is "
+                              "corrupt: prune its source again with prune.py") from None
+
+
+def attach_masks(model: GPT, masks: dict[str, torch.Tensor]) -> None:
+    """Set loaded masks on the model; ValueError when they do not fit its weights."""
+    weights = model.state_dict()
+    misfits = [name for name, mask in masks.items() if name not in weights or mask.dtype !=
+               torch.bool or mask.shape != weights[name].shape]
+    if misfits:
+        raise ValueError(f"the masks do not fit the model's weights ({', '.join(misfits[:3])})")
+    unpruned = [name for name, mask in masks.items() if weights[name][~mask].any()]
+    if unpruned:
+        raise ValueError(f"weights are non-zero where the masks prune them "
+                         f"({', '.join(unpruned[:3])})")
+    setattr(model, MASKS, masks)
+
+
+def mismatch_parts(missing: list, unexpected: list, shapes: list) -> list[str]:
+    """The pieces of a 'weights do not fit' error: every missing, unexpected, mis-shaped name."""
+    named = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes))
+    return [f"{what} {names}" for what, names in named if names]
+
+
+def load_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
+    expected = model_state(model)
+    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+                    for k, v in expected.items() if k in state and state[k].shape != v.shape)
+    if parts := mismatch_parts(sorted(set(expected) - set(state)),
+                               sorted(set(state) - set(expected)), shapes):
+        raise CheckpointError(f"weights in {source} do not fit the model ("
+                              + "; ".join(parts) + "); the checkpoint is from another "
+                              "architecture: use the config it was trained with")
+    with torch.no_grad():
+        own = model.state_dict()
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def load_train_state(ckpt: Path) -> dict:
+    path = ckpt / "train_state.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: this checkpoint holds weights only and "
+                              "cannot be resumed; use init_from=<path> to start from its weights")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # the safe unpickler met something other than plain data
+        raise CheckpointError(f"refusing to load {path}: it holds Python objects other than "
+                              "tensors and plain containers, which could run code when "
+                              "unpickled; it was not written by this code (crafted or foreign "
+                              "file); resume from another checkpoint") from None
+    except Exception as e:  # a truncated zip, a wrong file
+        raise CheckpointError(f"{path} is unreadable ({first_line(e)}); the file is "
+                              "truncated or corrupt; resume from an earlier checkpoint") from None
+
+
+def check_tokenizer(ckpt: Path, data_meta: dict) -> None:
+    """The dataset must be tokenized as the checkpoint's model was trained (same ids)."""
+    ours, theirs = read_meta(ckpt).get("tokenizer") or {}, data_meta["tokenizer"]
+    if ours.get("kind") in (None, "unknown"):
+        return  # nothing recorded to compare with
+    where = f"dataset {data_meta.get('dir', '')} and checkpoint {ckpt}"
+    if ours["kind"] != theirs.get("kind"):
+        raise CheckpointError(f"{where} use different tokenizers ('{theirs.get('kind')}' vs "
+                              f"'{ours['kind']}'); prepare the data with the checkpoint's "
+                              "tokenizer or train from scratch")
+    if ours["kind"] == "char" and ours.get("chars") != theirs.get("chars"):
+        raise CheckpointError(f"{where} use different char vocabularies "
+                              f"({len(theirs.get('chars', []))} vs {len(ours.get('chars', []))} "
+                              "characters): token ids would mean different text; prepare the "
+                              "data with the checkpoint's vocabulary or train from scratch")
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu",
+               model_overrides: dict | None = None) -> tuple[GPT, config.Config, dict]:
+    """(model, cfg, meta) of a checkpoint or run directory; model_overrides may change choices
+    that keep the weights' shapes (attention, norm, ...)."""
+    ckpt = resolve(path)
+    cfg, meta = read_config(ckpt), read_meta(ckpt)
+    cfg.model = dataclasses.replace(cfg.model, **(model_overrides or {}))
+    model = GPT(cfg.model)
+    load_weights(model, ckpt)
+    return model.to(device), cfg, meta
+
+
+def is_ours(source: str | Path) -> bool:
+    """Whether source is one of our checkpoints (it has a meta.json, which a Hugging Face
+    directory has not) or a run directory holding them."""
+    path = Path(source)
+    return (path / "meta.json").is_file() or latest_checkpoint(path) is not None
+
+
+def load_source(source: str, cfg: config.Config, device: torch.device | str = "cpu",
+                overrides: dict | None = None) -> tuple[GPT, config.Config, dict, str]:
+    """(model, its config, meta with 'tokenizer', a label) of one of our checkpoints (its stored
+    config) or a Hugging Face GPT-2 (its shape from config.json, the rest from cfg.model);
+    `overrides` apply to both. A source that is neither gets the checkpoint's error."""
+    if is_ours(source):
+        path = resolve(source)
+        model, stored, meta = load_model(path, device, overrides)
+        return model, stored, meta, str(path)
+    from engine import hf  # a GPT-2 from the hub or a Hugging Face directory
+
+    if not hf.is_gpt2_source(source):
+        resolve(source)  # raises: no such checkpoint
+    used = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **(overrides or {})))
+    model, hf_dir = hf.load_hf(source, used.model)
+    label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
+    meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
+    return model.to(device), used, meta, label

@@ -1,0 +1,51 @@
+"""train.init_from: the model a run starts from when not from scratch: one of our checkpoints,
+out_dir's latest to resume, or a Hugging Face GPT-2 (engine/training/build.py loads this then).
+
+    model, source = load_for_training(cfg, data_meta, device)
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from config import Config, ConfigError
+from data.dataset import check_vocab
+from engine.checkpoint import CheckpointError, latest_checkpoint
+from engine.fields import facts
+from engine.loading import check_tokenizer, load_source
+from model import GPT, ModelConfig
+
+
+def load_for_training(cfg: Config, meta: dict, target: torch.device
+                      ) -> tuple[GPT, Path]:
+    """train.init_from's model (a checkpoint, out_dir's latest to resume, or a GPT-2) and where
+    it came from. What the weights fix (their fields say fixed) comes from the source; the
+    other options (attention, norm, ...) stay the run's; a shorter block_size crops the context."""
+    init, block = cfg.train.init_from, cfg.model.block_size
+    if init == "resume":
+        init = latest_checkpoint(cfg.train.out_dir)
+        if init is None:
+            raise CheckpointError(f"init_from=resume but {cfg.train.out_dir} has no checkpoint; "
+                                  "use init_from=scratch to start")
+    fixed = facts(ModelConfig, "fixed")
+    switches = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in fixed}
+    model, _, source_meta, label = load_source(str(init), cfg, "cpu", switches)
+    context = model.config.block_size
+    if "source" in source_meta:  # a Hugging Face GPT-2
+        source, what = Path(source_meta["source"]), f"{init}'s"
+    else:
+        source, what = Path(label), "the checkpoint's"
+        check_tokenizer(source, meta)  # the same ids, or a clear refusal
+    kind = source_meta.get("tokenizer", {}).get("kind")
+    check_vocab(meta, model.config.vocab_size, kind if kind == "gpt2" else None)
+    if block > context:
+        raise ConfigError(f"block_size {block} is larger than {what} context {context}; "
+                          f"use a block_size <= {context}")
+    for f in dataclasses.fields(cfg.model):  # cfg.model stays the object the run holds
+        setattr(cfg.model, f.name, getattr(model.config, f.name))
+    model.config = cfg.model
+    if block < model.config.block_size:
+        model.crop_block_size(block)
+    return model.to(target), source
