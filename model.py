@@ -220,8 +220,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_head, self.impl = layer, cfg.n_head, cfg.attention
-        self.qk_norm = cfg.qk_norm
-        self.scale = cfg.attn_scale or None  # None: 1/sqrt(head size), GPT-2's
+        self.qk_norm, self.scale = cfg.qk_norm, cfg.attn_scale or None  # None: GPT-2's 1/sqrt(hs)
         self.rotary = None
         if cfg.position == "rotary":
             self.rotary = Rotary(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_base)
@@ -305,8 +304,7 @@ class GPT(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size is 0: set it, or let train.py take it from the "
                              "dataset's meta.json")
-        self.config = cfg
-        self.vocab_size = cfg.vocab_size
+        self.config, self.vocab_size = cfg, cfg.vocab_size
         self.padded_vocab = -(-cfg.vocab_size // cfg.vocab_pad_multiple) * cfg.vocab_pad_multiple
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(self.padded_vocab, cfg.n_embd),
@@ -322,13 +320,15 @@ class GPT(nn.Module):
             self.skip_weights = nn.Parameter(torch.zeros(cfg.n_layer // 2))
         if cfg.smear:  # the previous token's embedding, per channel, into each token's
             self.smear_weights = nn.Parameter(torch.zeros(cfg.n_embd))
-        if cfg.value_embeds:  # table i: blocks i and n_layer-1-i, each with a weight from 0
-            self.value_embeds = nn.ModuleList(nn.Embedding(self.padded_vocab, cfg.n_embd)
-                                              for _ in range(cfg.value_embeds))
-            self.value_weights = nn.Parameter(torch.zeros(cfg.value_embeds, 2))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
         self.init_weights()
+        if cfg.value_embeds:  # table i: blocks i and n_layer-1-i (after GPT-2's draws, which stay)
+            self.value_embeds = nn.ModuleList(nn.Embedding(self.padded_vocab, cfg.n_embd)
+                                              for _ in range(cfg.value_embeds))
+            for table in self.value_embeds:  # each times a weight that starts at 0
+                nn.init.normal_(table.weight, mean=0.0, std=0.02)
+            self.value_weights = nn.Parameter(torch.zeros(cfg.value_embeds, 2))
         self.chunked_loss = None
         if cfg.loss == "chunked":  # the LM head and loss a chunk of tokens at a time
             from engine.training.chunked_loss import chunked_cross_entropy

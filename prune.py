@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from config import Config, ConfigError, load_options, opt
-from engine import checkpoint, loading, pruning
+from engine import checkpoint, loading, pruning, sources
 from engine.inference import sparse
 
 
@@ -54,7 +54,7 @@ def prune_checkpoint(o: PruneOptions) -> Path:
     if (latest := checkpoint.latest_checkpoint(o.out)) is not None:
         raise ConfigError(f"--out {o.out} already holds a checkpoint ({latest.name}); pass a new "
                           "directory")
-    model, cfg, meta, label = loading.load_source(o.checkpoint, Config(), "cpu")
+    model, cfg, meta, label = sources.load_source(o.checkpoint, Config(), "cpu")
     pruning.prune(model, o.sparsity, o.pattern)
     cfg.train.out_dir, cfg.train.init_from = o.out, "scratch"
     info = {key: meta[key] for key in ("tokenizer", "dataset", "tokens_seen") if key in meta}

@@ -22,7 +22,7 @@ import torch
 from config import Config, ConfigError, load_config, opt
 from data.dataset import DataError, load_or_prepare
 from engine import checkpoint, device
-from engine.training import memory_estimate, metrics, processes, resume, speedups
+from engine.training import launch, memory_estimate, metrics, processes, resume, speedups
 from engine.training.build import Run, build_run
 from engine.training.optim import lr_at, momentum_at, set_momentum
 from engine.training.step import NonFiniteGuard, StepResult, evaluate, train_step
@@ -115,7 +115,7 @@ def report_skips(run: Run, guard: NonFiniteGuard, stop: resume.StopRequest) -> N
 def train(cfg: Config) -> dict:
     """Train as configured (one process, or one rank of a launcher's job); returns the summary."""
     checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
-    dist = processes.init(cfg)
+    dist = launch.init(cfg)
     run = build_run(cfg, dist)
     print_banner(run)
     t, counters = cfg.train, run.counters
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{where}error: {cause} writing {e.filename or 'out_dir'}; free some "
                     "space there, or pass --out_dir=<a directory on a disk with room>", 2)
     except RuntimeError as e:
-        if cfg is None or (message := processes.collective_failure(
+        if cfg is None or (message := launch.collective_failure(
                 e, cfg.system.dist_timeout)) is None:
             raise
         return fail(f"{where}error: {message}", 4)
@@ -209,4 +209,4 @@ def fail(message: str, status: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(processes.record(main)())
+    sys.exit(launch.record(main)())

@@ -1,7 +1,8 @@
 """The batch loader: seeded random (B, T) input/target windows of a split, with a position a
 checkpoint stores. data.pin_memory and data.prefetch act in to_tensors.
 
-    batches = open_batches(meta, "train", batch_size, block_size, seed, device)
+    batches = Batches(meta, "train", batch_size, block_size, seed, device)  # a sharded dataset:
+    # data/shard_batches.py's ShardBatches, the same interface
     x, y = batches.next()                      # (B, T) int64 each, on the device
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ class Batches:
         import torch
 
         if "shards" in meta and type(self) is Batches:
-            raise DataError(f"{meta['dir']} is sharded: read it with open_batches(meta, ...), "
-                            "which picks ShardBatches")
+            raise DataError(f"{meta['dir']} is sharded: read it with ShardBatches "
+                            "(data/shard_batches.py)")
         self.tokens = Tokens(meta, split, block_size)
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.rank, self.world_size = rank, world_size
@@ -89,11 +90,3 @@ class Batches:
                             "is a single train.bin; resume with the dataset the run started on")
         self.rng.bit_generator.state = state["rng"]
 
-
-def open_batches(meta: dict, split: str, *args, **kwargs) -> Batches:
-    """The loader for the dataset's layout (Batches' arguments): ShardBatches for shards."""
-    if "shards" in meta:  # a sharded corpus (data/shards.py)
-        from data.shard_batches import ShardBatches
-
-        return ShardBatches(meta, split, *args, **kwargs)
-    return Batches(meta, split, *args, **kwargs)

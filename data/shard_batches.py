@@ -1,6 +1,6 @@
 """Batches of a sharded dataset (data/shards.py): every token an input once per epoch, in an order
-recomputed from (seed, epoch), so a checkpoint stores only (epoch, cursor). data/loader.py's
-open_batches picks this loader for a dataset whose meta.json lists shards.
+recomputed from (seed, epoch), so a checkpoint stores only (epoch, cursor). Training reads a
+dataset whose meta.json lists shards with this loader (engine/training/build.py).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from config import Config, ConfigError, command_line_keys, load_config, opt
 from data.dataset import DataError
 from data.tokenizer import GPT2Tokenizer
-from engine import checkpoint, loading
+from engine import checkpoint, sources
 from engine.device import Runtime, SetupError, setup
 
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "data" / "hellaswag" / "hellaswag_val.jsonl"
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         # a checkpoint keeps its stored switches except those this command line sets
         overrides = {k: getattr(cfg.model, k)
                      for k in command_line_keys(argv, "model", HellaSwagOptions)}
-        model, _, meta, _ = loading.load_source(o.model, cfg, rt.device, overrides)
+        model, _, meta, _ = sources.load_source(o.model, cfg, rt.device, overrides)
         check_tokenizer(meta.get("tokenizer", {}).get("kind", "unknown"), o.model)
     except (ConfigError, DataError, checkpoint.CheckpointError, SetupError) as e:
         print(f"error: {e}", file=sys.stderr)

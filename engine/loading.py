@@ -1,9 +1,8 @@
-"""A model loaded from one of our checkpoints or a Hugging Face GPT-2, and a run's training state,
-all without unsafe pickle (safetensors; torch.load(weights_only=True)); every mismatch between
-the weights and the model is named in one error. Writing them is engine/checkpoint.py's.
+"""Reading back what engine/checkpoint.py wrote: a model (its config, weights and a pruned model's
+masks) and a run's training state, without unsafe pickle (safetensors; torch.load with
+weights_only=True); every mismatch between the weights and the model is named in one error.
 
-    model, cfg, meta = load_model("out/shakespeare_char")        # a run's latest checkpoint
-    model, cfg, meta, label = load_source("gpt2", cfg)            # or a Hugging Face GPT-2
+    model, cfg, meta = load_model("out/shakespeare_char")   # a run's latest checkpoint
 """
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import config
-from engine.checkpoint import (MASK_FILE, MASKS, CheckpointError, first_line, latest_checkpoint,
-                               model_state, read_meta, resolve)
+from engine.checkpoint import (MASK_FILE, MASKS, CheckpointError, first_line, model_state,
+                               read_meta, resolve)
 from model import GPT
 
 
@@ -122,30 +121,3 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
     model = GPT(cfg.model)
     load_weights(model, ckpt)
     return model.to(device), cfg, meta
-
-
-def is_ours(source: str | Path) -> bool:
-    """Whether source is one of our checkpoints (it has a meta.json, which a Hugging Face
-    directory has not) or a run directory holding them."""
-    path = Path(source)
-    return (path / "meta.json").is_file() or latest_checkpoint(path) is not None
-
-
-def load_source(source: str, cfg: config.Config, device: torch.device | str = "cpu",
-                overrides: dict | None = None) -> tuple[GPT, config.Config, dict, str]:
-    """(model, its config, meta with 'tokenizer', a label) of one of our checkpoints (its stored
-    config) or a Hugging Face GPT-2 (its shape from config.json, the rest from cfg.model);
-    `overrides` apply to both. A source that is neither gets the checkpoint's error."""
-    if is_ours(source):
-        path = resolve(source)
-        model, stored, meta = load_model(path, device, overrides)
-        return model, stored, meta, str(path)
-    from engine import hf  # a GPT-2 from the hub or a Hugging Face directory
-
-    if not hf.is_gpt2_source(source):
-        resolve(source)  # raises: no such checkpoint
-    used = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **(overrides or {})))
-    model, hf_dir = hf.load_hf(source, used.model)
-    label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
-    meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
-    return model.to(device), used, meta, label

@@ -322,6 +322,7 @@ def test_the_kernel_decodes_only_the_math_it_has(monkeypatch):
     assert packing.kernel_has_the_math(ModelConfig(tie_embeddings=False, zero_init_proj=True,
                                                    logit_softcap=30.0))
     assert not packing.kernel_has_the_math(ModelConfig(position="rotary"))
+    assert not packing.kernel_has_the_math(ModelConfig(value_embeds=1))
     assert not packing.kernel_has_the_math(ModelConfig(attn_scale=0.3))
     assert not packing.kernel_has_the_math(ModelConfig(unet_skips=True))
     assert not packing.kernel_has_the_math(ModelConfig(qk_norm=True))

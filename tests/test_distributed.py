@@ -191,7 +191,7 @@ FAULTY_RANK = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import train
     from data import loader
-    from engine.training import processes
+    from engine.training import launch
 
     if os.environ["RANK"] == "1":
         fetch, fetched = loader.Batches.next, [0]
@@ -206,7 +206,7 @@ FAULTY_RANK = textwrap.dedent("""
             return fetch(self)
 
         loader.Batches.next = next_batch
-    sys.exit(processes.record(train.main)(sys.argv[2:]))
+    sys.exit(launch.record(train.main)(sys.argv[2:]))
 """)
 
 

@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 
-from engine import checkpoint
+from engine import checkpoint, sources
 from engine import hellaswag
 from config import Config
 from conftest import tiny_model_config
 from model import GPT
 from data.tokenizer import GPT2Tokenizer
-from engine import loading
 
 TOK = GPT2Tokenizer()
 
@@ -168,8 +167,8 @@ def test_checkpoints_and_hf_directories_load_through_sources(val_file, tmp_path,
     from engine import hf
     save_tiny(tmp_path / "ours", {"kind": "gpt2"}, TOK.vocab_size)
     hf.export_hf(tmp_path / "ours", tmp_path / "hf")  # a Hugging Face GPT-2 dir
-    ours, _, meta, _ = loading.load_source(str(tmp_path / "ours"), Config(), "cpu")
-    theirs, _, hf_meta, _ = loading.load_source(str(tmp_path / "hf"), Config(), "cpu",
+    ours, _, meta, _ = sources.load_source(str(tmp_path / "ours"), Config(), "cpu")
+    theirs, _, hf_meta, _ = sources.load_source(str(tmp_path / "hf"), Config(), "cpu",
                                                {"attention": "sdpa"})
     assert meta["tokenizer"] == hf_meta["tokenizer"] == {"kind": "gpt2"}
     assert ours.config.attention == "scratch" and theirs.config.attention == "sdpa"

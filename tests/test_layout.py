@@ -99,13 +99,13 @@ def test_model_py_stays_readable_in_one_sitting():
 
 # runs a script as `python script.py ...` would, then prints the project's modules it loaded
 PROBE = textwrap.dedent("""
-    import atexit, json, pathlib, runpy, sys
+    import atexit, json, os, pathlib, runpy, sys
     root = pathlib.Path.cwd().resolve()
     def report():
         loaded = {}
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None)
-            if path and pathlib.Path(path).resolve().is_relative_to(root):
+            if path and os.path.isabs(path) and pathlib.Path(path).resolve().is_relative_to(root):
                 loaded[name] = len(pathlib.Path(path).read_text().splitlines())
         print("LOADED " + json.dumps(loaded), file=sys.stderr)
     atexit.register(report)

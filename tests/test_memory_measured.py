@@ -206,7 +206,8 @@ CASES = [dict(attention=a, activation_checkpointing=c) for a in ("scratch", "sdp
     dict(attention="sdpa", loss="chunked"),
     dict(attention="sdpa", loss="chunked", dtype="bfloat16"),
     dict(attention="scratch", dtype="bfloat16"), dict(attention="sdpa", dtype="bfloat16"),
-    dict(attention="sdpa", activation_checkpointing="mlp", loss="chunked", dtype="bfloat16")]
+    dict(attention="sdpa", activation_checkpointing="mlp", loss="chunked", dtype="bfloat16"),
+    dict(attention="sdpa", value_embeds=1), dict(attention="scratch", value_embeds=1)]
 
 
 def case_id(case: dict) -> str:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from config import Config
-from engine import checkpoint, pruning
+from engine import checkpoint, pruning, sources
 from engine.serving import batching
 from engine.inference.sampling import generate_tokens
 from engine.inference.matvec import set_weight_layout
@@ -29,7 +29,6 @@ from engine.serving.batching import BatchEngine, SamplingParams, Sequence, TextS
 from engine.serving.options import ServeOptions
 from data.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
-from engine import loading
 from engine.inference import packed as packing
 from engine.serving import supervisor
 
@@ -116,7 +115,7 @@ def test_engine_gives_each_request_what_generate_gives_alone(tmp_path, attention
     """Greedy and seeded sampling, prompts of different lengths, past the context (re-read):
     token for token generate.py's sampler alone. static: every slot, full cache, per-row mask
     (the compiled path's shapes). The speedrun's model: rotary positions per slot."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path, attention, **techniques)),
+    model = sources.load_source(str(tiny_checkpoint(tmp_path, attention, **techniques)),
                                Config())[0].eval()
     requests = [("ab", SamplingParams(max_tokens=50, temperature=0)),
                 ("hello world, this is long", SamplingParams(max_tokens=20, temperature=0)),
@@ -133,7 +132,7 @@ def test_long_prompts_are_read_in_chunks_between_decode_steps(tmp_path):
     """prefill_chunk=4: no step reads more than 4 prompt tokens in all, so a running stream
     waits for one chunk; the texts are still what generate.py gives each request alone (also
     after the context is full and re-read in chunks)."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     requests = [("ab", SamplingParams(max_tokens=45, temperature=0)),
                 ("hello world, this is long", SamplingParams(max_tokens=12, temperature=0)),
                 ("what a long prompt it is", SamplingParams(max_tokens=9, temperature=0.7,
@@ -162,7 +161,7 @@ def test_packed_weights_decode_and_read_prompts_in_one_forward_a_step(tmp_path, 
     """--weights FORMAT: each step is one forward_tokens call, the decoding rows' tokens and at
     most prefill_chunk prompt tokens (all of a prompt when nothing decodes); the texts are what
     generate.py gives each request alone on the same packed weights (past the context too)."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     packing.convert(model, fmt, torch.device("cpu"))
     if not packing.fused(model):
         pytest.skip("the compiled kernels are not built here")
@@ -192,7 +191,7 @@ def test_new_prompts_are_read_together_in_one_forward(tmp_path):
     """Prompts that arrive together and fit the chunk are prefilled as one right-padded batch
     (each row's logits at its own last token): one forward, and each text still what
     generate.py gives it alone."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     requests = [("ab", SamplingParams(max_tokens=8, temperature=0)),
                 ("hello world", SamplingParams(max_tokens=8, temperature=0)),
                 ("c", SamplingParams(max_tokens=8, temperature=0.9, seed=2))]
@@ -210,7 +209,7 @@ def test_new_prompts_are_read_together_in_one_forward(tmp_path):
 def test_a_pruned_checkpoint_is_served_with_sparse_kernels_and_the_same_text(tmp_path):
     """serve loads as generate.py does: a pruned model's Linears go sparse (--sparse), and the
     batched greedy text is what the dense model gives each request alone."""
-    dense = loading.load_source(str(tiny_checkpoint(tmp_path / "dense")), Config())[0].eval()
+    dense = sources.load_source(str(tiny_checkpoint(tmp_path / "dense")), Config())[0].eval()
     pruning.prune(dense, 0.75, "unstructured")
     cfg = Config()
     cfg.model = dense.config
@@ -246,7 +245,7 @@ def test_text_stream_assembles_utf8_across_byte_level_tokens():
 
 
 def test_stop_token_finishes_without_its_text(tmp_path):
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     first = reference(model, "ab", 1)
     events = []
     engine = BatchEngine(model, model, tokenizer_ending_at(first), torch.device("cpu"), slots=1,
@@ -259,7 +258,7 @@ def test_stop_token_finishes_without_its_text(tmp_path):
 
 
 def test_ignore_eos_goes_on_past_the_stop_token(tmp_path):
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     expected = reference(model, "ab", 10)
     events = []
     engine = BatchEngine(model, model, tokenizer_ending_at(expected[0]), torch.device("cpu"),
@@ -291,7 +290,7 @@ def test_each_choice_is_sampled_as_the_request_says_with_its_own_seed():
 def test_stop_token_sends_the_text_held_back_for_a_possible_stop_string(tmp_path):
     """The first character may begin the stop string, so it waits; the stop token that follows
     ends the completion, and the character is sent before the end."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     first, second = reference(model, "what?", 2)  # two different characters
     events = []
     engine = BatchEngine(model, model, tokenizer_ending_at(second), torch.device("cpu"),
@@ -307,7 +306,7 @@ def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(batching, "release_cached",
                         lambda device, enabled: calls.append(enabled) or True)
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=2,
                          max_queue=2, warmup=False, idle_release_s=0.05)
     engine.start()
@@ -327,7 +326,7 @@ def test_idle_window_hands_cached_memory_back_once(tmp_path, monkeypatch):
 
 
 def test_an_error_in_the_decode_loop_fails_the_requests_and_the_engine_goes_on(tmp_path):
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     engine = BatchEngine(model, model, CharTokenizer(CHARS), torch.device("cpu"), slots=2,
                          max_queue=2, warmup=False, log=lambda text: None)
     decode = engine._decode
@@ -407,7 +406,7 @@ class Server:
 def start_server(tmp: Path, ckpt: Path) -> Server:
     """A server on ckpt, with the same weights in-process as .model (the reference)."""
     server = Server(ckpt, tmp / "serve.log")
-    server.model = loading.load_source(str(ckpt), Config())[0].eval()
+    server.model = sources.load_source(str(ckpt), Config())[0].eval()
     set_weight_layout(server.model, "auto")  # as generate.py (and serve.py) store them
     return server
 

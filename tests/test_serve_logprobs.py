@@ -16,13 +16,12 @@ from test_serve import (CHARS, WAIT_S, post, reference, start_server, tiny_check
                         tokenizer_ending_at)
 
 from config import Config
-from engine import checkpoint, hellaswag
+from engine import checkpoint, hellaswag, sources
 from engine.serving import logprobs
 from engine.inference.sampling import generate_tokens
 from engine.serving.batching import BatchEngine, SamplingParams, Sequence
 from data.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, ModelConfig
-from engine import loading
 from engine.inference import packed as packing
 
 TOK = GPT2Tokenizer()
@@ -64,7 +63,7 @@ def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch, static
     alongside; both texts are what generate.py gives alone. static: the compiled path's
     shapes (every slot, the whole cache); packed: float32 packed weights, whose one forward a
     step also has the other request's row of logits."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     if packed:
         packing.convert(model, "float32", torch.device("cpu"))
         if not packing.fused(model):
@@ -94,7 +93,7 @@ def test_a_long_prompt_is_scored_in_bounded_pieces(tmp_path, monkeypatch, static
 def test_the_stop_token_is_scored_but_not_in_the_text(tmp_path):
     """The <|endoftext|> that ends a completion is in its logprobs, at the text's end (a
     harness reading a continuation's scores counts on one score per generated token)."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     first, second = reference(model, "what?", 2)
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=0)
     (events,) = engine_events(model, [(CharTokenizer(CHARS).encode("what?"), params)],
@@ -110,7 +109,7 @@ def test_scored_tokens_travel_with_their_text_and_a_stop_string_cuts_both(tmp_pa
     """Text held back (it may begin a stop string) keeps its tokens' scores back too; the
     tokens that the stop string cuts away are not scored in the answer. One character a
     token: the tokens sent so far spell the text sent so far, after every event."""
-    model = loading.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
+    model = sources.load_source(str(tiny_checkpoint(tmp_path)), Config())[0].eval()
     expected = reference(model, "hello", 8)  # hyhhhy..: 'h' is held back, "hh" stops it
     params = SamplingParams(max_tokens=8, temperature=0, stop=[expected[3:5]], logprobs=1)
     (events,) = engine_events(model, [(CharTokenizer(CHARS).encode("hello"), params)])

@@ -13,7 +13,7 @@ import torch
 
 import data.shards as shards
 import data.stream as stream
-from data.loader import Batches, DataError, load_meta, open_batches
+from data.loader import Batches, DataError, load_meta
 from data.shard_batches import ShardBatches
 from data.shards import Source, prepare
 from data.tokenizer import GPT2Tokenizer
@@ -259,7 +259,7 @@ def epoch_windows(loader: ShardBatches) -> list[tuple[int, ...]]:
 def test_shard_batches_cover_each_window_once_per_epoch(tmp_path):
     T, lengths = 8, [130, 95, 7, 210]  # a shard shorter than one window is skipped
     meta = write_synthetic(tmp_path, lengths)
-    loader = open_batches(meta, "train", batch_size=3, block_size=T, seed=4)
+    loader = ShardBatches(meta, "train", batch_size=3, block_size=T, seed=4)
     assert isinstance(loader, ShardBatches)
     rows = epoch_windows(loader)
     for row in rows:  # consecutive tokens of one shard: no window crosses a shard's end
@@ -276,24 +276,24 @@ def test_shard_batches_cover_each_window_once_per_epoch(tmp_path):
 
 def test_shard_batches_ranks_disjoint_and_resumable(tmp_path):
     meta = write_synthetic(tmp_path, [300, 300, 300])
-    ranks = [open_batches(meta, "train", 2, 8, seed=1, rank=r, world_size=2) for r in range(2)]
+    ranks = [ShardBatches(meta, "train", 2, 8, seed=1, rank=r, world_size=2) for r in range(2)]
     seen = [set(), set()]
     for r, loader in enumerate(ranks):
         for _ in range(10):
             seen[r] |= {tuple(row) for row in loader.next()[0].tolist()}
     assert len(seen[0]) == len(seen[1]) == 20 and not seen[0] & seen[1]
-    a = open_batches(meta, "train", 4, 8, seed=7)
+    a = ShardBatches(meta, "train", 4, 8, seed=7)
     for _ in range(20):  # past the end of the first epoch (103 windows / 4)
         a.next()
     path = tmp_path / "state.pt"
     torch.save(a.state_dict(), path)
     expected = [a.next()[0] for _ in range(12)]
-    b = open_batches(meta, "train", 4, 8, seed=7)
+    b = ShardBatches(meta, "train", 4, 8, seed=7)
     b.load_state_dict(torch.load(path, weights_only=True))
     assert all(torch.equal(b.next()[0], e) for e in expected)
-    assert not torch.equal(open_batches(meta, "train", 4, 8, seed=8).next()[0],
-                           open_batches(meta, "train", 4, 8, seed=7).next()[0])
-    fixed = open_batches(meta, "train", 4, 8, seed=0).fixed(3, seed=11)  # training draws don't move it
+    assert not torch.equal(ShardBatches(meta, "train", 4, 8, seed=8).next()[0],
+                           ShardBatches(meta, "train", 4, 8, seed=7).next()[0])
+    fixed = ShardBatches(meta, "train", 4, 8, seed=0).fixed(3, seed=11)  # training draws don't move it
     assert len(fixed) == 3 and all(np.array_equal(p, q) for p, q in
                                    zip(fixed, a.fixed(3, seed=11)))
     assert len({int(s) for batch in fixed for s in batch}) == 12  # no repeats
@@ -303,11 +303,11 @@ def test_shard_batches_errors(tmp_path, char_dataset):
     meta = write_synthetic(tmp_path / "s", [100])
     with pytest.raises(DataError, match=r"12 windows of block_size\+1 = 9 per rank, fewer than "
                                         r"batch_size 16"):
-        open_batches(meta, "train", 16, 8, seed=0)
-    sharded = open_batches(meta, "train", 2, 8, seed=0)
-    single = open_batches(load_meta(str(char_dataset)), "train", 2, 8, seed=0)
+        ShardBatches(meta, "train", 16, 8, seed=0)
+    sharded = ShardBatches(meta, "train", 2, 8, seed=0)
+    single = Batches(load_meta(str(char_dataset)), "train", 2, 8, seed=0)
     assert type(single) is Batches
-    with pytest.raises(DataError, match="is sharded: read it with open_batches"):
+    with pytest.raises(DataError, match="is sharded: read it with ShardBatches"):
         Batches(meta, "train", 2, 8, seed=0)
     with pytest.raises(DataError, match="position is for a single train.bin dataset"):
         sharded.load_state_dict(single.state_dict())
@@ -316,7 +316,7 @@ def test_shard_batches_errors(tmp_path, char_dataset):
     (tmp_path / "s" / "train_000000.bin").write_bytes(b"\0" * 10)
     with pytest.raises(DataError, match=r"train_000000.bin is 10 bytes, not 200; the folder was "
                                         r"changed after preparation"):
-        open_batches(meta, "train", 2, 8, seed=0)
+        ShardBatches(meta, "train", 2, 8, seed=0)
 
 
 def test_training_on_shards_resumes_exactly_and_scores_hellaswag(reference, tmp_path):

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import generate
 from config import Config, ConfigError, gpt2_recipe_flags, load_config
 from conftest import tiny_model_config, train_whole_and_resumed
-from engine import checkpoint, loading
+from engine import checkpoint, loading, sources
 from engine import hf as gpt2
 from engine.inference.sampling import generate_tokens
 from model import GPT, ModelConfig, Rotary
@@ -23,12 +23,12 @@ from engine import loading
 from engine.training import optim
 from engine.inference.kv_cache import new_kv_cache
 
-EVERY = dict(position="rotary", qk_norm=True, attn_scale=0.3, tie_embeddings=False,
-             zero_init_head=True, zero_init_proj=True, logit_softcap=15.0, unet_skips=True,
-             smear=True, activation="relu2")
-EVERY_FLAGS = ["--position=rotary", "--qk_norm=true", "--attn_scale=0.3", "--tie_embeddings=false",
-               "--zero_init_head=true", "--zero_init_proj=true", "--logit_softcap=15",
-               "--unet_skips=true", "--smear=true", "--activation=relu2"]
+EVERY = dict(position="rotary", qk_norm=True, attn_scale=0.3, value_embeds=1,
+             tie_embeddings=False, zero_init_head=True, zero_init_proj=True, logit_softcap=15.0,
+             unet_skips=True, smear=True, activation="relu2")
+EVERY_FLAGS = ["--position=rotary", "--qk_norm=true", "--attn_scale=0.3", "--value_embeds=1",
+               "--tie_embeddings=false", "--zero_init_head=true", "--zero_init_proj=true",
+               "--logit_softcap=15", "--unet_skips=true", "--smear=true", "--activation=relu2"]
 
 
 def test_every_technique_is_off_by_default():
@@ -39,9 +39,9 @@ def test_every_technique_is_off_by_default():
     model = GPT(tiny_model_config())
     assert model.lm_head.weight is model.transformer.wte.weight and "wpe" in model.transformer
     assert departures(ModelConfig(**EVERY)) == [
-        "position=rotary", "qk_norm=True", "attn_scale=0.3", "tie_embeddings=False",
-        "zero_init_head=True", "zero_init_proj=True", "logit_softcap=15.0", "unet_skips=True",
-        "smear=True"]
+        "position=rotary", "qk_norm=True", "attn_scale=0.3", "value_embeds=1",
+        "tie_embeddings=False", "zero_init_head=True", "zero_init_proj=True",
+        "logit_softcap=15.0", "unet_skips=True", "smear=True"]
 
 
 def test_gpt2_recipe_flags_turn_off_what_the_speedrun_configs_turn_on():
@@ -137,13 +137,13 @@ def test_softcap_is_cap_times_tanh_and_the_chunked_loss_agrees():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def gpt2_and_with(flag: str, **shape) -> tuple[GPT, GPT]:
+def gpt2_and_with(flag: str, value=True, **shape) -> tuple[GPT, GPT]:
     """GPT-2 and the same model with one zero-initialized technique on, from the same seed (so
     every other weight is the same draw), in eval mode."""
     torch.manual_seed(5)
     plain = GPT(tiny_model_config(**shape)).eval()
     torch.manual_seed(5)
-    return plain, GPT(tiny_model_config(**shape, **{flag: True})).eval()
+    return plain, GPT(tiny_model_config(**shape, **{flag: value})).eval()
 
 
 @pytest.mark.parametrize("n_layer", [4, 3])
@@ -187,6 +187,49 @@ def test_smear_adds_the_previous_tokens_embedding_per_channel(position):
         torch.testing.assert_close(model(idx)[0], model.lm_head(t.ln_f(x)))
 
 
+def attention_with_values(attn, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """GPT-2's attention written out, with `extra` (B, T, C) added to the values."""
+    B, T, C = x.shape
+    q, k, v = attn.c_attn(x).split(C, dim=-1)
+    if extra is not None:
+        v = v + extra
+    heads = [t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v)]
+    scores = heads[0] @ heads[1].transpose(-2, -1) / math.sqrt(C // attn.n_head)
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    y = (torch.softmax(scores, dim=-1) @ heads[2]).transpose(1, 2).reshape(B, T, C)
+    return attn.c_proj(y)
+
+
+@pytest.mark.parametrize("n_layer,pairs", [(4, 2), (4, 1), (5, 2)])
+def test_value_embeddings_add_an_embedding_of_the_token_to_attentions_values(n_layer, pairs):
+    """Blocks i and n-1-i (i < pairs) add value_weights[i, side] * value_embeds[i](token) to
+    their attention's values (an odd middle block takes none); at the weights' initial zeros
+    the model is GPT-2's from the same seed, and the tables train as embeddings (AdamW)."""
+    plain, model = gpt2_and_with("value_embeds", pairs, n_layer=n_layer)
+    idx = torch.randint(0, 37, (2, 16))
+    with torch.no_grad():
+        assert len(model.value_embeds) == pairs and model.value_weights.shape == (pairs, 2)
+        assert not model.value_weights.any()
+        torch.testing.assert_close(model(idx)[0], plain(idx)[0], rtol=0, atol=0)
+        model.value_weights.normal_()
+        t = model.transformer
+        x = t.wte(idx) + t.wpe(torch.arange(16))
+        for i, block in enumerate(t.h):
+            pair, extra = min(i, n_layer - 1 - i), None
+            if pair < pairs:
+                extra = model.value_weights[pair, int(i > pair)] * model.value_embeds[pair](idx)
+            x = x + attention_with_values(block.attn, block.ln_1(x), extra)
+            x = x + block.mlp(block.ln_2(x))
+        torch.testing.assert_close(model(idx)[0], model.lm_head(t.ln_f(x)))
+    cfg = Config()
+    cfg.model, cfg.train.optimizer = model.config, "muon"
+    hidden = {id(p) for g in optim.make_optimizer(model, cfg, torch.device("cpu")).param_groups
+              if g.get("muon") for p in g["params"]}
+    assert all(id(table.weight) not in hidden for table in model.value_embeds)
+    with pytest.raises(ConfigError, match="model.value_embeds must be <= n_layer // 2"):
+        load_config([f"--n_layer={n_layer}", f"--value_embeds={n_layer // 2 + 1}"])
+
+
 def test_zero_inits_zero_only_their_weights_and_leave_the_rest_as_gpt2():
     """The same seed gives the same weights but the zeroed ones; a zero head gives uniform first
     logits (loss log V)."""
@@ -209,7 +252,7 @@ def test_zero_inits_zero_only_their_weights_and_leave_the_rest_as_gpt2():
 
 @pytest.mark.parametrize("flag", [dict(position="rotary"), dict(qk_norm=True),
                                   dict(logit_softcap=15.0), dict(unet_skips=True, n_layer=3),
-                                  dict(smear=True), EVERY])
+                                  dict(smear=True), dict(value_embeds=1), EVERY])
 def test_decoding_with_a_kv_cache_matches_the_whole_forward(flag):
     """One token at a time, positions (T,) as generate.py and (B, T) as serve.py's slots."""
     model = GPT(tiny_model_config(**flag)).eval()
@@ -277,6 +320,7 @@ def test_config_refuses_what_cannot_work():
                                        (dict(attn_scale=0.3), "model.attn_scale=0.3"),
                                        (dict(unet_skips=True), "model.unet_skips=True"),
                                        (dict(smear=True), "model.smear=True"),
+                                       (dict(value_embeds=1), "model.value_embeds=1"),
                                        (dict(logit_softcap=30.0), "model.logit_softcap=30.0")])
 def test_hf_export_refuses_what_gpt2_cannot_hold_in_one_line(flag, name, tmp_path):
     model = GPT(tiny_model_config(**flag))
@@ -329,7 +373,7 @@ def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset
     # whole forward's
     assert generate.main(["--checkpoint", str(a), "--max_new_tokens=20", "--device=cpu",
                           "--prompt=ROMEO:", "--temperature=0"]) == 0
-    model = loading.load_source(str(a), Config())[0].eval()
+    model = sources.load_source(str(a), Config())[0].eval()
     idx = torch.tensor([[5, 6, 7]])
     cached = generate_tokens(model, idx, 10, 0.0, 0, 1.0, True, torch.Generator())
     plain = generate_tokens(model, idx, 10, 0.0, 0, 1.0, False, torch.Generator())

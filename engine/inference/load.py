@@ -12,7 +12,7 @@ import torch
 
 from config import Config, ConfigError, opt
 from data.tokenizer import GPT2_EOT, TokenizerError
-from engine import checkpoint, loading
+from engine import checkpoint, sources
 from engine.inference.matvec import set_weight_layout
 from model import GPT
 
@@ -85,7 +85,7 @@ def load_for_inference(cfg: Config, options: InferenceOptions, device: torch.dev
 
         quantize.quantize_targets(cfg.sample.quantize_layers)  # a bad list fails before loading
     init_from = options.model_source(cfg)
-    model, _, meta, label = loading.load_source(init_from, cfg, device)
+    model, _, meta, label = sources.load_source(init_from, cfg, device)
     if meta["tokenizer"]["kind"] == "unknown":
         raise TokenizerError(f"{init_from} has a {model.config.vocab_size}-token vocabulary, not "
                              f"GPT-2's {GPT2_EOT + 1}: there is no tokenizer for it here")

@@ -17,7 +17,7 @@ import torch
 
 from config import Config
 from data.dataset import check_vocab, load_or_prepare
-from data.loader import Batches, open_batches
+from data.loader import Batches
 from engine import checkpoint, device
 from engine.training import metrics, resume, speedups
 from engine.training.optim import fused_note, make_optimizer
@@ -66,9 +66,12 @@ def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
                  ) -> tuple[Batches, dict[str, Batches], dict[str, list]]:
     """This rank's training batches, both splits' loaders, and the fixed evaluation batches."""
     t, d = cfg.train, cfg.data
-    split = {split: open_batches(meta, split, t.batch_size, cfg.model.block_size,
-                                 cfg.system.seed, rt.device, d.pin_memory, dist.rank,
-                                 dist.world_size, prefetch=d.prefetch and split == "train")
+    loader = Batches
+    if "shards" in meta:  # a sharded corpus: each token an input once per epoch
+        from data.shard_batches import ShardBatches as loader
+    split = {split: loader(meta, split, t.batch_size, cfg.model.block_size, cfg.system.seed,
+                           rt.device, d.pin_memory, dist.rank, dist.world_size,
+                           prefetch=d.prefetch and split == "train")
              for split in ("train", "val")}
     eval_sets = {name: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
                  for i, (name, b) in enumerate(split.items())}

@@ -14,7 +14,8 @@ from config import Config, ConfigError
 from data.dataset import check_vocab
 from engine.checkpoint import CheckpointError, latest_checkpoint
 from engine.fields import facts
-from engine.loading import check_tokenizer, load_source
+from engine.loading import check_tokenizer
+from engine.sources import load_source
 from model import GPT, ModelConfig
 
 

@@ -76,12 +76,15 @@ def layer_norm_bytes(cfg: ModelConfig) -> int:
 
 
 def trunk_bytes(cfg: ModelConfig, act: int) -> int:
-    """Bytes per token kept outside the blocks: the float32 tensors the speedrun's additions to
-    the residual stream multiply by learned weights (the previous tokens' embeddings, each value
-    table's embeddings, the middle block's output that a U-net skip reuses), ln_f, and the LM
-    head's input (the chunked loss keeps its gradient instead, counted with the loss)."""
+    """Bytes per token kept outside the blocks' own count: the float32 tensors the speedrun's
+    additions multiply by learned weights (the previous tokens' embeddings, each value table's
+    embeddings, the middle block's output a U-net skip reuses), the values a value embedding
+    makes anew in each block it joins (SDPA keeps them beside q and k; written-out attention
+    keeps a contiguous v either way), ln_f, and the LM head's input (the chunked loss keeps its
+    gradient instead, counted with the loss)."""
     C = cfg.n_embd
     kept = 4 * C * (cfg.smear + cfg.value_embeds + (cfg.unet_skips and cfg.n_layer % 2 == 0))
+    kept += act * C * 2 * cfg.value_embeds * (cfg.attention == "sdpa")
     return kept + layer_norm_bytes(cfg) + (0 if cfg.loss == "chunked" else act * C)
 
 

@@ -1,7 +1,7 @@
 """Several processes training one model (torchrun, accelerate launch): joining the job, the
 collectives train.py's loop needs, accelerate's flags, DDP or FSDP2 around the model, and
 checkpoints of a sharded model saved as one process's. Loaded only under a launcher
-(processes.init); one process never imports it.
+(launch.init); one process never imports it.
 
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_124m                # DDP
     torchrun --standalone --nproc_per_node=8 train.py --config gpt2_xl --parallel=fsdp  # FSDP2

@@ -1,9 +1,7 @@
 """Who this process is in a training job. Without a launcher, one process: a Dist whose
 collectives do nothing, so train.py has one loop for one process and for many. torchrun or
-accelerate launch set RANK / WORLD_SIZE (or ACCELERATE_*); init() then loads
-engine/training/parallel.py, which joins the job (docs/distributed.md).
-
-    dist = init(cfg)          # Dist(rank=0, world_size=1) here; a ProcessGroup under torchrun
+accelerate launch set RANK / WORLD_SIZE (or ACCELERATE_*); launch.py then joins the job through
+parallel.py, whose ProcessGroup does what Dist leaves undone (docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import Config
 from engine.device import SetupError
 
 SIGNALS = ("SIGINT", "SIGTERM")  # what resume.StopRequest turns into a stop request
@@ -109,38 +106,7 @@ def launched(env: dict | None = None) -> bool:
     return "WORLD_SIZE" in env or any(k.startswith("ACCELERATE_") for k in env)
 
 
-def init(cfg: Config) -> Dist:
-    """Join the job the launcher started, or return the one-process Dist."""
-    if launched():
-        from engine.training import parallel  # a launcher: its flags, maybe several processes
-
-        return parallel.init(cfg, *launch_env())
-    fsdp = cfg.system.parallel == "fsdp"
-    return Dist(notes=["parallel=fsdp needs several processes (torchrun): one plain process "
-                       "here"] * fsdp)
-
-
 def error_prefix() -> str:
     """'rank 3: ' in a job of several processes, so an error says where it happened."""
     world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
     return f"rank {rank}: " if world not in ("", "0", "1") else ""
-
-
-def record(main):
-    """torch's elastic error handler: the launcher's summary names the failed rank."""
-    if not launched():
-        return main
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
-    except ImportError:  # a torch built without distributed support
-        return main
-    return elastic_record(main)
-
-
-def collective_failure(e: BaseException, timeout_s: float) -> str | None:
-    """The error to show when a collective timed out or lost a peer; None for any other."""
-    if not launched():
-        return None
-    from engine.training import parallel
-
-    return parallel.collective_failure(e, timeout_s)

@@ -1,0 +1,43 @@
+"""Where a model comes from, by its name: one of our checkpoints (or a run directory), or a
+Hugging Face GPT-2 (a hub id or a local directory), whose converter is loaded only then.
+
+    model, cfg, meta, label = load_source("out/shakespeare_char", cfg)   # or "gpt2"
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+import config
+from engine.checkpoint import latest_checkpoint, resolve
+from engine.loading import load_model
+from model import GPT
+
+
+def is_ours(source: str | Path) -> bool:
+    """Whether source is one of our checkpoints (it has a meta.json, which a Hugging Face
+    directory has not) or a run directory holding them."""
+    path = Path(source)
+    return (path / "meta.json").is_file() or latest_checkpoint(path) is not None
+
+
+def load_source(source: str, cfg: config.Config, device: torch.device | str = "cpu",
+                overrides: dict | None = None) -> tuple[GPT, config.Config, dict, str]:
+    """(model, its config, meta with 'tokenizer', a label) of one of our checkpoints (its stored
+    config) or a Hugging Face GPT-2 (its shape from config.json, the rest from cfg.model);
+    `overrides` apply to both. A source that is neither gets the checkpoint's error."""
+    if is_ours(source):
+        path = resolve(source)
+        model, stored, meta = load_model(path, device, overrides)
+        return model, stored, meta, str(path)
+    from engine import hf  # a GPT-2 from the hub or a Hugging Face directory
+
+    if not hf.is_gpt2_source(source):
+        resolve(source)  # raises: no such checkpoint
+    used = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **(overrides or {})))
+    model, hf_dir = hf.load_hf(source, used.model)
+    label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
+    meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
+    return model.to(device), used, meta, label
