@@ -99,8 +99,9 @@ class TrainConfig:
                               "weight_decay carries over) | original (sqrt(max(1, rows/cols)))",
                               ("match_rms_adamw", "original"))
     muon_ns_dtype: str = opt("auto", "dtype of Muon's Newton-Schulz iteration: bfloat16 is "
-                             "torch.optim.Muon's own; float32 is ~20x faster on CPUs that "
-                             "emulate bf16 (no AMX); auto = bfloat16 on CUDA, else float32",
+                             "torch.optim.Muon's own; float32 is many times faster on CPUs "
+                             "that emulate bf16 (docs/speedups.md); auto = bfloat16 on CUDA, "
+                             "else float32",
                              ("auto", "bfloat16", "float32"))
     eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps", check=POSITIVE)
     eval_at_start: bool = opt(True, "evaluate a fresh run at step 0 too (its loss before training)")
@@ -108,7 +109,7 @@ class TrainConfig:
                           check=POSITIVE)
     log_interval: int = opt(10, "print a log line every this many steps", check=POSITIVE)
     loss_curve: bool = opt(True, "draw out_dir/loss_curve.png at the evaluations (at most once a "
-                           "minute, and at the end; matplotlib's first drawing takes ~1 s)")
+                           "minute, and at the end; matplotlib's first drawing takes a second)")
     keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir", check=POSITIVE)
     save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
     hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "

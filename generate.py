@@ -20,7 +20,7 @@ from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, device
 from engine.inference.load import InferenceOptions, load_for_inference, prepare_weights
 from engine.inference.matvec import huge_pages_for, set_matvec
-from engine.inference.sampling import generate_tokens, warm_up
+from engine.inference.sampling import call_forward_directly, generate_tokens, warm_up
 
 
 class StreamPrinter:
@@ -74,6 +74,7 @@ def sample(cfg: Config, options: GenerateOptions) -> None:
     if prepared.sparse:
         print(prepared.sparse, file=sys.stderr)
     matvec = set_matvec(model, s.matvec)
+    call_forward_directly(model)  # the blocks' parts called without nn.Module's hook checks
     tokenizer = from_meta(meta["tokenizer"])
     prompt_ids = encode_prompt(tokenizer, s.prompt, model.config.block_size)
     bucket = 0

@@ -22,22 +22,6 @@ from config import SystemConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# dense datasheet peaks (bf16/fp16, tf32, fp32), by substring of the device name; first wins
-PEAK_FLOPS = [
-    ("H200", (989e12, 494e12, 67e12)),
-    ("H100 PCIe", (756e12, 378e12, 51e12)),
-    ("H100", (989e12, 494e12, 67e12)),
-    ("A100", (312e12, 156e12, 19.5e12)),
-    ("A10G", (125e12, 62.5e12, 31.2e12)),
-    ("L40S", (362e12, 183e12, 91.6e12)),
-    ("L4", (121e12, 60e12, 30e12)),
-    ("RTX 4090", (165e12, 82.6e12, 82.6e12)),
-    ("RTX 3090", (71e12, 35.6e12, 35.6e12)),
-    ("V100", (125e12, 15.7e12, 15.7e12)),
-    ("T4", (65e12, 8.1e12, 8.1e12)),
-]
-
-
 class SetupError(RuntimeError):
     """A system setting this machine cannot honour."""
 
@@ -224,6 +208,8 @@ def peak_flops(rt: Runtime, override: float = 0.0) -> float:
         return override
     if rt.device.type != "cuda":
         return 0.0
+    from engine.gpu_peaks import PEAK_FLOPS  # the datasheets' table
+
     name = torch.cuda.get_device_name(rt.device)
     for key, (half, tf32, fp32) in PEAK_FLOPS:
         if key in name:

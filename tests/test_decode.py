@@ -366,3 +366,21 @@ def test_huge_pages_say_why_they_are_off(tmp_path, monkeypatch):
         "off (transparent huge pages are disabled")
     mode.write_text("always [madvise] never\n")
     assert matvec.huge_pages_for(True, cpu) == (True, "on")
+
+
+def test_direct_calls_decode_the_same_tokens_with_the_same_weights():
+    """call_forward_directly (generate.py and serve.py): the blocks' parts run their forward
+    without nn.Module's hook checks; the tokens, logits and state dict stay, and the blocks
+    themselves stay module calls."""
+    model = GPT(tiny_default_model_config()).eval()
+    idx = torch.randint(0, 37, (2, 5))
+    want = sampling.generate_tokens(model, idx, 8, temperature=0)
+    logits, keys = model(idx)[0], list(model.state_dict())
+    sampling.call_forward_directly(model)
+    sampling.call_forward_directly(model)  # a second time changes nothing more
+    attn = model.transformer.h[0].attn
+    assert type(attn).__call__ is type(attn).forward and isinstance(attn, type(attn).__mro__[1])
+    assert type(model.transformer.h[0]).__call__ is torch.nn.Module.__call__
+    assert torch.equal(sampling.generate_tokens(model, idx, 8, temperature=0), want)
+    torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=0)
+    assert list(model.state_dict()) == keys

@@ -405,8 +405,8 @@ def test_each_activation_keeps_what_it_says_for_backward(activation, impl):
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_the_optimizers_state_is_what_the_estimate_counts(name):
-    """After one step, the float32 numbers the optimizer holds = optim.state_floats, which
-    the memory estimate adds up."""
+    """After one step, the float32 numbers the optimizer holds are what optim.STATE_TENSORS
+    says, which the memory estimate adds up."""
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd = 10, 8, 2, 2, 8
@@ -418,6 +418,6 @@ def test_the_optimizers_state_is_what_the_estimate_counts(name):
     held = sum(t.numel() for state in optimizer.state.values() for t in state.values()
                if torch.is_tensor(t) and t.dim() > 0)
     params, matrices = model.num_params(False), 12 * m.n_embd ** 2 * m.n_layer
-    hidden, rest = memory_estimate.STATE_TENSORS[name]
+    hidden, rest = optim.STATE_TENSORS[name]
     assert held == hidden * matrices + rest * (params - matrices)
     assert memory_estimate.estimate(cfg).optimizer == 4 * held

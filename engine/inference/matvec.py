@@ -66,10 +66,10 @@ def set_weight_layout(model: nn.Module, layout: str, huge_pages: bool = False) -
     token embedding) row-major (as trained), column-major, or by shape -> the layout used. The
     values, shapes and parameters stay; only the strides change, so training, state_dict and
     saved checkpoints are unaffected (checkpoints are written contiguous). Column-major lets a
-    one-token F.linear read the weight as a plain (in, out) matrix. On the 2-core AMD EPYC
-    MKL's matrix-vector product runs faster that way for weights with more outputs than
-    inputs (the fused qkv, the MLP's c_fc, the LM head) and slower for the MLP's c_proj (3072
-    in, 768 out), so by_shape makes only the former column-major (docs/gpt2.md has the figures).
+    one-token F.linear read the weight as a plain (in, out) matrix. Measured on CPUs, MKL's
+    matrix-vector product ran faster that way for weights with more outputs than inputs (the
+    fused qkv, the MLP's c_fc, the LM head) and slower for the MLP's c_proj (3072 in, 768 out),
+    so by_shape makes only the former column-major (docs/gpt2.md has the figures).
     huge_pages (where huge_pages_for allows it): each weight of 2 MiB or more is copied into
     memory mapped in 2 MiB pages, which the same products read a little faster there.
     Quantized (int8) weights are left as they are."""

@@ -26,10 +26,10 @@ from engine.inference.sampling import decode_step, prefill
 from model import ACTIVATIONS, ModelConfig, softcap
 
 FORMATS = ("auto", "torch", "float32", "bfloat16", "int8", "int4")
-# within 0.5% of float32's perplexity (int4: 3%), measured by python bench.py --decode
+# within 0.5% of float32's perplexity (int4 is not: bench_results/decode_quality_*.md)
 AUTO_CANDIDATES = ("torch", "float32", "bfloat16", "int8")
 KERNEL_ROWS = 128  # up to this many rows a call runs the kernels (faster than unpacking the
-# weight for a dense product up to ~256 rows here); more (a long prompt): the dense product
+# weight for a dense product, as bench.py decode measured); more (a long prompt): dense
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 

@@ -5,6 +5,7 @@ context), and compiling every shape before the first token.
     out = generate_tokens(model, idx, 100, temperature=0.8, top_k=200)   # (B, T + 100)
 """
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -12,6 +13,24 @@ import torch.nn.functional as F
 
 from engine.inference.kv_cache import KVCache, new_kv_cache
 from model import GPT
+
+
+def call_forward_directly(model: torch.nn.Module) -> None:
+    """Decoding only: the parts inside each block call their forward straight, without
+    nn.Module.__call__'s hook checks. A decoded token of a small model makes dozens of such
+    calls, a few percent of its time (docs/gpt2.md); the weights and the math stay the same,
+    and training never does this (FSDP's and DDP's hooks live there)."""
+    for block in model.transformer.h:
+        for module in block.modules():
+            if module is not block:
+                module.__class__ = _direct_class(type(module))
+
+
+@functools.cache
+def _direct_class(cls: type) -> type:
+    """cls whose instances, called, run forward: __call__ is forward."""
+    return cls if cls.__call__ is cls.forward else type(cls.__name__, (cls,),
+                                                          {"__call__": cls.forward})
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

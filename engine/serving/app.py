@@ -469,7 +469,7 @@ async def when_ready(app: FastAPI, engine: BatchEngine, on_ready: Callable[[], N
                 (await client.post("/v1/completions", json=body)).raise_for_status()
     # what is alive now (the model, the app, torch's and pydantic's caches) lives as long as
     # the server: out of the collector's sight, its pauses scan only what requests allocate
-    # (on the AMD EPYC Zen 5, TTFT p50 at 16 streams 212 -> 137 ms)
+    # (what it bought in time to first token: docs/serve.md)
     gc.collect()
     gc.freeze()
     app.state.healthy = True

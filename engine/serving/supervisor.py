@@ -35,6 +35,7 @@ from config import Config, ConfigError
 from data.tokenizer import from_meta
 from engine.device import Runtime, setup
 from engine.inference.load import load_for_inference, prepare_weights
+from engine.inference.sampling import call_forward_directly
 from engine.serving.options import ServeOptions
 
 if TYPE_CHECKING:  # imported by the worker only, after the fork
@@ -77,6 +78,7 @@ def prepare_for_serving(model, cfg: Config, options: ServeOptions, device: torch
     """generate.py's preparation of the weights (prepare_weights), a pruned model's
     sparse kernels probed at --slots rows (a decode step's), said in the log."""
     prepared = prepare_weights(model, cfg, options, device, options.slots)
+    call_forward_directly(model)  # the blocks' parts called without nn.Module's hook checks
     log(f"weights={prepared.weights}")
     if prepared.sparse:
         log(prepared.sparse)

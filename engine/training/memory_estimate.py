@@ -17,11 +17,8 @@ import torch
 
 from config import Config
 from engine.device import format_bytes, resolve_device, resolve_dtype
+from engine.training.optim import STATE_TENSORS
 from model import ACTIVATIONS, GPT, ModelConfig
-
-# float32 state tensors each train.optimizer keeps per parameter: (in the blocks' Linear weights,
-# elsewhere). AdamW: exp_avg and exp_avg_sq; Muon: one momentum buffer, AdamW on the rest
-STATE_TENSORS = {"adamw": (2, 2), "muon": (1, 2)}
 
 
 @dataclass

@@ -124,7 +124,7 @@ class RunLog:
 
     def eval(self, step: int, losses: dict[str, float]) -> None:
         """Print and record an evaluation; redraw the loss curve at most every PLOT_EVERY_S
-        (a redraw costs ~0.2 s, the first ~1 s: in a short run that is time not training)."""
+        (a redraw, and matplotlib's first above all, is time a short run does not train)."""
         val = losses["val"]
         print(f"eval {step:5d} | train {losses['train']:.4f} | val {val:.4f} | val ppl "
               f"{math.exp(min(val, 700)):.2f}")

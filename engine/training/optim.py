@@ -24,13 +24,6 @@ from model import GPT
 STATE_TENSORS = {"adamw": (2, 2), "muon": (1, 2)}
 
 
-def state_floats(optimizer: str, params: int, block_matrices: int) -> int:
-    """Float32 numbers `optimizer` keeps for `params` parameters, `block_matrices` of them in
-    the blocks' Linear weights (the memory estimate, made before any model exists)."""
-    hidden, rest = STATE_TENSORS[optimizer]
-    return hidden * block_matrices + rest * (params - block_matrices)
-
-
 def lr_at(step: int, cfg: Config) -> float:
     t = cfg.train
     peak = t.learning_rate
