@@ -381,6 +381,7 @@ def test_direct_calls_decode_the_same_tokens_with_the_same_weights():
     attn = model.transformer.h[0].attn
     assert type(attn).__call__ is type(attn).forward and isinstance(attn, type(attn).__mro__[1])
     assert type(model.transformer.h[0]).__call__ is torch.nn.Module.__call__
+    assert not any(isinstance(m, torch.nn.Dropout) for m in model.transformer.h.modules())
     assert torch.equal(sampling.generate_tokens(model, idx, 8, temperature=0), want)
     torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=0)
     assert list(model.state_dict()) == keys

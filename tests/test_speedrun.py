@@ -329,6 +329,20 @@ def test_hf_export_refuses_what_gpt2_cannot_hold_in_one_line(flag, name, tmp_pat
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
 
 
+def test_an_activation_gpt2_has_no_name_for_is_refused_in_one_line(tmp_path, monkeypatch):
+    """An activation with no GPT2Config name (one added without hf_names) is refused by the
+    export, not an IndexError."""
+    import dataclasses
+
+    from model import ACTIVATIONS
+    monkeypatch.setitem(ACTIVATIONS, "relu2", dataclasses.replace(ACTIVATIONS["relu2"],
+                                                                  hf_names=()))
+    model = GPT(tiny_model_config(activation="relu2"))
+    with pytest.raises(gpt2.GPT2WeightsError, match="model.activation=relu2 has no place") as e:
+        gpt2.write_hf_dir(model, tmp_path / "hf", gpt2_tokenizer=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+
+
 def test_untied_zero_init_relu2_model_exports_to_transformers_and_back(tmp_path):
     """What GPT-2's format can hold goes out: transformers gives the same logits, and the
     import gives an untied head back."""
