@@ -24,11 +24,11 @@ from engine.inference.kv_cache import new_kv_cache
 MODES = ["all", "attention", "mlp", "every:2", "blocks:0,2"]
 
 
-def grads_and_saved_bytes(spec: str, dropout: float,
-                          device: str = "cpu") -> tuple[dict, float, int]:
+def grads_and_saved_bytes(spec: str, dropout: float, device: str = "cpu",
+                          **model) -> tuple[dict, float, int]:
     """Gradients and loss of one forward/backward, and the bytes autograd kept for backward."""
     torch.manual_seed(0)
-    cfg = tiny_model_config(n_layer=3, dropout=dropout, activation_checkpointing=spec)
+    cfg = tiny_model_config(n_layer=3, dropout=dropout, activation_checkpointing=spec, **model)
     model = GPT(cfg).to(device).train()
     idx = torch.randint(0, cfg.vocab_size, (3, cfg.block_size)).to(device)
     saved = []
@@ -59,6 +59,18 @@ def test_checkpointing_gives_identical_gradients_and_keeps_less(spec, dropout, d
     for name, g in plain.items():
         torch.testing.assert_close(grads[name], g, **tol, msg=name)
     assert kept < plain_kept  # the recomputed parts' activations were not stored
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_checkpointing_passes_a_techniques_block_input_through(spec):
+    """A block input a technique adds (value embeddings' table, weighted) reaches the recomputed
+    attention as given: the same loss and gradients, bit for bit, the new weights' included."""
+    model = dict(value_embeds=1, position="rotary", qk_norm=True)
+    plain, plain_loss, _ = grads_and_saved_bytes("none", 0.2, **model)
+    grads, loss, _ = grads_and_saved_bytes(spec, 0.2, **model)
+    assert loss == plain_loss and "value_weights" in grads
+    for name, g in plain.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
 
 
 def test_checkpoint_plan_selection_and_errors():

@@ -47,25 +47,26 @@ def recompute_blocks(model: torch.nn.Module, spec: str) -> None:
 
 
 def recomputed_forward(block: torch.nn.Module, plain, part: str, x: torch.Tensor, kv_cache=None,
-                       input_pos: torch.Tensor | None = None,
-                       value_embed: torch.Tensor | None = None) -> torch.Tensor:
+                       *inputs) -> torch.Tensor:
     """Block.forward with `part` recomputed in backward, in training only (autograd on and no
-    KV cache); dropout replays the same masks, since checkpoint restores the RNG state."""
+    KV cache); dropout replays the same masks, since checkpoint restores the RNG state. `inputs`
+    are Block.forward's arguments after the cache (positions, a technique's own, such as
+    model.value_embeds'), passed on to the attention as given."""
     if kv_cache is not None or not torch.is_grad_enabled():
-        return plain(x, kv_cache, input_pos, value_embed)
+        return plain(x, kv_cache, *inputs)
     if part == "block":
-        return checkpoint(plain, x, None, None, value_embed, use_reentrant=False)
+        return checkpoint(plain, x, None, *inputs, use_reentrant=False)
 
-    def attn(x: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
-        return block.attn(block.ln_1(x), None, None, value_embed)
+    def attn(x: torch.Tensor, *inputs) -> torch.Tensor:
+        return block.attn(block.ln_1(x), None, *inputs)
 
     def mlp(x: torch.Tensor) -> torch.Tensor:
         return block.mlp(block.ln_2(x))
 
     if part == "attention":
-        x = x + checkpoint(attn, x, value_embed, use_reentrant=False)
+        x = x + checkpoint(attn, x, *inputs, use_reentrant=False)
     else:
-        x = x + attn(x, value_embed)
+        x = x + attn(x, *inputs)
     if part == "mlp":
         return x + checkpoint(mlp, x, use_reentrant=False)
     return x + mlp(x)
