@@ -23,8 +23,8 @@ from typing import Callable, NamedTuple
 from config import Config, ConfigError, load_config, load_options, parse_command_line
 from data.loader import DataError
 from engine import checkpoint
-from engine.device import SetupError, resolve_device
 from engine.benchmarks import ablation, decode, memory, serving, to_loss
+from engine.device import SetupError, resolve_device
 
 
 class Command(NamedTuple):

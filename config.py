@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.fields import FRACTION, NON_NEGATIVE, POSITIVE, facts, opt
+
 # the model's own section lives with the model (model.py imports nothing from here)
 from model import ModelConfig  # noqa: F401  (re-exported)
 

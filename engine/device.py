@@ -22,6 +22,7 @@ from config import SystemConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
 class SetupError(RuntimeError):
     """A system setting this machine cannot honour."""
 
@@ -56,14 +57,14 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise SetupError(f"--device={name!r} is not a device; use auto, cpu, cuda, cuda:N "
-                            "or mps") from None
+                         "or mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SetupError(f"--device={name} but CUDA is not available here; use --device=cpu "
-                            "or --device=auto")
+                         "or --device=auto")
     if device.type == "cuda" and device.index is not None and \
             device.index >= torch.cuda.device_count():
         raise SetupError(f"--device={name} but only {torch.cuda.device_count()} CUDA "
-                            "device(s) exist")
+                         "device(s) exist")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise SetupError("--device=mps but MPS is not available here; use --device=cpu")
     return device

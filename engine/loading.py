@@ -7,7 +7,6 @@ weights_only=True); every mismatch between the weights and the model is named in
 from __future__ import annotations
 
 import dataclasses
-import json
 import pickle
 from pathlib import Path
 

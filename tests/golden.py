@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 
 from config import gpt2_recipe_flags  # noqa: E402
 from engine import device
+
 GOLDEN = Path(__file__).with_name("golden_losses.json")
 SPREAD = Path(__file__).with_name("golden_spread.json")
 SAFETY = 4  # the tolerance is this many times the largest difference measured across kernels

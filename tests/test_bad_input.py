@@ -16,13 +16,13 @@ import torch
 from safetensors import SafetensorError
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from engine import checkpoint, hf, loading
 import load_gpt2_weights as gpt2
 import train
 from config import Config
 from conftest import tiny_model_config, train_args
-from model import GPT
+from engine import checkpoint, hf, loading
 from engine.training import metrics
+from model import GPT
 
 FREE = 123_456_789  # what the patched shutil.disk_usage reports, so messages are exact
 SAFETENSORS = (checkpoint, "save_file")

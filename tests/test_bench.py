@@ -351,8 +351,8 @@ def test_decode_benchmark_refuses_an_unknown_format(capsys):
 
 
 def test_ablation_row_trains_on_a_sharded_dataset(tmp_path):
-    """The rows build through engine/run.py as train.py does, so sharded data (which plain
-    Batches refuse) is read by its own loader."""
+    """The rows build through engine/training/build.py as train.py does, so sharded data (which
+    plain Batches refuse) is read by its own loader."""
     from test_shards import write_synthetic
     write_synthetic(tmp_path / "shards", [700, 900, 500])
     assert bench.main(["ablation", "--config", "tiny", f"--dataset={tmp_path / 'shards'}",

@@ -1,6 +1,7 @@
-"""The CPU decode kernels (engine/cpu_kernels.py): packing each weight format, every kernel path
-this CPU runs (portable C++, AVX2, AVX-512, VNNI, BF16) against plain torch on the unpacked weight, the
-fallback without a compiler, and PackedLinear (engine/inference/packed.py) inside a model."""
+"""The CPU decode kernels (engine/inference/cpu_kernels.py): packing each weight format, every
+kernel path this CPU runs (portable C++, AVX2, AVX-512, VNNI, BF16) against plain torch on the
+unpacked weight, the fallback without a compiler, and PackedLinear (engine/inference/packed.py)
+inside a model."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +10,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from engine.inference import cpu_kernels
 from engine.inference import packed as packing
 from engine.inference.kv_cache import new_kv_cache
-
 
 PATHS = cpu_kernels.cpu_isas()
 FLOAT_PATHS = [isa for isa in PATHS if isa not in cpu_kernels.LAYOUT_OF]  # the blocked layout's

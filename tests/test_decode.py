@@ -11,15 +11,12 @@ from torch import nn
 
 from config import Config, SystemConfig
 from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
-from engine import checkpoint
-from model import GPT
-from engine.inference.matvec import sliced_matvec
-from engine import compiling
+from engine import checkpoint, compiling
 from engine import device as machine
-from engine.inference import matvec
-from engine.inference import quantize
-from engine.inference import sampling
+from engine.inference import matvec, quantize, sampling
 from engine.inference.kv_cache import new_kv_cache
+from engine.inference.matvec import sliced_matvec
+from model import GPT
 
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}
 
@@ -253,12 +250,12 @@ def test_generate_names_the_layout_and_gives_the_same_text(tmp_path, capsys):
         texts[layout], err = capsys.readouterr()
         shown = "by_shape" if layout == "auto" else layout
         assert f"weight_layout={shown} ({layout})" in err
-    for matvec in ("blas", "sliced"):
+    for mode in ("blas", "sliced"):
         assert generate.main([f"--checkpoint={tmp_path}", "--prompt=ab", "--temperature=0",
                               "--max_new_tokens=12", "--device=cpu", "--threads=2",
-                              f"--matvec={matvec}"]) == 0
-        texts[matvec], err = capsys.readouterr()
-        assert f"matvec={matvec} ({matvec})" in err
+                              f"--matvec={mode}"]) == 0
+        texts[mode], err = capsys.readouterr()
+        assert f"matvec={mode} ({mode})" in err
     assert texts["row"] == texts["column"] == texts["auto"] == texts["blas"] == texts["sliced"]
     assert generate.main([f"--checkpoint={tmp_path}", "--weight_layout=colum"]) == 2
     assert "sample.weight_layout='colum' is not one of auto, row, column" in \

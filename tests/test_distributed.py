@@ -17,19 +17,14 @@ import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load_file
 
-from engine import checkpoint, loading
 import train
 from config import Config, ConfigError, TrainConfig, load_config
-from data.loader import Batches, load_meta
-from model import GPT
 from conftest import tiny_model_config
+from data.loader import Batches, load_meta
+from engine import checkpoint, loading
 from engine import device as machine
-from engine.training import parallel
-from engine.training import processes
-from engine.training import restore
-from engine.training import resume
-from engine.training import speedups
-from engine.training import step
+from engine.training import parallel, processes, restore, resume, speedups, step
+from model import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 steps of 2 micro-steps, evaluated (and saved) every 2; the global micro-batch is 4 sequences:

@@ -14,16 +14,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from engine import checkpoint, loading
-from engine import hf as gpt2
 import generate
 import load_gpt2_weights
 import train
 from config import ConfigError, ModelConfig, load_config
-from model import ACTIVATIONS
 from data.loader import DataError
 from data.tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
+from engine import hf as gpt2
+from engine import loading
 from engine.training import build
+from model import ACTIVATIONS
 
 # Odd head counts, n_positions != 1024, vocabularies that are not multiples of 64.
 SHAPES = {

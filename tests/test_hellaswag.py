@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 
-from engine import checkpoint, sources
-from engine import hellaswag
 from config import Config
 from conftest import tiny_model_config
-from model import GPT
 from data.tokenizer import GPT2Tokenizer
+from engine import checkpoint, hellaswag, sources
+from model import GPT
 
 TOK = GPT2Tokenizer()
 

@@ -24,18 +24,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import checkpoint, loading
 import generate
-from engine.training.step import Trainer, train_step
 import train
 from config import load_config
-from model import GPT
 from conftest import tiny_model_config, train_args
+from engine import checkpoint, loading
 from engine import device as machine
-from engine.training import metrics
-from engine.training import optim
-from engine.training import restore
-from engine.training import resume
+from engine.training import metrics, restore, resume
+from engine.training.step import Trainer, train_step
+from model import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 # 12 steps, evaluated every 4, with dropout so the torch RNG matters

@@ -9,13 +9,12 @@ import torch.nn.functional as F
 
 from config import Config, ConfigError, load_config
 from conftest import tiny_model_config
+from engine import device as machine
+from engine.inference.kv_cache import new_kv_cache
+from engine.training import chunked_loss, memory_estimate
+from engine.training.chunked_loss import ChunkedCrossEntropy
 from engine.training.step import Trainer, train_step
 from model import GPT, IGNORE_INDEX
-from engine.training import chunked_loss
-from engine.training.chunked_loss import ChunkedCrossEntropy
-from engine import device as machine
-from engine.training import memory_estimate
-from engine.inference.kv_cache import new_kv_cache
 
 HAS_TORCH_LCE = hasattr(F, "linear_cross_entropy")  # torch >= 2.13
 
@@ -138,7 +137,7 @@ def test_fallback_without_grad_computes_only_the_loss():
 
 
 def test_train_step_with_chunked_loss_equals_full(small_chunks):
-    """engine.step.train_step, 2 micro-steps and clipping: the same loss, gradient norm and
+    """engine.training.step.train_step, 2 micro-steps and clipping: the same loss, gradient norm and
     updated weights (SGD: AdamW's first step, g / |g|, would blow up rounding in near-zero
     gradients)."""
     full, chunked = twins(64)
@@ -176,8 +175,8 @@ def test_logits_at_equals_the_full_logits_at_those_positions():
         part, loss = model(x, logits_at=at)
         assert part.shape == (3, 3, model.vocab_size) and loss is None
         torch.testing.assert_close(part, full[:, at], rtol=0, atol=1e-5)
-        cache = new_kv_cache(model, 3)  # a prefill's last real position, as engine.sampling's
-        positions = torch.arange(12)
+        cache = new_kv_cache(model, 3)
+        positions = torch.arange(12)  # the head at a prefill's last position, as sampling's
         last, _ = model(x[:, :12], kv_cache=cache, input_pos=positions, logits_at=positions[-1:])
         torch.testing.assert_close(last, full[:, 11:12], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="pass targets or logits_at, not both"):

@@ -9,11 +9,9 @@ import torch
 import train
 from config import SystemConfig, load_config
 from conftest import train_args
-from model import GPT
 from engine import device as machine
-from engine.training import memory_estimate
-from engine.training import parallel
-from engine.training import speedups
+from engine.training import memory_estimate, parallel, speedups
+from model import GPT
 
 EMULATED = {"model name": "Test CPU 9000", "cpu family": "25", "flags": "fpu sse avx2 fma"}
 WITH_AMX = {**EMULATED, "flags": EMULATED["flags"] + " amx_tile amx_bf16 avx512f avx512_bf16"}

@@ -8,18 +8,15 @@ import torch
 
 import train
 from config import Config, ConfigError, load_config
-from engine.training.recompute import checkpoint_plan
 from conftest import on_each_device, tiny_model_config
 from data.loader import Batches, load_meta
-from model import ACTIVATIONS, GPT
 from engine import compiling
 from engine import device as machine
 from engine.inference import quantize
-from engine.training import master_weights
-from engine.training import memory_estimate
-from engine.training import optim
-from engine.training import step
 from engine.inference.kv_cache import new_kv_cache
+from engine.training import master_weights, memory_estimate, optim, step
+from engine.training.recompute import checkpoint_plan
+from model import ACTIVATIONS, GPT
 
 MODES = ["all", "attention", "mlp", "every:2", "blocks:0,2"]
 
@@ -371,8 +368,7 @@ def test_training_with_loader_workers_matches_in_process(char_dataset, tmp_path)
 
 def test_checkpointing_composes_with_fsdp2(char_dataset, tmp_path):
     """2 FSDP2 processes recomputing every block train exactly as one plain process."""
-    from test_distributed import (RUN, assert_same_trajectory, output, run_one, torchrun,
-                                  trajectory)
+    from test_distributed import RUN, assert_same_trajectory, output, run_one, torchrun, trajectory
     run_one(char_dataset, tmp_path / "single", "--batch_size=4", "--max_iters=2",
             "--save_checkpoints=false")
     out = tmp_path / "fsdp"

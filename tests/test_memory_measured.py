@@ -22,13 +22,10 @@ import pytest
 import torch
 
 from config import Config, load_config
-from engine.training import recompute
-from engine.training.recompute import checkpoint_plan
 from conftest import tiny_model_config
+from engine.training import master_weights, memory_estimate, optim, recompute
+from engine.training.recompute import checkpoint_plan
 from model import GPT
-from engine.training import master_weights
-from engine.training import memory_estimate
-from engine.training import optim
 
 VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
          "SliceBackward0", "AliasBackward0", "ExpandBackward0"}

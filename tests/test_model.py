@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import on_each_device, tiny_model_config
-from model import ACTIVATIONS, GPT, IGNORE_INDEX, MLP, gelu_tanh
 from engine.inference.kv_cache import new_kv_cache
+from model import ACTIVATIONS, GPT, IGNORE_INDEX, MLP, gelu_tanh
 
 # float32 on both; CUDA kernels (cuBLAS, the memory-efficient SDPA kernel) sum in other orders
 LOGITS_TOL = {"cpu": dict(atol=1e-5, rtol=1e-5), "cuda": dict(atol=1e-4, rtol=1e-4)}

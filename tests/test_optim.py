@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 
 import train
 from config import Config, ConfigError, load_config
-from engine import checkpoint, loading
-from model import GPT
 from conftest import tiny_model_config, train_whole_and_resumed
-from test_distributed import RUN as DIST_RUN, assert_same_trajectory, output, torchrun, \
-    trajectory
+from engine import checkpoint, loading
 from engine.training import master_weights, optim, polar_express
 from engine.training import muon as muon_module
+from model import GPT
+from test_distributed import RUN as DIST_RUN
+from test_distributed import assert_same_trajectory, output, torchrun, trajectory
 
 HIDDEN = {f"transformer.h.{layer}.{name}.weight" for layer in range(2)
           for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}

@@ -1,6 +1,6 @@
-"""Pruning (engine/pruning.py, prune.py) and sparse execution (engine/sparse.py): the masks' pattern
-and sparsity, the checkpoint's mask file, a finetune that keeps the zeros across a resume, sparse
-and dense logits alike, and the user's mistakes in one line each."""
+"""Pruning (engine/pruning.py, prune.py) and sparse execution (engine/inference/sparse.py): the
+masks' pattern and sparsity, the checkpoint's mask file, a finetune that keeps the zeros across a
+resume, sparse and dense logits alike, and the user's mistakes in one line each."""
 from __future__ import annotations
 
 import json
@@ -13,11 +13,11 @@ import generate
 import prune as prune_script
 import train
 from config import Config, ConfigError, load_config
-from engine import checkpoint, loading, pruning
-from model import GPT
 from conftest import tiny_model_config, train_args
+from engine import checkpoint, loading, pruning
 from engine.inference import sparse
 from engine.training import optim
+from model import GPT
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:

@@ -21,16 +21,15 @@ import pytest
 import torch
 
 from config import Config
+from data.tokenizer import CharTokenizer
 from engine import checkpoint, pruning, sources
-from engine.serving import batching
-from engine.inference.sampling import generate_tokens
+from engine.inference import packed as packing
 from engine.inference.matvec import set_weight_layout
+from engine.inference.sampling import generate_tokens
+from engine.serving import batching, supervisor
 from engine.serving.batching import BatchEngine, SamplingParams, Sequence, TextStream
 from engine.serving.options import ServeOptions
-from data.tokenizer import CharTokenizer
 from model import GPT, ModelConfig
-from engine.inference import packed as packing
-from engine.serving import supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
 CHARS = sorted(set("abcdefghijklmnopqrstuvwxyz ,.!?\n:;'-ABCD"))

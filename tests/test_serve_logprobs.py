@@ -12,17 +12,17 @@ import httpx
 import openai
 import pytest
 import torch
-from test_serve import (CHARS, WAIT_S, post, reference, start_server, tiny_checkpoint,
-                        tokenizer_ending_at)
 
 from config import Config
-from engine import checkpoint, hellaswag, sources
-from engine.serving import logprobs
-from engine.inference.sampling import generate_tokens
-from engine.serving.batching import BatchEngine, SamplingParams, Sequence
 from data.tokenizer import CharTokenizer, GPT2Tokenizer
-from model import GPT, ModelConfig
+from engine import checkpoint, hellaswag, sources
 from engine.inference import packed as packing
+from engine.inference.sampling import generate_tokens
+from engine.serving import logprobs
+from engine.serving.batching import BatchEngine, SamplingParams, Sequence
+from model import GPT, ModelConfig
+from test_serve import (CHARS, WAIT_S, post, reference, start_server, tiny_checkpoint,
+                        tokenizer_ending_at)
 
 TOK = GPT2Tokenizer()
 TOL = 1e-4  # one log-probability, float32: the server's kernels and batch shapes against ours

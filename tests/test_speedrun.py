@@ -16,12 +16,11 @@ from config import Config, ConfigError, gpt2_recipe_flags, load_config
 from conftest import tiny_model_config, train_whole_and_resumed
 from engine import checkpoint, loading, sources
 from engine import hf as gpt2
-from engine.inference.sampling import generate_tokens
-from model import GPT, ModelConfig, Rotary
 from engine.fields import departures
-from engine import loading
-from engine.training import optim
 from engine.inference.kv_cache import new_kv_cache
+from engine.inference.sampling import generate_tokens
+from engine.training import optim
+from model import GPT, ModelConfig, Rotary
 
 EVERY = dict(position="rotary", qk_norm=True, attn_scale=0.3, value_embeds=1,
              tie_embeddings=False, zero_init_head=True, zero_init_proj=True, logit_softcap=15.0,

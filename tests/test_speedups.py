@@ -17,17 +17,15 @@ import sys
 import pytest
 import torch
 
-from engine.training.step import Trainer, train_step
 from config import Config, SystemConfig
 from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
 from data.loader import Batches, load_meta
-from model import GPT
 from engine import compiling
 from engine import device as machine
 from engine.benchmarks import measure, timing
-from engine.training import auto_batch
-from engine.training import optim
-from engine.training import speedups
+from engine.training import auto_batch, optim, speedups
+from engine.training.step import Trainer, train_step
+from model import GPT
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

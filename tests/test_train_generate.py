@@ -8,16 +8,16 @@ import math
 import pytest
 import torch
 
-from engine import checkpoint, loading
 import generate
 import load_gpt2_weights
 import train
 from config import load_config
 from conftest import on_each_device, tiny_model_config
-from model import GPT
+from engine import checkpoint, loading
 from engine import device as machine
 from engine.inference import sampling
 from engine.training import memory_estimate
+from model import GPT
 
 
 def tiny_cfg(char_dataset, out_dir, *extra):
@@ -97,8 +97,9 @@ def test_generate_rejects_prompt_outside_vocabulary(trained, capsys):
 
 
 def test_generate_and_serve_share_their_model_options_and_both_command_lines_take_them(capsys):
-    """--init-from and --sparse are declared once (sources.InferenceOptions): both scripts parse
-    them into their options, list them in --help, and say where a model comes from alike."""
+    """--init-from and --sparse are declared once (engine/inference/load.InferenceOptions): both
+    scripts parse them into their options, list them in --help, and say where a model comes from
+    alike."""
     from engine.serving.options import ServeOptions
     argv = ["--init-from=out/x", "--sparse", "dense"]
     for script, prog in ((generate.GenerateOptions, "generate.py"), (ServeOptions, "serve.py")):
@@ -229,6 +230,22 @@ def test_finetune_from_checkpoint_with_shorter_context(trained, char_dataset, tm
     model, stored, _ = loading.load_model(tmp_path / "ft")
     assert stored.model.block_size == 16 and model.transformer.wpe.weight.shape[0] == 16
     assert summary["final"]["val"] < 3.5  # starts from the trained weights, not from scratch
+
+
+def test_init_from_takes_what_the_weights_fix_and_the_runs_other_options(trained, char_dataset,
+                                                                         tmp_path):
+    """From a checkpoint: the fields that say fixed (shape, positions, ...) come from it; the
+    rest (attention, a zero init, which only a fresh model reads) stay the run's."""
+    from data.dataset import load_meta
+    from engine.training.init_from import load_for_training
+
+    _, _, out = trained
+    cfg = tiny_cfg(char_dataset, tmp_path / "ft", f"--init_from={checkpoint.resolve(out)}",
+                   "--position=rotary", "--n_layer=3", "--attention=sdpa", "--zero_init_proj=true")
+    model, _ = load_for_training(cfg, load_meta(char_dataset), torch.device("cpu"))
+    assert (model.config.position, model.config.n_layer) == ("learned", 2)
+    assert (model.config.attention, model.config.zero_init_proj) == ("sdpa", True)
+    assert model.config is cfg.model
 
 
 @pytest.mark.cuda

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from config import BOOL_WORDS, Config, ConfigError, apply_override, opt, validate
-from engine.benchmarks import ablation_report, kernels, checks
+from data.dataset import load_or_prepare
+from engine.benchmarks import ablation_report, checks, kernels
 from engine.benchmarks.report import utc_now
 from engine.benchmarks.timing import run_worker, time_left
-from data.dataset import load_or_prepare
 
 Flag = collections.namedtuple("Flag", "keys reference fast")  # keys: the config keys it sets
 FLAGS = {

@@ -23,8 +23,8 @@ import torch
 
 from config import ConfigError, opt
 from data.loader import Batches, load_meta
-from engine import loading
 from engine import hf as hf_weights
+from engine import loading
 from engine.benchmarks import checks
 from engine.benchmarks.report import MIB, section, write_report
 from engine.benchmarks.timing import REPO_ROOT, take_turns, timed

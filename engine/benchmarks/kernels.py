@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from config import Config, ConfigError, apply_override, from_dict
-from engine.device import cpu_bf16_units
 from engine.benchmarks.report import markdown_table, not_measured
+from engine.device import cpu_bf16_units
 
 DECODE_ROUNDS, DECODE_TOKENS = 3, 64  # timed batch-1 runs per row (the median), tokens per run
 

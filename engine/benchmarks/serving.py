@@ -28,10 +28,10 @@ import torch
 
 from config import Config, opt
 from engine import checkpoint
-from engine.device import machine_line
-from engine.benchmarks import decode, checks
+from engine.benchmarks import checks, decode
 from engine.benchmarks.report import MIB, section, write_report
 from engine.benchmarks.timing import REPO_ROOT
+from engine.device import machine_line
 from engine.serving.supervisor import pss_bytes
 
 TEXT = REPO_ROOT / "data" / "tinyshakespeare.txt"

@@ -30,10 +30,10 @@ from typing import ClassVar
 import torch
 
 from config import ConfigError, gpt2_recipe_flags, opt
-from engine.device import machine_line
 from engine.benchmarks import checks
 from engine.benchmarks.report import figure, markdown_table, save_figure, utc_now, write_report
 from engine.benchmarks.timing import REPO_ROOT
+from engine.device import machine_line
 
 # GPT-2's model and nanoGPT's schedule, whatever the default config turns on
 RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd=128",

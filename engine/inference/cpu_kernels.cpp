@@ -1,6 +1,6 @@
 // Weight-only matrix products for decoding on a CPU: y (M, N) = x (M, K) @ W^T (+ bias), with W
 // stored as float32, bfloat16, int8 (a scale per output) or int4 (a scale per output and group of
-// 32 inputs). Built on first use by engine/cpu_kernels.py; tested there against plain torch on
+// 32 inputs). Built on first use by engine/inference/cpu_kernels.py; tested there against plain torch on
 // every path the CPU can run.
 //
 // The blocked layout (all formats): the outputs in blocks of 16, each block's weights k-major,

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.device import cpu_info
+
 SOURCE = Path(__file__).with_suffix(".cpp")
 FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
 BLOCK = 16  # outputs per block of the packed layout
@@ -166,7 +168,6 @@ def reference(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None)
 
 def cpu_isas() -> list[str]:
     """The kernel paths this CPU can run, slowest first."""
-    from engine.device import cpu_info
     flags = set(cpu_info().get("flags", "").split())
     isas = ["portable"]
     if {"avx2", "fma", "f16c"} <= flags:

@@ -84,7 +84,6 @@ class KVCache:
             self.tokens[row, :length].copy_(source.tokens[source_row, :length])
 
 
-
 def new_kv_cache(model: torch.nn.Module, batch: int, positions: int | None = None) -> KVCache:
     """An empty cache of `positions` (default block_size) for `model`, on its weights' device
     and in the dtype of the residual stream's inputs (the position embedding's, else the token

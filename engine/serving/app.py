@@ -38,12 +38,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException  # 404, 405 are these
 from starlette.routing import Match
 
-from engine.serving import logprobs
-from engine.serving.logprobs import MAX_LOGPROBS, Scored
-from engine.serving.playground import Playground
-from engine.serving.batching import BatchEngine, QueueFull, SamplingParams, Sequence
-from engine.serving.options import ServeOptions
 from data.tokenizer import TokenizerError
+from engine.serving import logprobs
+from engine.serving.batching import BatchEngine, QueueFull, SamplingParams, Sequence
+from engine.serving.logprobs import MAX_LOGPROBS, Scored
+from engine.serving.options import ServeOptions
+from engine.serving.playground import Playground
 
 UNSUPPORTED = {"best_of": None, "suffix": None, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "logit_bias": None}
@@ -469,7 +469,7 @@ async def when_ready(app: FastAPI, engine: BatchEngine, on_ready: Callable[[], N
                 (await client.post("/v1/completions", json=body)).raise_for_status()
     # what is alive now (the model, the app, torch's and pydantic's caches) lives as long as
     # the server: out of the collector's sight, its pauses scan only what requests allocate
-    # (what it bought in time to first token: docs/serve.md)
+    # (what it bought in time to first token: docs/serve.md#warm-shapes)
     gc.collect()
     gc.freeze()
     app.state.healthy = True

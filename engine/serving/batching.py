@@ -44,7 +44,6 @@ from engine.serving import logprobs
 from engine.serving.logprobs import Scored
 from model import GPT
 
-
 # prompt tokens a packed step reads when no sequence is decoding (nothing waits on it): larger
 # products use the cores better than prefill_chunk's, and long prompts start sooner
 READ_ALONE = 1024

@@ -30,7 +30,7 @@ def load_for_training(cfg: Config, meta: dict, target: torch.device
         if init is None:
             raise CheckpointError(f"init_from=resume but {cfg.train.out_dir} has no checkpoint; "
                                   "use init_from=scratch to start")
-    fixed = facts(ModelConfig, "fixed")
+    fixed = {name for name, is_fixed in facts(ModelConfig, "fixed").items() if is_fixed}
     switches = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in fixed}
     model, _, source_meta, label = load_source(str(init), cfg, "cpu", switches)
     context = model.config.block_size

@@ -18,7 +18,6 @@ import torch
 from config import Config
 from model import GPT
 
-
 # float32 state tensors each train.optimizer keeps per parameter: (in the blocks' Linear weights,
 # elsewhere). AdamW: exp_avg and exp_avg_sq; Muon: one momentum buffer, AdamW on the rest
 STATE_TENSORS = {"adamw": (2, 2), "muon": (1, 2)}

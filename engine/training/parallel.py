@@ -176,8 +176,7 @@ class ProcessGroup(Dist):
         """The full weights on rank 0 (gathered from the shards under FSDP); None elsewhere."""
         if self.parallel != "fsdp":
             return super().full_weights(model) if self.is_main else None
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
@@ -274,8 +273,7 @@ def _fsdp_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 def fsdp_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """A sharded optimizer's state gathered onto rank 0 in the single-process format ({}
     elsewhere; a collective)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     index = {name: i for i, name in enumerate(_fsdp_names(model, optimizer))}
     full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
@@ -291,8 +289,7 @@ def load_fsdp_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
                               state: dict) -> None:
     """The single-process format's state into a sharded optimizer: each rank takes its shards
     (a collective)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names, groups = _fsdp_names(model, optimizer), state["param_groups"]
     count = sum(len(g["params"]) for g in groups)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.checkpoint import model_state
 from engine.device import SetupError
 
 SIGNALS = ("SIGINT", "SIGTERM")  # what resume.StopRequest turns into a stop request
@@ -89,8 +90,6 @@ class Dist:
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Every weight on rank 0 (None elsewhere), as a checkpoint stores them."""
-        from engine.checkpoint import model_state
-
         return model_state(model)
 
     def optimizer_state(self, model: torch.nn.Module, optimizer) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from config import Config, ConfigError
+from config import ConfigError
 from engine import checkpoint
 from engine.training.processes import SIGNALS, Dist
 
