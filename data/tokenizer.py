@@ -12,6 +12,7 @@ GPT2_RANKS = Path(__file__).resolve().parent / "gpt2.tiktoken"
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 GPT2_EOT = 50256
+EOT_TEXT = "<|endoftext|>"
 
 
 class TokenizerError(ValueError):
@@ -19,14 +20,17 @@ class TokenizerError(ValueError):
 
 
 class CharTokenizer:
-    """One token per character of a fixed alphabet."""
+    """One token per character of a fixed alphabet; with eot, one more id after them: the
+    end-of-text token (<|endoftext|>) a chat template ends turns with (data/chat_template.py)."""
 
     kind = "char"
 
-    def __init__(self, chars: list[str]):
+    def __init__(self, chars: list[str], eot: bool = False):
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.vocab_size = len(self.chars)
+        self.vocab_size = len(self.chars) + eot
+        if eot:
+            self.eot_id = len(self.chars)
         # generation from an empty prompt starts at a newline, the char corpus' natural boundary
         self.start_id = self.stoi.get("\n", 0)
 
@@ -46,10 +50,15 @@ class CharTokenizer:
     encode_ordinary = encode  # no special tokens here
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+        return "".join(self.chars[i] if i < len(self.chars) else EOT_TEXT for i in ids)
+
+    def with_eot(self) -> "CharTokenizer":
+        """This alphabet with the end-of-text token after it."""
+        return CharTokenizer(self.chars, eot=True)
 
     def meta(self) -> dict:
-        return {"kind": self.kind, "chars": self.chars}
+        return {"kind": self.kind, "chars": self.chars,
+                **({"eot": True} if hasattr(self, "eot_id") else {})}
 
 
 def load_ranks(path: Path) -> dict[bytes, int]:
@@ -88,6 +97,9 @@ class GPT2Tokenizer:
         """The ids of `text`; a literal <|endoftext|> becomes the special token."""
         return self.enc.encode(text, allowed_special={"<|endoftext|>"})
 
+    def with_eot(self) -> "GPT2Tokenizer":
+        return self  # <|endoftext|> is GPT-2's own
+
     def meta(self) -> dict:
         return {"kind": self.kind}
 
@@ -99,7 +111,7 @@ def from_meta(meta: dict) -> Tokenizer:
     """Build the tokenizer a dataset (or checkpoint) was made with from its metadata."""
     kind = meta.get("kind")
     if kind == "char":
-        return CharTokenizer(meta["chars"])
+        return CharTokenizer(meta["chars"], eot=bool(meta.get("eot")))
     if kind == "gpt2":
         return GPT2Tokenizer()
     raise TokenizerError(f"unknown tokenizer kind {kind!r} in metadata; expected 'char' or 'gpt2'")
