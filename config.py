@@ -33,7 +33,21 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("shakespeare_char", "folder under data/ or a path: meta.json + tokens")
+    dataset: str = opt("shakespeare_char", "folder under data/ or a path: meta.json + tokens; "
+                       "or a .json/.jsonl file of instruction examples (docs/finetuning.md)")
+    val_file: str = opt("", "instruction data: a .json/.jsonl file of validation examples; '' = "
+                        "hold out val_fraction of the dataset's")
+    val_fraction: float = opt(0.05, "instruction data: the share of examples held out for "
+                              "validation (the same ones whatever the seed)",
+                              check=("in (0, 1)", lambda v, _: 0 < v < 1))
+    template: str = opt("chat", "instruction data: the chat template (data/chat_template.py); "
+                        "the checkpoint keeps it for generate.py --chat and serve.py",
+                        ("chat",))
+    overlength: str = opt("truncate", "instruction data: an example longer than block_size is "
+                          "cut to it, dropped, or refused (error)", ("truncate", "drop", "error"))
+    loss_on: str = opt("responses", "instruction data: the tokens the loss counts: the "
+                       "responses (the assistant's turns and their end), or every token (all)",
+                       ("responses", "all"))
     pin_memory: bool = opt(False, "pinned host batches, copied with non_blocking=True (CUDA)")
     prefetch: bool = opt(False, "copy the next batch on a side CUDA stream (implies pin_memory)")
     loader_workers: int = opt(0, "processes reading batches into shared memory; 0 = in-process",

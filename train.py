@@ -70,7 +70,8 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
     if dist.is_main:
         info = {"losses": counters.losses, "eval_step": counters.eval_step,
                 "tokens_seen": counters.tokens_seen, "tokenizer": run.meta["tokenizer"],
-                "dataset": run.cfg.data.dataset}
+                "dataset": run.cfg.data.dataset,
+                **({"template": run.meta["template"]} if "template" in run.meta else {})}
         checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, info, state,
                         t.keep_checkpoints, weights=weights)
 

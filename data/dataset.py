@@ -12,10 +12,15 @@ from typing import Callable
 import numpy as np
 
 DATA_DIR = Path(__file__).resolve().parent
+INSTRUCTION_SUFFIXES = (".json", ".jsonl")  # data.dataset naming instruction data: data/instruct.py
 
 
 class DataError(ValueError):
     """A dataset that is missing, malformed or does not fit the model."""
+
+
+def is_instruction_file(name: str) -> bool:
+    return name.lower().endswith(INSTRUCTION_SUFFIXES)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -31,6 +31,12 @@ class Batches:
         self.tokens = Tokens(meta, split, block_size)
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.rank, self.world_size = rank, world_size
+        self.setup_device(device, pin_memory, prefetch)
+        self.rng = np.random.default_rng(seed)  # one stream for every rank: see _starts()
+
+    def setup_device(self, device: torch.device | str, pin_memory: bool, prefetch: bool) -> None:
+        import torch
+
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
         self.pin_memory = (pin_memory or prefetch) and on_cuda
@@ -38,13 +44,17 @@ class Batches:
         self.copy_stream = torch.cuda.Stream(self.device) if prefetch and on_cuda else None
         self.prefetch_note = ("on (side CUDA stream)" if self.copy_stream is not None else
                               "off (needs CUDA: plain copy)" if prefetch else "off")
-        self.rng = np.random.default_rng(seed)  # one stream for every rank: see _starts()
 
     def to_tensors(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T+1) token rows -> inputs and targets (B, T) on the device."""
+        xy = self.to_device(rows)
+        return xy[:, :-1], xy[:, 1:]
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the device: pinned, and on the side stream, if asked."""
         import torch
 
-        xy = torch.from_numpy(rows)  # (B, T+1)
+        xy = torch.from_numpy(array)
         if self.pin_memory:
             xy = xy.pin_memory()
         if self.copy_stream is None:
@@ -56,7 +66,7 @@ class Batches:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
             xy.record_stream(compute)  # its memory is not reused until compute is done with it
-        return xy[:, :-1], xy[:, 1:]
+        return xy
 
     def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         return self.to_tensors(self.tokens.rows(starts))

@@ -22,11 +22,14 @@ NOT_FOR_TRAINING = ("engine.inference", "engine.serving", "engine.benchmarks", "
                     "engine.training.recompute", "engine.training.chunked_loss",
                     "engine.training.master_weights", "engine.training.polar_express",
                     "engine.training.wandb_log", "engine.training.restore",
-                    "engine.training.init_from", "data.loader_workers", "data.shard_batches")
+                    "engine.training.init_from", "data.loader_workers", "data.shard_batches",
+                    "engine.training.finetune", "engine.vocab", "data.instruct",
+                    "data.chat_template", "data.instruct_tasks")
 NOT_FOR_GENERATION = ("engine.training", "engine.serving", "engine.benchmarks", "engine.hf",
                       "engine.hellaswag", "engine.pruning", "engine.compiling",
                       "engine.inference.packed", "engine.inference.cpu_kernels",
-                      "engine.inference.quantize", "engine.inference.sparse", "data.loader")
+                      "engine.inference.quantize", "engine.inference.sparse", "data.loader",
+                      "data.instruct", "data.chat_template", "engine.vocab")
 
 
 def sources() -> dict[str, Path]:

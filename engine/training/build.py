@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from config import Config
-from data.dataset import check_vocab, load_or_prepare
+from data.dataset import check_vocab, is_instruction_file, load_or_prepare
 from data.loader import Batches
 from engine import checkpoint, device
 from engine.training import metrics, resume, speedups
@@ -69,6 +69,8 @@ def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
     loader = Batches
     if "shards" in meta:  # a sharded corpus: each token an input once per epoch
         from data.shard_batches import ShardBatches as loader
+    if "instruction" in meta:  # whole examples a row, the loss on their responses
+        from data.instruct import InstructBatches as loader
     split = {split: loader(meta, split, t.batch_size, cfg.model.block_size, cfg.system.seed,
                            rt.device, d.pin_memory, dist.rank, dist.world_size,
                            prefetch=d.prefetch and split == "train")
@@ -88,7 +90,12 @@ def build_training(cfg: Config, dist: Dist) -> Run:
     loaders; out_dir is neither read nor written."""
     rt, t = device.setup(cfg.system, device=dist.device), cfg.train
     with dist.main_first():  # rank 0 prepares the data and downloads GPT-2 first
-        meta = load_or_prepare(cfg.data.dataset)
+        if is_instruction_file(cfg.data.dataset):  # examples in the model's tokens
+            from engine.training.finetune import instruction_data
+
+            meta = instruction_data(cfg)
+        else:
+            meta = load_or_prepare(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
     if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
         print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)

@@ -39,6 +39,12 @@ def load_for_training(cfg: Config, meta: dict, target: torch.device
     else:
         source, what = Path(label), "the checkpoint's"
         check_tokenizer(source, meta)  # the same ids, or a clear refusal
+    if "instruction" in meta:  # its end-of-text token may be new to a character model
+        from engine.vocab import grow_vocab
+
+        if added := grow_vocab(model, meta["vocab_size"]):
+            print(f"note: the vocabulary grew by {added} for the chat template's end-of-text "
+                  "token (its row starts at the mean embedding)")
     kind = source_meta.get("tokenizer", {}).get("kind")
     check_vocab(meta, model.config.vocab_size, kind if kind == "gpt2" else None)
     if block > context:

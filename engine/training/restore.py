@@ -44,7 +44,9 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
     # every rank's rows are saved (rank r's are [r::world]): any world size takes its share
     x, y = state["next_batch"]["x"], state["next_batch"]["y"]
     rank, world = batches.rank, batches.world_size
-    if x.shape[0] != batches.batch_size * world or x.shape[1] != batches.block_size:
+    length_changed = x.shape[1] > batches.block_size if getattr(batches, "ragged", False) \
+        else x.shape[1] != batches.block_size  # instruction data: each batch its own length
+    if x.shape[0] != batches.batch_size * world or length_changed:
         notes.append(f"batch shape changed from {tuple(x.shape)}: the next batch is drawn anew")
         next_batch = batches.next()
     else:
