@@ -23,8 +23,6 @@ class Batches:
     def __init__(self, meta: dict, split: str, batch_size: int, block_size: int, seed: int,
                  device: torch.device | str = "cpu", pin_memory: bool = False,
                  rank: int = 0, world_size: int = 1, prefetch: bool = False):
-        import torch
-
         if "shards" in meta and type(self) is Batches:
             raise DataError(f"{meta['dir']} is sharded: read it with ShardBatches "
                             "(data/shard_batches.py)")
