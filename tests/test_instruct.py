@@ -237,3 +237,24 @@ def test_masked_loss_counts_only_replies_in_training(base_run, tmp_path):
     masked = finetune_cfg(base_run, tmp_path, tmp_path / "m", "--max_iters=0")
     every = finetune_cfg(base_run, tmp_path, tmp_path / "a", "--max_iters=0", "--loss_on=all")
     assert train.train(masked)["final"] != train.train(every)["final"]
+
+
+def test_head_at_counted_positions_gives_the_full_heads_loss_and_gradients(tok, tmp_path):
+    from engine.training.finetune import head_at_counted_positions
+
+    path = write_jsonl(tmp_path / "d.jsonl", reverse_records(12))
+    data = InstructionData.read(str(path), tok, ChatTemplate(), block_size=64)
+    x, y = InstructBatches(data.meta(tok, ChatTemplate()), "train", 6, 64, seed=0).next()
+    torch.manual_seed(0)
+    full = GPT(tiny_cfg(tok.vocab_size))
+    counted = GPT(tiny_cfg(tok.vocab_size))
+    counted.load_state_dict(full.state_dict())
+    head_at_counted_positions(counted)
+    losses = []
+    for model in (full, counted):
+        _, loss = model(x, y)
+        loss.backward()
+        losses.append(loss)
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6)
+    for (name, a), b in zip(full.named_parameters(), counted.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)

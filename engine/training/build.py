@@ -101,7 +101,12 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
+    if "instruction" in meta:  # the loss counts the responses: the LM head only there
+        from engine.training.finetune import head_at_counted_positions
+
+        head_note = head_at_counted_positions(raw_model)
     model, notes = speedups.apply(raw_model, cfg, rt, dist)
+    notes.lines += [head_note] if "instruction" in meta else []
     optimizer = make_optimizer(raw_model, cfg, rt.device)
     notes.fused_adamw = fused_note(optimizer, cfg)
     if getattr(raw_model, checkpoint.MASKS, None):  # a pruned model keeps its zeros

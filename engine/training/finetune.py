@@ -4,14 +4,19 @@ data/chat_template.py). engine/training/build.py calls this before building the 
 engine/training/init_from.py then grows by the end-of-text token if it is new to it.
 
     meta = instruction_data(cfg)   # a dataset's meta, its examples in meta["instruction"]
+    note = head_at_counted_positions(model)   # the LM head only where the loss counts
 """
 from __future__ import annotations
+
+import torch
 
 from config import Config, ConfigError
 from data.chat_template import TEMPLATES
 from data.instruct import InstructionData
-from data.tokenizer import from_meta
+from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, sources
+from engine.training.chunked_loss import chunked_cross_entropy
+from model import GPT
 
 
 def source_tokenizer(init_from: str, out_dir: str) -> dict:
@@ -31,7 +36,11 @@ def instruction_data(cfg: Config) -> dict:
     if d.loader_workers:
         raise ConfigError("data.loader_workers reads token files; instruction data is read in "
                           "the training process: drop --loader_workers")
-    tokenizer = from_meta(source_tokenizer(cfg.train.init_from, cfg.train.out_dir)).with_eot()
+    try:
+        tokenizer = from_meta(source_tokenizer(cfg.train.init_from, cfg.train.out_dir))
+    except TokenizerError as e:
+        raise ConfigError(f"{cfg.train.init_from}: {e}") from None
+    tokenizer = tokenizer.with_eot()
     template = TEMPLATES[d.template]
     data = InstructionData.read(d.dataset, tokenizer, template, cfg.model.block_size,
                                 d.val_file, d.val_fraction, d.overlength,
@@ -40,3 +49,19 @@ def instruction_data(cfg: Config) -> dict:
     for note in data.notes:
         print(f"note: {note}")
     return data.meta(tokenizer, template)
+
+
+def counted_positions_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           cap: float, ignore_index: int) -> torch.Tensor:
+    """The LM head and its loss at the positions the loss counts (the responses) only: the same
+    mean loss and gradients as at every position, without the logits of prompts and padding."""
+    keep = (targets != ignore_index).reshape(-1)
+    rows = x.reshape(-1, x.size(-1))[keep]  # (counted, C)
+    return chunked_cross_entropy(rows, weight, targets.reshape(-1)[keep], cap, ignore_index)
+
+
+def head_at_counted_positions(model: GPT) -> str:
+    """Make model's training loss counted_positions_loss (GPT.forward calls it in place of the
+    full head); the banner's note."""
+    model.chunked_loss = torch.compiler.disable(counted_positions_loss)  # shapes vary per batch
+    return "loss: the LM head runs at the response tokens only (instruction data)"
