@@ -7,10 +7,11 @@ import sys
 import traceback
 from pathlib import Path
 
-from engine.benchmarks import measure, memory
+from engine.benchmarks import finetune, measure, memory
 
 KINDS = {"train_row": measure.time_row, "decode": measure.decode_row,
-         "ceiling": measure.ceiling, "memory_row": memory.train_row}
+         "ceiling": measure.ceiling, "memory_row": memory.train_row,
+         "finetune_step": finetune.step_row}
 
 
 def measure_in_worker(spec_path: str) -> int:

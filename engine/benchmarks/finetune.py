@@ -1,0 +1,283 @@
+"""bench.py finetune-task and finetune-step: what instruction finetuning learns, and what a step of
+it costs, full or with LoRA, beside peft on transformers' GPT-2.
+
+    python bench.py finetune-task [--base out/shakespeare_char]   # exact match on held-out words
+    python bench.py finetune-step [--rounds 2]                     # GPT-2 124M shape, each row in
+                                                                   # a fresh process, taking turns
+
+finetune-task: the word-reversal task (data/instruct_tasks.py) learned by a character model
+trained here (--base; trained with `python train.py` first if missing): full finetuning and LoRA,
+each with the loss on the responses and on every token, then greedy answers to the 200 held-out
+words scored by exact match. finetune-step: one step (forward, backward, AdamW) on one batch of
+GPT-2 124M-shaped random weights and tokens with a third of the targets counted (a prompt, a
+response, padding per row), its median time and the process's peak memory, for our full
+finetuning, our LoRA (r=8, r=16; float32 and bfloat16 base) and peft's LoRA on transformers'
+GPT2LMHeadModel; and each one's checkpoint size.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from config import opt
+from engine.benchmarks.report import markdown_table, utc_now, write_report
+from engine.benchmarks.timing import REPO_ROOT, peak_memory, reset_peak_memory, run_worker
+from engine.device import machine_line
+
+GPT2_SHAPE = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257)
+TARGETS = "c_attn,c_proj,c_fc"
+
+
+@dataclass
+class TaskOptions:
+    base: str = opt("out/shakespeare_char", "the character model to finetune (trained first with "
+                    "python train.py if missing)")
+    work: str = opt("out/bench_finetune", "where the task files and the runs go")
+    lora_rank: int = opt(8, "LoRA's rank in the LoRA rows")
+    lora_lr: float = opt(3e-3, "LoRA rows' learning rate (the full rows take the config's)")
+    max_iters: int = opt(600, "steps of each finetuning run")
+    results: str = opt("bench_results", "folder for finetune_task_NAME.{json,md}")
+    name: str = opt("cpu", "NAME in the result files")
+
+
+@dataclass
+class StepOptions:
+    batch_size: int = opt(4, "rows of the batch")
+    seq_len: int = opt(256, "tokens per row")
+    steps: int = opt(3, "timed steps per row (after an untimed one)")
+    rounds: int = opt(2, "times each row runs, in turns")
+    rows: str = opt("ours_full,ours_lora8,ours_lora16,ours_lora8_bf16,peft_lora8,peft_lora16",
+                    "rows to measure")
+    results: str = opt("bench_results", "folder for finetune_step_NAME.{json,md}")
+    name: str = opt("cpu", "NAME in the result files")
+
+
+def exact_match(model, tokenizer, template, records: list[tuple[str, dict]],
+                max_extra: int = 2) -> float:
+    """The share of records whose greedy reply, up to the end-of-text token, is their answer."""
+    from data.instruct import to_messages
+    from engine.inference.sampling import generate_tokens
+
+    end, right = template.end_id(tokenizer), 0
+    for where, record in records:
+        messages = to_messages(record, where)
+        prompt, answer = template.prompt(tokenizer, messages[:-1]), messages[-1]["content"]
+        budget = len(tokenizer.encode_ordinary(answer)) + max_extra
+        idx = torch.tensor([prompt])
+        out = generate_tokens(model, idx, budget, temperature=0)[0, len(prompt):].tolist()
+        right += end in out and tokenizer.decode(out[:out.index(end)]) == answer
+    return right / len(records)
+
+
+def task_rows(o: TaskOptions) -> list[tuple[str, str, list[str]]]:
+    lora = [f"--lora.rank={o.lora_rank}", f"--learning_rate={o.lora_lr}"]
+    return [("full", "responses", []), ("full", "all", ["--loss_on=all"]),
+            (f"LoRA r={o.lora_rank}", "responses", lora),
+            (f"LoRA r={o.lora_rank}", "all", [*lora, "--loss_on=all"])]
+
+
+def run_task(o: TaskOptions, command: str) -> int:
+    from data.chat_template import from_meta as template_from
+    from data.instruct import read_records
+    from data.instruct_tasks import write_task
+    from data.tokenizer import from_meta
+    from engine.loading import load_model
+
+    work = Path(o.work)
+    if not Path(o.base).exists():
+        subprocess.run([sys.executable, "train.py", f"--out_dir={o.base}"], cwd=REPO_ROOT,
+                       check=True)
+    train_file, val_file = write_task("reverse", work / "tasks")
+    rows = []
+    for label, loss_on, extra in task_rows(o):
+        out = work / f"{label.replace(' ', '').replace('=', '')}_{loss_on}"
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "train.py", "--config", "instruct_cpu",
+                        f"--init_from={o.base}", f"--out_dir={out}", f"--dataset={train_file}",
+                        f"--val_file={val_file}", f"--max_iters={o.max_iters}", *extra],
+                       cwd=REPO_ROOT, check=True, capture_output=True)
+        seconds = time.perf_counter() - t0
+        model, _, meta = load_model(out)
+        score = exact_match(model.eval(), from_meta(meta["tokenizer"]),
+                            template_from(meta["template"]), read_records(val_file))
+        summary = json.loads((out / "summary.json").read_text())
+        rows.append({"finetuning": label, "loss_on": loss_on, "seconds": round(seconds, 1),
+                     "val_loss": summary["final"]["val"], "exact_match": score,
+                     "checkpoint_bytes": sum(f.stat().st_size for f in
+                                             Path(summary["checkpoint"]).iterdir())})
+        print(f"{label} ({loss_on}): exact match {score:.1%} in {seconds:.0f} s")
+    return task_report(rows, o, command)
+
+
+def task_report(rows: list[dict], o: TaskOptions, command: str) -> int:
+    table = markdown_table(
+        ["finetuning", "loss on", "whole run (s)", "val loss (its own targets)",
+         "exact match (200 held-out words)", "checkpoint"],
+        [[r["finetuning"], r["loss_on"], r["seconds"], f"{r['val_loss']:.4f}",
+          f"{r['exact_match']:.1%}", f"{r['checkpoint_bytes'] / 2**20:.2f} MiB"] for r in rows])
+    page = (f"# Instruction finetuning: reversing words ({utc_now()})\n\n"
+            f"{machine_line(torch.device('cpu'))}\n\n"
+            f"`{command}`: the default run's character model ({o.base}) finetuned for "
+            f"{o.max_iters} steps on data/instruct_tasks.py's reverse task (configs/"
+            "instruct_cpu.toml), then greedy replies to 200 held-out words, stopped at the "
+            "end-of-text token, scored by exact match. A val loss counts its own run's "
+            "targets: the responses' and every token's are not comparable.\n\n" + table)
+    for path in write_report({"rows": rows, "command": command}, page, o.results,
+                             f"finetune_task_{o.name}"):
+        print(f"wrote {path}")
+    return 0
+
+
+def step_batch(batch_size: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens; per row a prompt (not counted), a response (counted) and padding: about a
+    third of the targets counted, as in instruction data. The same batch for every row."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.integers(0, vocab, (batch_size, seq_len)))
+    y = torch.full_like(x, -1)
+    for r in range(batch_size):
+        prompt = int(rng.integers(seq_len // 4, seq_len // 2))
+        end = int(rng.integers(prompt + seq_len // 8, seq_len))
+        y[r, prompt:end] = torch.from_numpy(rng.integers(0, vocab, end - prompt))
+    return x, y
+
+
+def ours(kind: str):
+    """(model, loss(x, y)) for our rows: GPT-2 124M's shape as configs/gpt2_124m computes it."""
+    from config import Config
+    from engine.training.finetune import head_at_counted_positions
+    from model import GPT, ModelConfig
+
+    cfg = Config()
+    cfg.model = ModelConfig(**GPT2_SHAPE, vocab_pad_multiple=64, attention="sdpa",
+                            causal_mask="on_the_fly", norm="native", activation_impl="native")
+    model = GPT(cfg.model)
+    head_at_counted_positions(model)
+    if "lora" in kind:
+        from engine.lora import apply_lora
+
+        cfg.lora.rank = int(kind.split("lora")[1].split("_")[0])
+        cfg.lora.targets, cfg.lora.base_dtype = TARGETS, \
+            "bfloat16" if kind.endswith("bf16") else "float32"
+        apply_lora(model, cfg.lora)
+    return model, lambda x, y: model(x, y)[1]
+
+
+def peft_model(kind: str):
+    """(model, loss(x, y)) for peft's LoRA on transformers' GPT2LMHeadModel, as its docs do it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257,
+                    attn_implementation="sdpa",
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # ours: no dropout either
+    model = get_peft_model(GPT2LMHeadModel(hf),
+                           LoraConfig(r=int(kind.split("lora")[1]), lora_alpha=16,
+                                      lora_dropout=0.0, target_modules=TARGETS.split(","),
+                                      fan_in_fan_out=True))
+
+    def loss(x, y):  # transformers shifts labels itself: label t+1 is predicted at t
+        labels = torch.cat([torch.full_like(y[:, :1], -100), y[:, :-1]], 1).masked_fill(
+            y.eq(-1).roll(1, 1), -100)
+        return model(input_ids=x, labels=labels).loss
+
+    return model, loss
+
+
+def checkpoint_bytes(model, kind: str) -> int:
+    """The size of what a checkpoint of this row stores: weights or adapters, as safetensors."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind.startswith("peft"):
+            model.save_pretrained(tmp)
+        else:
+            from safetensors.torch import save_file
+
+            from engine.checkpoint import model_state
+            state = model_state(model)
+            if "lora" in kind:
+                from engine.lora import adapter_state
+                state = adapter_state(model)
+            save_file({k: v.contiguous() for k, v in state.items()}, f"{tmp}/w.safetensors")
+        return sum(f.stat().st_size for f in Path(tmp).rglob("*.safetensors"))
+
+
+def step_row(spec: dict) -> dict:
+    """One row of finetune-step in this fresh process: median step time and peak memory."""
+    torch.manual_seed(0)
+    kind, device = spec["row"], torch.device("cpu")
+    base = peak_memory(device).get("rss", 0)
+    model, loss_fn = peft_model(kind) if kind.startswith("peft") else ours(kind)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
+    x, y = step_batch(spec["batch_size"], spec["seq_len"], GPT2_SHAPE["vocab_size"])
+    reset_peak_memory(device)
+    times = []
+    for i in range(spec["steps"] + 1):
+        t0 = time.perf_counter()
+        loss_fn(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    peak = peak_memory(device).get("rss", 0)
+    return {"row": kind, "step_s": statistics.median(times[1:]), "peak_rss": peak,
+            "peak_over_start": peak - base, "trainable": sum(p.numel() for p in trainable),
+            "checkpoint_bytes": checkpoint_bytes(model, kind)}
+
+
+def run_step(o: StepOptions, command: str) -> int:
+    """Each row in a fresh process, the rows in turns (reversed every other round)."""
+    rows, results = o.rows.split(","), {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(o.rounds):
+            for kind in rows if round_ % 2 == 0 else rows[::-1]:
+                spec = {"kind": "finetune_step", "row": kind, "batch_size": o.batch_size,
+                        "seq_len": o.seq_len, "steps": o.steps}
+                result = run_worker(spec, Path(tmp), f"{kind}_{round_}")
+                print(f"{kind} round {round_ + 1}: {result}")
+                results.setdefault(kind, []).append(result)
+    return step_report(results, o, command)
+
+
+def step_report(results: dict[str, list[dict]], o: StepOptions, command: str) -> int:
+    def median(kind: str, key: str) -> float:
+        values = [r[key] for r in results.get(kind, []) if r.get("status") == "ok"]
+        return statistics.median(values) if values else float("nan")
+
+    table = [[kind, f"{median(kind, 'trainable'):,.0f}",
+              " / ".join(f"{r['step_s'] * 1e3:,.0f}" for r in runs if r.get("status") == "ok"),
+              f"{median(kind, 'peak_rss') / 2**20:,.0f}",
+              f"{median(kind, 'peak_over_start') / 2**20:,.0f}",
+              f"{median(kind, 'checkpoint_bytes') / 2**20:,.2f}"] for kind, runs in results.items()]
+    ratios = {f"{a} / {b}": median(a, key) / median(b, key) for a, b, key in (
+        ("ours_lora8", "peft_lora8", "step_s"), ("ours_lora8_bf16", "peft_lora8", "step_s"),
+        ("ours_lora16", "peft_lora16", "step_s"), ("ours_lora8", "ours_full", "peak_over_start"),
+        ("ours_lora8_bf16", "ours_full", "peak_over_start"),
+        ("ours_lora8", "ours_full", "checkpoint_bytes")) if a in results and b in results}
+    page = (f"# Finetuning step at GPT-2 124M shape ({utc_now()})\n\n"
+            f"{machine_line(torch.device('cpu'))}, torch {torch.__version__}\n\n"
+            f"`{command}`: one step (forward, backward, clipping, fused AdamW over the trainable "
+            f"parameters) on {o.batch_size} x {o.seq_len} random tokens with about a third of the "
+            "targets counted, random GPT-2 124M-shaped weights; each row in a fresh process, "
+            f"{o.rounds} rounds in turns, {o.steps} timed steps each after an untimed one (median). LoRA on "
+            f"{TARGETS} (alpha 16); peft on transformers' GPT2LMHeadModel (SDPA attention, no "
+            "dropout, float32). Peak memory: the process's peak RSS, and its rise over the RSS "
+            "before the model was built.\n\n"
+            + markdown_table(["row", "trainable parameters", "step (ms), each round",
+                              "peak RSS (MiB)", "peak over start (MiB)", "checkpoint (MiB)"],
+                             table)
+            + "\n\n" + markdown_table(["ratio", "value"],
+                                        [[k, f"{v:.3f}"] for k, v in ratios.items()]))
+    report = {"rows": results, "ratios": ratios, "command": command}
+    for path in write_report(report, page, o.results, f"finetune_step_{o.name}"):
+        print(f"wrote {path}")
+    return 0
