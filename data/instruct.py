@@ -222,6 +222,7 @@ class InstructBatches(Batches):
         self.setup_device(device, pin_memory, prefetch)
         self.epoch, self.index = 0, 0
         self.order = self._permutation(0)
+        self.rows_read = self.tokens_read = 0  # for the log's tokens per step
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
@@ -252,7 +253,14 @@ class InstructBatches(Batches):
         return xy[0], xy[1]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.windows(self.draw())
+        x, y = self.windows(self.draw())
+        self.rows_read, self.tokens_read = self.rows_read + x.size(0), self.tokens_read + x.numel()
+        return x, y
+
+    @property
+    def mean_row_tokens(self) -> float | None:
+        """The mean padded length of the rows next() gave so far (None before the first)."""
+        return self.tokens_read / self.rows_read if self.rows_read else None
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
         """n_batches global batches for evaluation: the split in order from a seeded start,

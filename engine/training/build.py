@@ -58,8 +58,10 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        t = self.cfg.train
-        return t.batch_size * self.cfg.model.block_size * t.grad_accum_steps * self.dist.world_size
+        """Tokens a step reads; instruction data: its rows' mean length so far, padding in."""
+        t, row = self.cfg.train, getattr(self.batches, "mean_row_tokens", None)
+        return round(t.batch_size * (row or self.cfg.model.block_size) * t.grad_accum_steps
+                     * self.dist.world_size)
 
 
 def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
