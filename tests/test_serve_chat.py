@@ -46,9 +46,10 @@ def conversation(user: str, reply: str | None = None) -> list[dict]:
         [{"role": "assistant", "content": reply}] if reply is not None else [])
 
 
-def chat_checkpoint(out_dir: Path, steps: int = 250, template: dict | None = None) -> Path:
+def chat_checkpoint(out_dir: Path, steps: int = 150, template: dict | None = None) -> Path:
     """A tiny char model trained on EXCHANGES rendered by the template (every token counted),
-    with the template in its meta; template={}: none stored."""
+    with the template in its meta; template={}: none stored. steps=0: random weights scaled
+    up, as test_serve.tiny_checkpoint's (clear greedy margins; replies that seldom end)."""
     torch.manual_seed(0)
     cfg = Config()
     cfg.model = ModelConfig(block_size=128, vocab_size=TOKENIZER.vocab_size, n_layer=2,
@@ -60,6 +61,10 @@ def chat_checkpoint(out_dir: Path, steps: int = 250, template: dict | None = Non
     ids = torch.tensor([r + [0] * (longest - len(r)) for r in rows])
     targets = torch.tensor([r[1:] + [-1] * (longest - len(r) + 1) for r in rows])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if steps == 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(20 if p.dim() == 2 else 1)
     for _ in range(steps):
         _, loss = model(ids, targets)
         optimizer.zero_grad()
