@@ -1,9 +1,11 @@
-"""serve.py's POST /v1/chat/completions: the template found at load, the refusal of a model
-without one and the 400s of bad conversations (an app in-process), then one server subprocess
+"""serve.py's POST /v1/chat/completions: the template found at load (a bad one stops serve.py),
+the engine ending a reply at the template's end token, the refusal of a model without a template
+(an app in-process), then one server subprocess
 on a tiny chat model (a few hundred steps on rendered conversations, so it ends its replies
 with the end-of-turn token) driven by the openai client and httpx: each reply against
 generate.py's sampler on the template's prompt ids, streamed and whole, n with a seed, logprobs
-against the model's own forward pass, a stop string, max_tokens, a second turn."""
+against the model's own forward pass, a stop string, max_tokens, a second turn, bad
+conversations' 400s."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,11 +20,11 @@ from test_serve import WAIT_S, start_server
 from config import Config
 from data.chat_template import ChatTemplate, TemplateError
 from data.tokenizer import CharTokenizer
-from engine import checkpoint
+from engine import checkpoint, sources
 from engine.inference.sampling import generate_tokens
 from engine.serving import supervisor
 from engine.serving.app import ServedModel, create_app
-from engine.serving.batching import BatchEngine
+from engine.serving.batching import BatchEngine, SamplingParams, Sequence
 from engine.serving.options import ServeOptions
 from model import GPT, ModelConfig
 
@@ -104,6 +106,37 @@ def test_load_finds_the_template_in_the_checkpoint_meta(tmp_path):
     malformed = chat_checkpoint(tmp_path / "bad", steps=1, template={"user": 3})
     with pytest.raises(TemplateError, match="stored chat template .* is malformed"):
         supervisor.load_for_serving(Config(), ServeOptions(init_from=str(malformed)))
+
+
+def test_a_bad_template_stops_serve_py_at_load_with_one_line(tmp_path, capsys):
+    import serve
+    malformed = chat_checkpoint(tmp_path / "bad", steps=1, template={"user": 3})
+    assert serve.main([f"--checkpoint={malformed}", "--port=0", "--device=cpu"]) == 2
+    assert "error: the stored chat template {'user': 3} is malformed" in capsys.readouterr().err
+    model = sources.load_source(str(chat_checkpoint(tmp_path / "chat", steps=1)), Config())[0]
+    cfg = Config()
+    cfg.model = model.config
+    no_eot = checkpoint.save(tmp_path / "no_eot", 1, model, cfg, {  # a char tokenizer, no eot
+        "tokenizer": CharTokenizer(CHARS).meta(), "template": TEMPLATE.meta()})
+    assert serve.main([f"--checkpoint={no_eot}", "--port=0", "--device=cpu"]) == 2
+    assert "tokenizer has no end-of-text token" in capsys.readouterr().err
+
+
+def test_a_sequence_ends_at_its_own_end_token_not_in_its_text(tmp_path):
+    """The engine ends a chat reply at the template's end token (Sequence.end_token), whatever
+    the tokenizer's end of text; the token is not in the text."""
+    model = sources.load_source(str(chat_checkpoint(tmp_path, steps=0)), Config())[0].eval()
+    prompt = TEMPLATE.prompt(TOKENIZER, HI)
+    first, second = reference_ids(model, HI, 2)[0]
+    events = []
+    engine = BatchEngine(model, model, TOKENIZER, torch.device("cpu"), slots=1, max_queue=1,
+                         warmup=False)
+    engine.start()
+    engine.submit([Sequence(prompt, SamplingParams(max_tokens=10, temperature=0),
+                            events.append, end_token=second)])
+    engine.stop()
+    assert first != second and second != TOKENIZER.eot_id
+    assert events == [("text", TOKENIZER.decode([first]), []), ("done", "stop", 2)]
 
 
 @pytest.fixture(scope="module")
