@@ -1,8 +1,8 @@
 """serve.py's POST /v1/chat/completions: the template found at load (a bad one stops serve.py),
 the engine ending a reply at the template's end token, the refusal of a model without a template
-(an app in-process), then one server subprocess
-on a tiny chat model (a few hundred steps on rendered conversations, so it ends its replies
-with the end-of-turn token) driven by the openai client and httpx: each reply against
+(an app in-process), then one server subprocess on a tiny chat model (150 steps on rendered
+conversations, so it ends its replies with the end-of-turn token) driven by the openai client
+and httpx: each reply against
 generate.py's sampler on the template's prompt ids, streamed and whole, n with a seed, logprobs
 against the model's own forward pass, a stop string, max_tokens, a second turn, bad
 conversations' 400s."""
