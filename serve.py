@@ -7,7 +7,8 @@
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "ROMEO:", "max_tokens": 64, "temperature": 0}'
 
-Endpoints: POST /v1/completions (stream: server-sent events), GET /v1/models, GET /health,
+Endpoints: POST /v1/completions (stream: server-sent events), POST /v1/chat/completions (a
+model with a chat template: docs/serve.md#chat), GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET / (a playground page in the browser). How it works, and what it
 measured: docs/serve.md.
 """
@@ -18,6 +19,7 @@ import sys
 import torch
 
 from config import Config, ConfigError, load_config
+from data.chat_template import TemplateError
 from data.tokenizer import TokenizerError
 from engine import checkpoint
 from engine.device import SetupError, resolve_device
@@ -46,6 +48,8 @@ def serve(cfg: Config, o: ServeOptions) -> int:
         + (f" (prompt bucket {s.prompt_bucket})" if cfg.system.compile else "")
         + f" | quantize {s.quantize} | weight_layout={weight_layout_for(s.weight_layout, device)}"
         f" ({s.weight_layout}) huge_pages={huge_pages_for(s.huge_pages, device)[1]}")
+    if loaded.template is not None:
+        log(f"chat: POST /v1/chat/completions through the {loaded.template.name!r} template")
     if not o.share_weights:  # each worker loads its own copy
         loaded = None
         gc.collect()
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         options.check()
         check_server_packages()
         return serve(cfg, options)
-    except (ConfigError, checkpoint.CheckpointError, TokenizerError, SetupError) as e:
+    except (ConfigError, checkpoint.CheckpointError, TokenizerError, TemplateError,
+            SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -3,11 +3,15 @@ then driven in headless Chromium like a person would: type a prompt, click Gener
 streamed text off the page and compare it with the same greedy request through the API; Stop; a
 bad value's error line; with an API key, the key field, the 401 line, then a completion.
 
+For a model with a chat template the page opens on a conversation: a message sent, the reply
+streamed into its bubble as the chat API gives it, a second turn after the first, Stop, a new
+conversation.
+
 Chromium is driven over its DevTools protocol on a pipe (--remote-debugging-pipe: it reads
 commands on its file descriptor 3 and writes replies on 4, each a JSON text ended by a NUL), so
 no browser-automation package is needed. Without a chromium binary the browser tests are skipped
-(CI installs Debian's chromium: .ci/run). Two server subprocesses per module (test_serve.py's
-Server on a tiny checkpoint): one open, one with --api-key.
+(CI installs Debian's chromium: .ci/run). Three server subprocesses per module (test_serve.py's
+Server on a tiny checkpoint): one open, one with --api-key, one on a chat model.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_serve import WAIT_S, Server, tiny_checkpoint
+from test_serve_chat import chat_checkpoint
 
 KEY = "playground-key"
 PROMPT = "hello"
@@ -174,6 +179,15 @@ def keyed_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    """A model with a chat template: random weights (steps=0), whose replies seldom end."""
+    tmp = tmp_path_factory.mktemp("playground_chat")
+    server = Server(chat_checkpoint(tmp / "run", steps=0), tmp / "serve.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     binary = find_browser()
     if binary is None:
@@ -238,6 +252,8 @@ def test_the_page_is_served_without_a_key_with_a_strict_csp(keyed_server):
 def test_the_page_streams_what_the_api_gives_greedily(open_server, tab_on):
     tab = tab_on(open_server)
     assert tab.evaluate("document.getElementById('key-row').hidden") is True
+    assert tab.evaluate("['views', 'chat-view'].map(id => document.getElementById(id).hidden)"
+                        ) == [True, True]  # no chat template: the completion view alone
     styled = "getComputedStyle(document.getElementById('error')).color"
     assert tab.evaluate(styled) == "rgb(176, 0, 32)"  # the CSP let the page's <style> in
     status = generate_on_page(tab, PROMPT, 24)
@@ -288,3 +304,69 @@ def test_with_a_key_the_field_shows_a_401_line_then_the_key_works(keyed_server, 
                        key=KEY)
     assert tab.text_of("#completion") == r.json()["choices"][0]["text"]
     assert tab.text_of("#error") == ""
+
+
+TURNS = "[...document.querySelectorAll('#conversation .turn')].map(t => [t.className, " \
+        "t.textContent])"
+
+
+def send_on_page(tab: Tab, message: str) -> str:
+    """Types the message, clicks Send, waits until the reply ends; the status line."""
+    tab.type_into("#message", message)
+    tab.evaluate("document.getElementById('status').textContent = ''")
+    tab.click("#send")
+    return tab.wait_for("(s => s !== 'generating...' && s)"
+                        "(document.getElementById('status').textContent)")
+
+
+def api_chat(server: Server, messages: list[dict], max_tokens: int) -> str:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=WAIT_S, json={
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_conversation_streams_each_reply_and_keeps_the_turns(chat_server, tab_on):
+    tab = tab_on(chat_server)
+    hidden = "['chat-view', 'completion-view', 'output', 'ignore-eos'].map(id => " \
+             "document.getElementById(id).getClientRects().length === 0)"
+    assert tab.evaluate(hidden) == [False, True, True, True]  # a chat template: the chat view
+    tab.type_into("#max-tokens", "12")
+    tab.type_into("#temperature", "0")
+    assert send_on_page(tab, "hello") == "done: 12 tokens, finish_reason length"
+    first = api_chat(chat_server, [{"role": "user", "content": "hello"}], 12)
+    assert tab.evaluate(TURNS) == [["turn user", "hello"], ["turn assistant", first]]
+    assert tab.text_of("#message") == "" and tab.text_of("#error") == ""
+    assert send_on_page(tab, "again") == "done: 12 tokens, finish_reason length"
+    second = api_chat(chat_server, [{"role": "user", "content": "hello"},
+                                    {"role": "assistant", "content": first},
+                                    {"role": "user", "content": "again"}], 12)
+    assert second != api_chat(chat_server, [{"role": "user", "content": "again"}], 12)
+    assert tab.evaluate(TURNS) == [["turn user", "hello"], ["turn assistant", first],
+                                   ["turn user", "again"], ["turn assistant", second]]
+    tab.click("#show-completion")  # the toggle: the completion view, the turns kept
+    assert tab.evaluate(hidden) == [True, False, False, False]
+    tab.click("#show-chat")
+    assert len(tab.evaluate(TURNS)) == 4
+
+
+def test_stop_ends_a_reply_and_a_new_conversation_starts_empty(chat_server, tab_on):
+    tab = tab_on(chat_server)
+    tab.type_into("#max-tokens", "20000")
+    tab.type_into("#temperature", "0")
+    tab.type_into("#message", "hello")
+    tab.click("#send")
+    tab.wait_for("document.querySelector('.turn.assistant').textContent.length > 0")
+    assert tab.text_of("#status") == "generating..."  # the reply arrives while it runs
+    tab.click("#chat-stop")
+    assert tab.wait_for("document.getElementById('status').textContent") == "stopped"
+    assert chat_server.health(lambda h: h["active"] == 0 and h["queued"] == 0)
+    turns = tab.evaluate(TURNS)
+    assert [t[0] for t in turns] == ["turn user", "turn assistant"]
+    assert 0 < len(turns[1][1]) < 20000 and tab.text_of("#error") == ""
+    assert tab.evaluate("document.getElementById('send').disabled") is False
+    tab.click("#new-conversation")
+    assert tab.evaluate(TURNS) == []
+    tab.type_into("#max-tokens", "5")
+    assert send_on_page(tab, "hello") == "done: 5 tokens, finish_reason length"
+    assert tab.evaluate(TURNS) == [["turn user", "hello"], ["turn assistant", api_chat(
+        chat_server, [{"role": "user", "content": "hello"}], 5)]]

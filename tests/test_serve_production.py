@@ -100,6 +100,7 @@ def greedy(client: httpx.Client, key: str, n: int) -> None:
 
 def test_without_the_key_v1_answers_401_and_health_and_metrics_stay_open(guarded):
     for r in (httpx.post(f"{guarded.url}{COMPLETIONS}", json={"prompt": "ab"}),
+              httpx.post(f"{guarded.url}/v1/chat/completions", json={"messages": []}),
               httpx.get(f"{guarded.url}/v1/models")):
         error = error_of(r, 401)
         assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
@@ -171,11 +172,12 @@ def test_a_body_that_cannot_be_parsed_gets_an_openai_error(guarded, content, mes
 
 
 def test_an_unknown_route_and_a_wrong_method_get_openai_errors(guarded):
-    for path in ("/nowhere", "/v1/chat/completions"):
+    for path in ("/nowhere", "/v1/embeddings"):
         r = httpx.post(f"{guarded.url}{path}", json={}, headers=auth(guarded.key))
         message = error_of(r, 404)["message"]
         assert message.startswith(f"there is no route {path}; this server has ")
         assert "POST /v1/completions" in message and "GET /metrics" in message
+        assert "POST /v1/chat/completions" in message
     r = httpx.get(f"{guarded.url}{COMPLETIONS}", headers=auth(guarded.key))
     assert error_of(r, 405)["message"] == "/v1/completions does not take GET; use POST"
     assert r.headers["Allow"] == "POST"

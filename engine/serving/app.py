@@ -3,11 +3,14 @@
     POST /v1/completions   prompt, max_tokens, temperature, top_p, top_k (extension), seed, stop,
                            n, stream (server-sent events ending in `data: [DONE]`), usage,
                            logprobs (0-5) and echo (engine/serving/logprobs.py)
+    POST /v1/chat/completions  messages through the model's chat template, the same fields,
+                           OpenAI's chat shapes (chat.py); 400 for a model without a template
     GET  /v1/models        the one model served;   GET /health: 200 once warmed up, else 503
     GET  /                 the playground page (playground.py): prompt, controls, stream
     GET  /metrics          Prometheus' text format, summed over the workers (supervisor.py)
 
-    app = create_app(engine, ServedModel(name, block_size, vocab_size, options), tokenizer)
+    app = create_app(engine, ServedModel(name, block_size, vocab_size, options, template),
+                     tokenizer)
 
 With an API key, every /v1 route needs `Authorization: Bearer KEY` (else 401); /, /health and
 /metrics stay open. Every error has OpenAI's shape, {"error": {"message", "type", "param",
@@ -38,9 +41,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException  # 404, 405 are these
 from starlette.routing import Match
 
+from data.chat_template import ChatTemplate
 from data.tokenizer import TokenizerError
-from engine.serving import logprobs
+from engine.serving import chat, logprobs
 from engine.serving.batching import BatchEngine, QueueFull, SamplingParams, Sequence
+from engine.serving.chat import ChatRequest
 from engine.serving.logprobs import MAX_LOGPROBS, Scored
 from engine.serving.options import ServeOptions
 from engine.serving.playground import Playground
@@ -84,6 +89,7 @@ class ServedModel:
     block_size: int
     vocab_size: int
     options: ServeOptions
+    template: ChatTemplate | None = None  # its checkpoint's chat template (None: no chat)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -150,8 +156,10 @@ class Metrics:
         return generate_latest(registry)
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """Pydantic's errors for a request body -> (one actionable sentence, the field)."""
+def validation_message(errors: list[dict], fields: dict = CompletionRequest.model_fields
+                       ) -> tuple[str, str | None]:
+    """Pydantic's errors for a request body (its model's fields) -> (one actionable sentence,
+    the field)."""
     first = errors[0]
     where = [str(part) for part in first.get("loc", ()) if part != "body"]
     field = where[0] if where and not where[0].isdigit() else None
@@ -163,7 +171,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return ("the request body must be a JSON object, sent with Content-Type: "
                 "application/json"), None
     if kind == "extra_forbidden":
-        known = ", ".join(CompletionRequest.model_fields)
+        known = ", ".join(fields)
         return f"unknown field {field!r}; the fields are: {known}", field
     if kind == "missing":
         return f"{field} is required", field
@@ -346,6 +354,10 @@ class Completion:
             scored.offset += self.echoed[j]
         return event[1], event[2]
 
+    def opening(self) -> list[dict]:
+        """The chunks a stream begins with, before any text (the chat API's role)."""
+        return []
+
     def choice(self, j: int, text: str, scored: list[Scored], reason: str | None) -> dict:
         """Choice j of a chunk or of the answer; its logprobs in OpenAI's shape, if asked."""
         shaped = logprobs.openai_logprobs(self.tokenizer, scored) if self.logprobs else None
@@ -359,6 +371,35 @@ class Completion:
                             "completion_tokens": self.completion_tokens,
                             "total_tokens": self.prompt_tokens + self.completion_tokens}
         return out
+
+
+class ChatCompletion(Completion):
+    """A chat request (chat.py): a completion of its prompt ids whose replies end at the
+    template's end-of-turn token (not in their text, nor in their logprobs; in usage), in
+    OpenAI's chat shapes."""
+
+    def __init__(self, engine: BatchEngine, body: CompletionRequest, served: ServedModel,
+                 tokenizer, metrics: Metrics | None = None):
+        super().__init__(engine, body, [body.prompt], served, tokenizer, metrics)
+        self.id, self.streamed = f"chatcmpl-{secrets.token_hex(12)}", body.stream
+        self.end_id = served.template.end_id(tokenizer)
+        for seq in self.seqs:
+            seq.end_token = self.end_id
+
+    def piece(self, j: int, event: tuple) -> tuple[str, list[Scored]]:
+        text, scored = super().piece(j, event)
+        return text, [s for s in scored if s.token != self.end_id]
+
+    def opening(self) -> list[dict]:
+        return [self.chunk([chat.opening(j) for j in range(len(self.seqs))])]
+
+    def choice(self, j: int, text: str, scored: list[Scored], reason: str | None) -> dict:
+        asked = self.logprobs and (scored or not self.streamed)  # a stream's last: null
+        content = logprobs.chat_logprobs(self.tokenizer, scored) if asked else None
+        return chat.choice(j, text, content, reason, self.streamed)
+
+    def chunk(self, choices: list[dict], usage: bool = False) -> dict:
+        return {**super().chunk(choices, usage), "object": chat.object_name(self.streamed)}
 
 
 async def complete(request: Request, job: Completion) -> dict:
@@ -398,6 +439,8 @@ def merged(job: Completion, batch: list[tuple[int, tuple]]) -> list[list]:
             out.append([j, "", [], event[1]])
             continue
         text, scored = job.piece(j, event)
+        if not text and not scored:  # nothing to send (a chat reply's end-of-turn token)
+            continue
         if out and out[-1][0] == j and out[-1][3] is None:
             out[-1][1] += text
             out[-1][2] += scored
@@ -413,6 +456,8 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
     slots."""
     try:
         usage = {"usage": None} if include_usage else {}  # as OpenAI: null until the last
+        for chunk in job.opening():
+            yield sse({**chunk, **usage})
         async for batch in job.batches():  # a client that reads slower gets longer chunks
             yield "".join(sse({**job.chunk([job.choice(*piece)]), **usage})
                           for piece in merged(job, batch))
@@ -425,27 +470,61 @@ async def stream(job: Completion, include_usage: bool) -> AsyncIterator[str]:
         job.close()
 
 
-async def completion(request: Request, body: CompletionRequest, engine: BatchEngine,
-                     served: ServedModel, tokenizer, metrics: Metrics | None):
-    """POST /v1/completions: checked, queued, then streamed or answered whole."""
+def check_ready(engine: BatchEngine, served: ServedModel) -> None:
     if not engine.ready.is_set():
         raise ApiError(503, "the server is warming up; retry shortly", kind="server_busy",
                        headers={"Retry-After": str(served.options.retry_after_s)})
-    check_request(body, served)
-    prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not \
-        isinstance(body.prompt[0], int) else [body.prompt]
-    if len(prompts) * body.n > engine.slots + engine.max_queue:
-        raise ApiError(400, f"this request asks for {len(prompts) * body.n} completions "
-                       f"(prompts x n) but the server holds at most "
-                       f"{engine.slots + engine.max_queue}", "n")
-    job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, tokenizer,
-                     metrics)
+
+
+def check_room(engine: BatchEngine, completions: int) -> None:
+    if completions > engine.slots + engine.max_queue:
+        raise ApiError(400, f"this request asks for {completions} completions (prompts x n) "
+                       f"but the server holds at most {engine.slots + engine.max_queue}", "n")
+
+
+async def answer(request: Request, job: Completion, body: CompletionRequest):
+    """Queue the job, then stream it or answer it whole."""
     job.submit()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream(job, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await complete(request, job)
+
+
+async def completion(request: Request, body: CompletionRequest, engine: BatchEngine,
+                     served: ServedModel, tokenizer, metrics: Metrics | None):
+    """POST /v1/completions: checked, queued, then streamed or answered whole."""
+    check_ready(engine, served)
+    check_request(body, served)
+    prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not \
+        isinstance(body.prompt[0], int) else [body.prompt]
+    check_room(engine, len(prompts) * body.n)
+    job = Completion(engine, body, encode_prompts(body, tokenizer, served), served, tokenizer,
+                     metrics)
+    return await answer(request, job, body)
+
+
+async def chat_completion(request: Request, body: ChatRequest, engine: BatchEngine,
+                          served: ServedModel, tokenizer, metrics: Metrics | None):
+    """POST /v1/chat/completions: the messages through the model's chat template (chat.py),
+    then run as a completion of those ids."""
+    check_ready(engine, served)
+    if served.template is None:
+        raise ApiError(400, chat.no_template(served.name), "messages")
+    try:
+        ids = chat.prompt_ids(body.messages, served.template, tokenizer,
+                              served.max_prompt_tokens, served.block_size)
+        fields = body.completion_fields(len(ids), served.block_size,
+                                        served.options.max_tokens_limit)
+    except chat.ChatError as e:
+        raise ApiError(400, str(e), e.param) from None
+    options = StreamOptions(include_usage=body.include_usage())
+    as_completion = CompletionRequest(prompt=ids, stream_options=options, **fields)
+    check_request(as_completion, served)
+    check_room(engine, body.n)
+    job = ChatCompletion(engine, as_completion, served, tokenizer, metrics)
+    return await answer(request, job, as_completion)
 
 
 async def when_ready(app: FastAPI, engine: BatchEngine, on_ready: Callable[[], None] | None,
@@ -645,7 +724,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        message, field = validation_message(list(e.errors()))
+        fields = (ChatRequest if request.url.path == "/v1/chat/completions"
+                  else CompletionRequest).model_fields
+        message, field = validation_message(list(e.errors()), fields)
         return ApiError(400, message, field).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -662,9 +743,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
 def add_routes(app: FastAPI, engine: BatchEngine, served: ServedModel, tokenizer,
                metrics: Metrics) -> None:
-    """GET /, POST /v1/completions, GET /v1/models[/{name}], GET /metrics, GET /health."""
+    """GET /, POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{name}],
+    GET /metrics, GET /health."""
     playground = Playground(served.name, bool(served.options.effective_api_key()),
-                            served.options.max_tokens_limit)
+                            served.options.max_tokens_limit, served.template is not None)
 
     @app.get("/")
     async def page() -> Response:  # open without the key: the page's own requests send it
@@ -674,6 +756,11 @@ def add_routes(app: FastAPI, engine: BatchEngine, served: ServedModel, tokenizer
     async def completions(request: Request, body: CompletionRequest):
         return await completion(request, body, engine, served, tokenizer,
                                 None if is_warm_up(request.scope) else metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        return await chat_completion(request, body, engine, served, tokenizer,
+                                     None if is_warm_up(request.scope) else metrics)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -702,5 +789,5 @@ def add_routes(app: FastAPI, engine: BatchEngine, served: ServedModel, tokenizer
 
 def model_card(served: ServedModel) -> dict:
     return {"id": served.name, "object": "model", "created": 0, "owned_by": "gpt2-scratch",
-            "max_model_len": served.block_size}
+            "max_model_len": served.block_size, "chat_template": served.template is not None}
 

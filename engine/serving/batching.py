@@ -126,6 +126,8 @@ class Sequence:
     done: bool = False
     pending: list[Scored] = field(default_factory=list)  # scored, its text not all sent yet
     prompt_scores: list[Scored] = field(default_factory=list)  # echo with logprobs
+    end_token: int | None = None  # ends it, not in its text (a chat template's end of turn);
+    # None: the tokenizer's end of text (the engine's stop_token)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -454,7 +456,8 @@ class BatchEngine:
         seq.tokens.append(token)
         seq.generated += 1
         begins = len(seq.text.text)
-        if token == self.stop_token and not seq.params.ignore_eos:
+        end = self.stop_token if seq.end_token is None else seq.end_token
+        if token == end and not seq.params.ignore_eos:
             # the text held back is not a stop string's start: it goes out now
             self._score(seq, token, logits, begins, begins)  # a score per token; not in the text
             self._send(seq, seq.text.finish(), last=True)

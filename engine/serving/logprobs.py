@@ -1,6 +1,6 @@
 """Log-probabilities for the completions API's `logprobs` and `echo` (serve.py): the engine
 scores tokens with `score`, the HTTP side turns them into OpenAI's legacy shape with
-`openai_logprobs`.
+`openai_logprobs` (the chat API's: `chat_logprobs`).
 
     scored = score(logits, targets=[17, 4], top=2)    # logits (2, vocab) -> 2 Scored
     openai_logprobs(tokenizer, scored)   # {"tokens", "token_logprobs", "top_logprobs",
@@ -97,3 +97,16 @@ def openai_logprobs(tokenizer, scored: list[Scored], shift: int = 0) -> dict:
     return {"tokens": [token_text(to_bytes, s.token) for s in scored],
             "token_logprobs": [s.logprob for s in scored], "top_logprobs": tops,
             "text_offset": [s.offset + shift for s in scored]}
+
+
+def chat_logprobs(tokenizer, scored: list[Scored]) -> list[dict]:
+    """Scored tokens -> OpenAI's chat `logprobs.content`: each token's string, logprob and
+    bytes, and its `top` likeliest tokens (top_logprobs: the chosen one only if among them)."""
+    to_bytes = token_bytes(tokenizer)
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": token_text(to_bytes, token), "logprob": logprob,
+                "bytes": list(to_bytes([token]))}
+
+    return [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]}
+            for s in scored]

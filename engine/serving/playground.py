@@ -1,7 +1,7 @@
 """serve.py's playground page at GET /: engine/serving/playground.html (package data) filled in for
 this server, served with a strict Content-Security-Policy.
 
-    page = Playground(model="tiny", key_required=True, max_tokens_limit=1024)
+    page = Playground(model="tiny", key_required=True, max_tokens_limit=1024, chat=True)
     page.response()    # text/html; the CSP allows the page's own <style> and <script> by hash
 
 The page holds no secret: the API key is typed into it and sent by the browser, so GET / stays
@@ -45,12 +45,14 @@ def content_security_policy(page: str) -> str:
 
 class Playground:
     """The page for one server, rendered once: its model name, whether /v1 asks for a key (the
-    page then shows the key field), and the largest max_tokens."""
+    page then shows the key field), the largest max_tokens, and whether the model has a chat
+    template (the page then opens on its conversation view)."""
 
-    def __init__(self, model: str, key_required: bool, max_tokens_limit: int):
+    def __init__(self, model: str, key_required: bool, max_tokens_limit: int,
+                 chat: bool = False):
         template = (resources.files("engine.serving") / PAGE).read_text(encoding="utf-8")
         values = {"model": model, "key_required": "true" if key_required else "false",
-                  "max_tokens_limit": str(max_tokens_limit)}
+                  "max_tokens_limit": str(max_tokens_limit), "chat": "true" if chat else "false"}
         # the placeholders are in the body's attributes only, never in the hashed blocks
         self.page = PLACEHOLDER.sub(lambda m: html.escape(values[m[1]]), template)
         self.headers = {"Content-Security-Policy": content_security_policy(self.page),

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from config import Config, ConfigError
+from data import chat_template
 from data.tokenizer import from_meta
 from engine.device import Runtime, setup
 from engine.inference.load import load_for_inference, prepare_weights
@@ -58,12 +59,14 @@ class LoadedModel:
     tokenizer: Any
     name: str
     label: str
+    template: chat_template.ChatTemplate | None = None  # for /v1/chat/completions
 
 
 def load_for_serving(cfg: Config, options: ServeOptions,
                      device: torch.device = torch.device("cpu")) -> LoadedModel:
     """The model generate.py would sample from (options.model_source; int8 layers if
-    sample.quantize), on the CPU, with its tokenizer. Served on the CPU (`device`), its weights
+    sample.quantize), on the CPU, with its tokenizer and chat template (meta.json's "template"
+    of an instruction-finetuned checkpoint; None: none). Served on the CPU (`device`), its weights
     are prepared here (prepare_for_serving), before any fork, so the workers share them; a GPU
     worker prepares them after moving them."""
     model, meta, label = load_for_inference(cfg, options, "cpu", "serve")
@@ -71,7 +74,12 @@ def load_for_serving(cfg: Config, options: ServeOptions,
         prepare_for_serving(model, cfg, options, device)
     step = f" (step {meta['step']})" if "step" in meta else ""
     name = options.model_name or served_name(options.model_source(cfg))
-    return LoadedModel(model.eval(), from_meta(meta["tokenizer"]), name, label + step)
+    tokenizer = from_meta(meta["tokenizer"])
+    template = None
+    if "template" in meta:
+        template = chat_template.from_meta(meta["template"])
+        template.end_id(tokenizer)  # a template needs an end-of-turn token: fail at load
+    return LoadedModel(model.eval(), tokenizer, name, label + step, template)
 
 
 def prepare_for_serving(model, cfg: Config, options: ServeOptions, device: torch.device) -> None:
@@ -119,7 +127,7 @@ def run_worker(cfg: Config, options: ServeOptions, loaded: LoadedModel | None, s
     loaded = loaded or load_for_serving(cfg, options, rt.device)
     engine = start_engine(cfg, options, loaded, rt)
     served = ServedModel(loaded.name, engine.block_size, engine.raw_model.config.vocab_size,
-                         options)
+                         options, loaded.template)
     app = create_app(engine, served, loaded.tokenizer, on_ready=lambda: os.write(
         ready_fd, f"{engine.warmup_seconds:.2f}\n".encode()))
     config = uvicorn.Config(app, log_level="warning", access_log=options.access_log,
