@@ -57,6 +57,19 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = opt(0, "LoRA: low-rank adapters of this rank on the targets train, every other "
+                    "weight frozen (engine/lora.py); 0 = off: every weight trains",
+                    check=NON_NEGATIVE)
+    alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", check=POSITIVE)
+    adapter_dropout: float = opt(0.0, "dropout on the adapters' input", check=FRACTION)
+    targets: str = opt("c_attn,c_proj,c_fc", "the block Linears that get adapters, by name or "
+                       "ending: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj (c_proj: both)")
+    base_dtype: str = opt("float32", "the frozen Linears' weights: float32, or bfloat16 (half "
+                          "their memory, their products in bfloat16)", ("float32", "bfloat16"))
+
+
+@dataclass
 class TrainConfig:
     out_dir: str = opt("out/shakespeare_char", "run directory: checkpoints and metrics")
     init_from: str = opt("scratch", "scratch | resume (latest checkpoint in out_dir) | auto "
@@ -220,6 +233,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -372,6 +386,7 @@ def validate(cfg: Config) -> list[str]:
             checkpoint_plan(m.activation_checkpointing, m.n_layer)
         except ValueError as e:
             problems.append(str(e))
+    problems += lora_problems(cfg)
     if m.n_head > 0 and m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     elif m.position == "rotary" and m.n_head > 0 and m.n_embd // m.n_head % 2:
@@ -384,6 +399,22 @@ def validate(cfg: Config) -> list[str]:
     if t.tokens_per_step > 0 and per_sequence > 0 and t.tokens_per_step % per_sequence:
         problems.append(f"train.tokens_per_step={t.tokens_per_step} must be a multiple of "
                         f"batch_size x block_size = {per_sequence} (x the number of processes)")
+    return problems
+
+
+def lora_problems(cfg: Config) -> list[str]:
+    """What LoRA cannot be combined with."""
+    if not cfg.lora.rank:
+        return []
+    problems = [f"lora.rank={cfg.lora.rank} {why}" for why, bad in (
+        ("adapts a trained model: set --init_from=<a checkpoint> or gpt2",
+         cfg.train.init_from == "scratch"),
+        ("trains its adapters with AdamW: pass --optimizer=adamw",
+         cfg.train.optimizer == "muon"),
+        ("keeps the frozen base in lora.base_dtype: drop --weights_dtype=bfloat16",
+         cfg.system.weights_dtype == "bfloat16"),
+        ("is not supported with parallel=fsdp (frozen and trained weights in one shard); use "
+         "parallel=ddp", cfg.system.parallel == "fsdp")) if bad]
     return problems
 
 

@@ -66,9 +66,9 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
     counters.train_seconds = run.log.train_seconds
     state = resume.capture(dist, run.raw_model, run.optimizer, run.scaler, run.batches,
                            next_batch, counters, run.rt.device)  # None on ranks > 0
-    weights = dist.full_weights(run.raw_model)
+    weights, extra = run.checkpoint_weights()  # a LoRA run: its adapters and their base
     if dist.is_main:
-        info = {"losses": counters.losses, "eval_step": counters.eval_step,
+        info = {**extra, "losses": counters.losses, "eval_step": counters.eval_step,
                 "tokens_seen": counters.tokens_seen, "tokenizer": run.meta["tokenizer"],
                 "dataset": run.cfg.data.dataset,
                 **({"template": run.meta["template"]} if "template" in run.meta else {})}

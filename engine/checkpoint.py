@@ -26,6 +26,7 @@ from model import GPT
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)$")
 TIED = "lm_head.weight"
 MASK_FILE = "mask.safetensors"  # a pruned model's masks, True = kept
+ADAPTER_FILE = "adapter.safetensors"  # a LoRA run's adapters, in place of model.safetensors
 MASKS = "prune_masks"  # the model attribute engine/pruning.py keeps them in
 FULL, QUOTA = "no space left on device", "disk quota exceeded"
 DISK_FULL_ERRNOS = {errno.ENOSPC: FULL, errno.EDQUOT: QUOTA}
@@ -60,11 +61,14 @@ def model_state(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def write_files(directory: Path, files: dict[str, bytes]) -> None:
-    """`files` beside a written model.safetensors, which gets the mode open() gives (safetensors
-    writes 0600); all fsynced, so that a rename publishes complete files."""
+    """`files` beside a written model.safetensors (or adapter.safetensors), which gets the mode
+    open() gives (safetensors writes 0600); all fsynced, so that a rename publishes complete
+    files."""
     mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(directory / "model.safetensors", 0o666 & ~mask)
+    for name in ("model.safetensors", ADAPTER_FILE):
+        if (directory / name).is_file():
+            os.chmod(directory / name, 0o666 & ~mask)
     for name, payload in files.items():
         (directory / name).write_bytes(payload)
     for f in directory.iterdir():
@@ -165,7 +169,8 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
          train_state: dict | None = None, keep: int = 0,
          weights: dict[str, torch.Tensor] | None = None, out_flag: str = "--out_dir") -> Path:
     """Write a checkpoint atomically, keeping the newest `keep` (0 = all). `weights` replace
-    model_state(model) (FSDP gathers them); out_flag names out_dir's option in errors."""
+    model_state(model) (FSDP gathers them; a LoRA run: its adapters, which meta's "lora" says
+    go to adapter.safetensors); out_flag names out_dir's option in errors."""
     check_out_dir(out_dir, out_flag)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -184,7 +189,7 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
     masks = {name: mask.cpu() for name, mask in (getattr(model, MASKS, None) or {}).items()}
     needed = bytes_to_write(weights, train_state, masks, *files.values())
     with staging_dir(out, ".tmp_ckpt_", f"checkpoint {final}", needed, out_flag, note) as tmp:
-        save_file(weights, str(tmp / "model.safetensors"))
+        save_file(weights, str(tmp / (ADAPTER_FILE if "lora" in meta else "model.safetensors")))
         if masks:
             save_file(masks, str(tmp / MASK_FILE))
         if train_state is not None:
@@ -221,7 +226,7 @@ def recover(out_dir: str | Path) -> None:
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or a run directory (its latest checkpoint)."""
     p = Path(path)
-    if (p / "model.safetensors").is_file():
+    if (p / "model.safetensors").is_file() or (p / ADAPTER_FILE).is_file():
         return p
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist; train one first with python "

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import config
-from engine.checkpoint import latest_checkpoint, resolve
+from engine.checkpoint import ADAPTER_FILE, latest_checkpoint, resolve
 from engine.loading import load_model
 from model import GPT
 
@@ -24,12 +24,18 @@ def is_ours(source: str | Path) -> bool:
 
 
 def load_source(source: str, cfg: config.Config, device: torch.device | str = "cpu",
-                overrides: dict | None = None) -> tuple[GPT, config.Config, dict, str]:
+                overrides: dict | None = None, merge_adapters: bool = True
+                ) -> tuple[GPT, config.Config, dict, str]:
     """(model, its config, meta with 'tokenizer', a label) of one of our checkpoints (its stored
     config) or a Hugging Face GPT-2 (its shape from config.json, the rest from cfg.model);
-    `overrides` apply to both. A source that is neither gets the checkpoint's error."""
+    `overrides` apply to both. A source that is neither gets the checkpoint's error. A LoRA
+    run's checkpoint comes with its adapters merged, or apart (merge_adapters=False: to resume)."""
     if is_ours(source):
         path = resolve(source)
+        if (path / ADAPTER_FILE).is_file():  # a LoRA run's: its base, then its adapters
+            from engine.lora import load_adapter_checkpoint
+
+            return load_adapter_checkpoint(path, device, overrides, load_source, merge_adapters)
         model, stored, meta = load_model(path, device, overrides)
         return model, stored, meta, str(path)
     from engine import hf  # a GPT-2 from the hub or a Hugging Face directory

@@ -46,5 +46,5 @@ def grow_vocab(model: GPT, vocab_size: int) -> int:
         table.weight = nn.Parameter(_grown(table.weight, old, vocab_size, rows))
         table.num_embeddings = rows
     cfg.vocab_size = model.vocab_size = vocab_size
-    model.padded_vocab = rows
+    model.padded_vocab, model.grown_from = rows, old  # LoRA trains the rows from grown_from on
     return vocab_size - old

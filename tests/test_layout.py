@@ -24,12 +24,13 @@ NOT_FOR_TRAINING = ("engine.inference", "engine.serving", "engine.benchmarks", "
                     "engine.training.wandb_log", "engine.training.restore",
                     "engine.training.init_from", "data.loader_workers", "data.shard_batches",
                     "engine.training.finetune", "engine.vocab", "data.instruct",
-                    "data.chat_template", "data.instruct_tasks")
+                    "data.chat_template", "data.instruct_tasks", "engine.lora",
+                    "engine.merge_lora")
 NOT_FOR_GENERATION = ("engine.training", "engine.serving", "engine.benchmarks", "engine.hf",
                       "engine.hellaswag", "engine.pruning", "engine.compiling",
                       "engine.inference.packed", "engine.inference.cpu_kernels",
                       "engine.inference.quantize", "engine.inference.sparse", "data.loader",
-                      "data.instruct", "data.chat_template", "engine.vocab")
+                      "data.instruct", "data.chat_template", "engine.vocab", "engine.lora")
 
 
 def sources() -> dict[str, Path]:

@@ -43,7 +43,7 @@ class TaskOptions:
                     "python train.py if missing)")
     work: str = opt("out/bench_finetune", "where the task files and the runs go")
     lora_rank: int = opt(8, "LoRA's rank in the LoRA rows")
-    lora_lr: float = opt(3e-3, "LoRA rows' learning rate (the full rows take the config's)")
+    lora_lr: float = opt(1e-2, "LoRA rows' learning rate (the full rows take the config's)")
     max_iters: int = opt(600, "steps of each finetuning run")
     results: str = opt("bench_results", "folder for finetune_task_NAME.{json,md}")
     name: str = opt("cpu", "NAME in the result files")

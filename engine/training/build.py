@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from config import Config
+from config import Config, ConfigError
 from data.dataset import check_vocab, is_instruction_file, load_or_prepare
 from data.loader import Batches
 from engine import checkpoint, device
@@ -48,6 +48,16 @@ class Run:
     next_batch: tuple | None = None  # (x, y) of the first step; build_run fetches it
     hellaswag: object | None = None  # engine/hellaswag.TrainingEval: train.hellaswag_interval
     log: metrics.RunLog | None = None  # build_run's; benchmarks write none
+
+    def checkpoint_weights(self) -> tuple[dict | None, dict]:
+        """(the weights a checkpoint stores (None on ranks > 0), what its meta.json adds): every
+        weight, or a LoRA run's adapters and the base they adapt."""
+        if getattr(self.raw_model, "lora", None) is None:
+            return self.dist.full_weights(self.raw_model), {}
+        from engine.lora import adapter_state
+
+        weights = adapter_state(self.raw_model) if self.dist.is_main else None
+        return weights, {"lora": self.raw_model.lora_record}
 
     def trainer(self, sync: Callable | None = None) -> Trainer:
         """What train_step works on; sync(loss_sum): the mean over ranks (train.py's loop)."""
@@ -103,12 +113,15 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
+    lora_note = []
+    if cfg.lora.rank or getattr(raw_model, "lora", None):  # adapters train, the rest is frozen
+        lora_note = [attach_lora(raw_model, cfg, source)]
     if "instruction" in meta:  # the loss counts the responses: the LM head only there
         from engine.training.finetune import head_at_counted_positions
 
         head_note = head_at_counted_positions(raw_model)
     model, notes = speedups.apply(raw_model, cfg, rt, dist)
-    notes.lines += [head_note] if "instruction" in meta else []
+    notes.lines += lora_note + ([head_note] if "instruction" in meta else [])
     optimizer = make_optimizer(raw_model, cfg, rt.device)
     notes.fused_adamw = fused_note(optimizer, cfg)
     if getattr(raw_model, checkpoint.MASKS, None):  # a pruned model keeps its zeros
@@ -146,6 +159,20 @@ def build_run(cfg: Config, dist: Dist) -> Run:
     run.counters.wandb_id = run.log.wandb_id
     run.next_batch = next_batch or run.batches.next()
     return run
+
+
+def attach_lora(raw_model: GPT, cfg: Config, source: Path) -> str:
+    """lora.rank's adapters on the model (a resumed run's come with it); the banner's line."""
+    from engine.lora import apply_lora, base_record, trainable_note
+
+    if getattr(raw_model, "lora", None) is None:
+        apply_lora(raw_model, cfg.lora)
+        raw_model.lora_record = base_record(cfg.train.init_from, source)
+    elif raw_model.lora != cfg.lora:
+        raise ConfigError(f"the checkpoint's adapters were trained with {raw_model.lora}, this "
+                          f"run asks for {cfg.lora}: resume with the lora section the run "
+                          "started with")
+    return trainable_note(raw_model)
 
 
 def estimate_line(cfg: Config, raw_model: GPT, rt: device.Runtime, world_size: int) -> str:

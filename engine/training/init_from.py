@@ -32,7 +32,8 @@ def load_for_training(cfg: Config, meta: dict, target: torch.device
                                   "use init_from=scratch to start")
     fixed = {name for name, is_fixed in facts(ModelConfig, "fixed").items() if is_fixed}
     switches = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in fixed}
-    model, _, source_meta, label = load_source(str(init), cfg, "cpu", switches)
+    model, _, source_meta, label = load_source(str(init), cfg, "cpu", switches,
+                                               merge_adapters=cfg.train.init_from != "resume")
     context = model.config.block_size
     if "source" in source_meta:  # a Hugging Face GPT-2
         source, what = Path(source_meta["source"]), f"{init}'s"
