@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, load_config, opt
 from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, device
 from engine.inference.load import InferenceOptions, load_for_inference, prepare_weights
@@ -64,6 +64,11 @@ class GenerateOptions(InferenceOptions):
     """generate.py's options: the model's source, shared with serve.py (--init-from, --sparse);
     the rest of the command line is the config (sample.*, system.*)."""
 
+    chat: bool = opt(False, "talk to a checkpoint finetuned on instruction data, through its chat "
+                     "template: one turn from --prompt, else a conversation at the terminal (a "
+                     "turn per line of stdin when it is not one)")
+    system: str = opt("", "--chat: a system message to start the conversation with")
+
 
 def sample(cfg: Config, options: GenerateOptions) -> None:
     """Stream sample.num_samples texts from options.init_from (or the config's checkpoint) to
@@ -93,6 +98,16 @@ def sample(cfg: Config, options: GenerateOptions) -> None:
           f"matvec={matvec} ({s.matvec}) "
           f"kv_cache={'on' if s.kv_cache else 'off'}", file=sys.stderr)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.system.seed)
+    if options.chat:  # a conversation through the checkpoint's chat template
+        from engine.inference.chat import run_chat
+
+        def reply(ids, n, stop_ids, on_token):
+            return generate_tokens(model, ids.to(rt.device), n, s.temperature, s.top_k, s.top_p,
+                                   s.kv_cache, generator, on_token, rt.autocast, bucket,
+                                   stop_ids)
+
+        return run_chat(model, meta, label, tokenizer, reply, s.max_new_tokens, s.prompt,
+                        options.system)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=rt.device)
     for i in range(s.num_samples):
         if i:

@@ -30,7 +30,8 @@ NOT_FOR_GENERATION = ("engine.training", "engine.serving", "engine.benchmarks", 
                       "engine.hellaswag", "engine.pruning", "engine.compiling",
                       "engine.inference.packed", "engine.inference.cpu_kernels",
                       "engine.inference.quantize", "engine.inference.sparse", "data.loader",
-                      "data.instruct", "data.chat_template", "engine.vocab", "engine.lora")
+                      "data.instruct", "data.chat_template", "engine.vocab", "engine.lora",
+                      "engine.inference.chat")
 
 
 def sources() -> dict[str, Path]:

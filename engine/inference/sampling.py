@@ -94,9 +94,13 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
                     top_k: int = 0, top_p: float = 1.0, kv_cache: bool = True,
                     generator: torch.Generator | None = None,
                     on_token: Callable[[torch.Tensor], None] | None = None,
-                    autocast=None, prompt_bucket: int = 0) -> torch.Tensor:
+                    autocast=None, prompt_bucket: int = 0,
+                    stop_ids: set[int] | None = None) -> torch.Tensor:
     """Extend idx (B, T) by max_new_tokens tokens, passing each (B, 1) to on_token. When the
-    context is full its oldest half is dropped and the rest re-read once (cache or not)."""
+    context is full its oldest half is dropped and the rest re-read once (cache or not).
+    stop_ids: end early once every row has sampled one of them (it is the last token kept)."""
+    stops = torch.tensor(sorted(stop_ids), device=idx.device) if stop_ids else None
+    stopped = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     block = model.config.block_size
     start = max(0, idx.size(1) - block)
     cache = new_kv_cache(model, idx.size(0)) if kv_cache else None
@@ -117,6 +121,10 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperat
         idx = torch.cat([idx, next_id], dim=1)
         if on_token is not None:
             on_token(next_id)
+        if stops is not None:  # a chat reply ends at its end-of-turn token
+            stopped |= torch.isin(next_id[:, 0], stops)
+            if stopped.all():
+                break
     return idx
 
 
