@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from config import Config, ConfigError, load_config, opt
-from engine import checkpoint, hf
+from engine import checkpoint, hf, sources
 from engine.device import SetupError, resolve_device
 
 
@@ -39,8 +39,9 @@ def run(cfg: Config, o: WeightsOptions) -> None:
         raise ConfigError("nothing to do: add --out DIR to write our checkpoint and/or --verify")
     if o.out:  # a file there: say so before loading anything
         checkpoint.check_out_dir(o.out, "--out")
-    if o.export:
-        model, hf_dir, files = hf.export_hf(o.export, o.out)
+    if o.export:  # a LoRA run's adapters come merged into their base
+        model, _, meta, _ = sources.load_source(o.export, cfg)
+        model, hf_dir, files = hf.export_hf(o.export, o.out, (model, meta))
         print(f"exported {checkpoint.resolve(o.export)} ({hf.describe(model)}) to {hf_dir}: "
               + ", ".join(files))
     else:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import generate
+import load_gpt2_weights
 import train
 from config import ConfigError, LoraConfig, load_config, validate
 from conftest import tiny_model_config
@@ -195,6 +196,9 @@ def test_a_lora_run_saves_adapters_resumes_bit_for_bit_and_samples_merged(
     merged, _, _, _ = load_source(str(ckpt), None)
     assert not any(hasattr(m, "lora_A") for m in merged.modules())
     assert generate.main(["--checkpoint", str(ckpt), "--max_new_tokens=5", "--device=cpu"]) == 0
+    # exported merged: transformers' GPT-2 gives the same logits (--verify)
+    assert load_gpt2_weights.main(["--export", str(ckpt), "--out", str(tmp_path / "hf"),
+                                   "--verify"]) == 0
 
 
 def test_merge_command_writes_a_full_checkpoint_with_the_same_logits(base_run, char_dataset,
