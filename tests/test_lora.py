@@ -230,3 +230,16 @@ def test_a_changed_base_is_refused(base_run, char_dataset, tmp_path):
     save_file(checkpoint.model_state(model), str(base / "model.safetensors"))
     with pytest.raises(CheckpointError, match="has changed since the adapters were trained"):
         load_source(str(tmp_path / "run"), None)
+
+
+def test_memory_estimate_counts_gradients_and_adamw_for_the_adapters_only():
+    from engine.training.memory_estimate import estimate
+
+    cfg, _ = load_config(["--config", "tiny", "--init_from=x", "--lora.rank=4",
+                          "--vocab_size=40", "--block_size=16"])
+    model = GPT(cfg.model)
+    apply_lora(model, cfg.lora)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    e = estimate(cfg)
+    assert (e.gradients, e.optimizer) == (4 * trained, 8 * trained)
+    assert e.weights == 4 * sum(p.numel() for p in model.parameters())  # the tied head once

@@ -138,6 +138,8 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     hidden, rest = STATE_TENSORS[t.optimizer]
     state_floats = hidden * matrices + rest * (params - matrices) + masters
     copies = act < 4 and weight == 4  # autocast keeps a 16-bit copy of each float32 matrix
+    if cfg.lora.rank:  # adapters train: gradients and AdamW state only for them
+        return lora_estimate(cfg, model, activations, recompute, act)
     return MemoryEstimate(weights=weight * params // shards,
                           gradients=(weight * params + 4 * masters) // shards,
                           optimizer=state_floats * 4 // shards,
@@ -147,8 +149,30 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
                           weight_copies=copies * act * (matrices + model.lm_head.weight.numel()))
 
 
+def lora_estimate(cfg: Config, model: GPT, activations: int, recompute: int, act: int
+                  ) -> MemoryEstimate:
+    """lora.rank > 0: the frozen base (its target Linears in lora.base_dtype), the adapters'
+    float32 weights, gradients and AdamW state; the activations as full finetuning's (an upper
+    estimate: frozen weights need no inputs kept for their own gradients)."""
+    from engine.lora import target_names
+
+    lora, m = cfg.lora, cfg.model
+    targets = [model.get_submodule(name) for name in target_names(model, lora.targets)]
+    frozen = sum(t.weight.numel() for t in targets)
+    adapters = sum(lora.rank * (t.in_features + t.out_features) for t in targets)
+    base = 4 * model.num_params(non_embedding=False) - (
+        2 * frozen if lora.base_dtype == "bfloat16" else 0)
+    copies = act < 4 and lora.base_dtype == "float32"  # autocast's 16-bit copies of them
+    return MemoryEstimate(weights=base + 4 * adapters, gradients=4 * adapters,
+                          optimizer=2 * 4 * adapters, activations=activations,
+                          logits=loss_bytes(m, model.padded_vocab, cfg.train.batch_size
+                                            * m.block_size, act), recompute=recompute,
+                          weight_copies=copies * act * frozen)
+
+
 def format_estimate(e: MemoryEstimate, cfg: Config) -> str:
-    parts = [("weights", e.weights), ("grads", e.gradients), (cfg.train.optimizer, e.optimizer),
+    optimizer = "adamw (adapters)" if cfg.lora.rank else cfg.train.optimizer
+    parts = [("weights", e.weights), ("grads", e.gradients), (optimizer, e.optimizer),
              ("activations", e.activations), ("logits+loss", e.logits),
              ("recompute", e.recompute), ("weight copies", e.weight_copies)]
     body = " + ".join(f"{name} {format_bytes(b)}" for name, b in parts if b)
