@@ -364,3 +364,37 @@ def test_ablation_row_trains_on_a_sharded_dataset(tmp_path):
     assert base["status"] == "ok" and len(base["step_s"]) == 2 and math.isfinite(base["loss"])
     assert base["tokens_per_step"] == 4 * 16 and str(base["settings"]["vocab"]) == "50257"
     assert tf32["status"] == "skipped"  # built on the shards too, then found to change nothing
+
+
+def test_finetune_exact_match_scores_greedy_replies_to_the_end_of_text(monkeypatch):
+    """bench.py finetune-task's score: a reply counts when it is the answer, then the end."""
+    import torch
+
+    from data.chat_template import ChatTemplate
+    from data.tokenizer import CharTokenizer
+    from engine.benchmarks.finetune import exact_match
+    from engine.inference import sampling
+
+    tok = CharTokenizer(sorted(set("ab :Reverse the word User Assistant\n")), eot=True)
+    template, prompts = ChatTemplate(), []
+
+    def greedy(model, idx, n, temperature):  # a model whose greedy reply is "ba", then the end
+        prompts.append(idx[0].tolist())
+        reply = tok.encode("ba") + [tok.eot_id] + tok.encode("aaaa")
+        return torch.cat([idx, torch.tensor([reply[:n]])], 1)
+
+    monkeypatch.setattr(sampling, "generate_tokens", greedy)
+    record = {"instruction": "Reverse the word: ab", "output": "ba"}
+    assert exact_match(None, tok, template, [("r", record)]) == 1.0
+    assert tok.decode(prompts[0]) == "User: Reverse the word: ab\nAssistant: "
+    wrong = [("r", {**record, "output": "b"}), ("s", {**record, "output": "bab"})]
+    assert exact_match(None, tok, template, [("r", record)] + wrong) == 1 / 3
+
+
+def test_finetune_step_batch_counts_about_a_third_of_its_targets():
+    from engine.benchmarks.finetune import step_batch
+
+    x, y = step_batch(4, 256, 50257)
+    counted = (y != -1).float().mean().item()
+    assert x.shape == y.shape == (4, 256) and 0.15 < counted < 0.6
+    assert all((y[r] != -1).any() and y[r, 0] == -1 for r in range(4))

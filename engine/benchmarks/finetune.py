@@ -90,7 +90,7 @@ def run_task(o: TaskOptions, command: str) -> int:
     from data.instruct import read_records
     from data.instruct_tasks import write_task
     from data.tokenizer import from_meta
-    from engine.loading import load_model
+    from engine.sources import load_source
 
     work = Path(o.work)
     if not Path(o.base).exists():
@@ -106,7 +106,7 @@ def run_task(o: TaskOptions, command: str) -> int:
                         f"--val_file={val_file}", f"--max_iters={o.max_iters}", *extra],
                        cwd=REPO_ROOT, check=True, capture_output=True)
         seconds = time.perf_counter() - t0
-        model, _, meta = load_model(out)
+        model, _, meta, _ = load_source(str(out), None)  # a LoRA run's: merged
         score = exact_match(model.eval(), from_meta(meta["tokenizer"]),
                             template_from(meta["template"]), read_records(val_file))
         summary = json.loads((out / "summary.json").read_text())
@@ -268,8 +268,8 @@ def step_report(results: dict[str, list[dict]], o: StepOptions, command: str) ->
             f"`{command}`: one step (forward, backward, clipping, fused AdamW over the trainable "
             f"parameters) on {o.batch_size} x {o.seq_len} random tokens with about a third of the "
             "targets counted, random GPT-2 124M-shaped weights; each row in a fresh process, "
-            f"{o.rounds} rounds in turns, {o.steps} timed steps each after an untimed one (median). LoRA on "
-            f"{TARGETS} (alpha 16); peft on transformers' GPT2LMHeadModel (SDPA attention, no "
+            f"{o.rounds} rounds in turns, {o.steps} timed steps each after an untimed one "
+            f"(median). LoRA on {TARGETS} (alpha 16); peft on transformers' GPT2LMHeadModel (SDPA attention, no "
             "dropout, float32). Peak memory: the process's peak RSS, and its rise over the RSS "
             "before the model was built.\n\n"
             + markdown_table(["row", "trainable parameters", "step (ms), each round",
