@@ -269,7 +269,8 @@ def step_report(results: dict[str, list[dict]], o: StepOptions, command: str) ->
             f"parameters) on {o.batch_size} x {o.seq_len} random tokens with about a third of the "
             "targets counted, random GPT-2 124M-shaped weights; each row in a fresh process, "
             f"{o.rounds} rounds in turns, {o.steps} timed steps each after an untimed one "
-            f"(median). LoRA on {TARGETS} (alpha 16); peft on transformers' GPT2LMHeadModel (SDPA attention, no "
+            f"(median). LoRA on {TARGETS} (alpha 16); peft on transformers' GPT2LMHeadModel "
+            "(SDPA attention, no "
             "dropout, float32). Peak memory: the process's peak RSS, and its rise over the RSS "
             "before the model was built.\n\n"
             + markdown_table(["row", "trainable parameters", "step (ms), each round",
