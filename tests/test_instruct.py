@@ -258,3 +258,32 @@ def test_head_at_counted_positions_gives_the_full_heads_loss_and_gradients(tok, 
     assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6)
     for (name, a), b in zip(full.named_parameters(), counted.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gpt2_tokens_need_no_new_row_and_lora_trains_on_them(tmp_path):
+    """A GPT-2-vocabulary model: <|endoftext|> is its own, the vocabulary stays 50257, and a
+    LoRA finetune on conversations runs and samples through the template."""
+    import generate
+    from config import Config
+    from conftest import tiny_model_config
+
+    cfg = Config()
+    cfg.model = tiny_model_config(vocab_size=50257, block_size=64, vocab_pad_multiple=64)
+    torch.manual_seed(0)
+    base = checkpoint.save(tmp_path / "base", 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "gpt2"}})
+    chat = [{"messages": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": f"Say {w}"},
+                          {"role": "assistant", "content": w}]}
+            for w in ("yes", "no", "maybe", "never", "always", "often")]
+    data = write_jsonl(tmp_path / "chat.jsonl", chat)
+    run, _ = load_config(["--config", "tiny", f"--dataset={data}", f"--init_from={base}",
+                          f"--out_dir={tmp_path / 'run'}", "--device=cpu", "--block_size=64",
+                          "--batch_size=2", "--max_iters=2", "--eval_interval=2",
+                          "--eval_iters=1", "--lora.rank=2", "--val_fraction=0.3"])
+    train.train(run)
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "run")
+    model, _, meta = load_model(base)
+    assert model.vocab_size == 50257 and meta["tokenizer"] == {"kind": "gpt2"}
+    assert json.loads((ckpt / "meta.json").read_text())["template"] == ChatTemplate().meta()
+    assert generate.main(["--checkpoint", str(ckpt), "--chat", "--prompt", "Say yes",
+                          "--max_new_tokens=3", "--device=cpu"]) == 0
