@@ -243,3 +243,10 @@ def test_memory_estimate_counts_gradients_and_adamw_for_the_adapters_only():
     e = estimate(cfg)
     assert (e.gradients, e.optimizer) == (4 * trained, 8 * trained)
     assert e.weights == 4 * sum(p.numel() for p in model.parameters())  # the tied head once
+
+
+def test_auto_that_finds_nothing_to_resume_is_refused_with_lora(char_dataset, tmp_path):
+    cfg, _ = load_config(["--config", "tiny", f"--dataset={char_dataset}", "--device=cpu",
+                          f"--out_dir={tmp_path}", "--init_from=auto", "--lora.rank=4"])
+    with pytest.raises(ConfigError, match="starts from scratch"):
+        train.train(cfg)

@@ -55,8 +55,11 @@ class StepOptions:
     seq_len: int = opt(256, "tokens per row")
     steps: int = opt(3, "timed steps per row (after an untimed one)")
     rounds: int = opt(2, "times each row runs, in turns")
-    rows: str = opt("ours_full,ours_lora8,ours_lora16,ours_lora8_bf16,peft_lora8,peft_lora16",
-                    "rows to measure")
+    rows: str = opt("ours_full,ours_lora8,ours_lora16,ours_lora8_bf16,ours_lora8_bf16_ac,"
+                    "peft_lora8,peft_lora16,peft_lora8_ac", "rows to measure: ours_full, "
+                    "ours_loraR[_bf16: the base in bfloat16][_ac: under bfloat16 autocast]"
+                    "[_allpos: the LM head at every position], "
+                    "peft_loraR[_ac]")
     results: str = opt("bench_results", "folder for finetune_step_NAME.{json,md}")
     name: str = opt("cpu", "NAME in the result files")
 
@@ -160,15 +163,28 @@ def ours(kind: str):
     cfg.model = ModelConfig(**GPT2_SHAPE, vocab_pad_multiple=64, attention="sdpa",
                             causal_mask="on_the_fly", norm="native", activation_impl="native")
     model = GPT(cfg.model)
-    head_at_counted_positions(model)
+    if "_allpos" not in kind:  # the LM head at the counted positions only, as train.py runs it
+        head_at_counted_positions(model)
     if "lora" in kind:
         from engine.lora import apply_lora
 
         cfg.lora.rank = int(kind.split("lora")[1].split("_")[0])
         cfg.lora.targets, cfg.lora.base_dtype = TARGETS, \
-            "bfloat16" if kind.endswith("bf16") else "float32"
+            "bfloat16" if "_bf16" in kind else "float32"
         apply_lora(model, cfg.lora)
     return model, lambda x, y: model(x, y)[1]
+
+
+def autocast_if_asked(kind: str, loss):
+    """loss under bfloat16 autocast for the rows named ..._ac."""
+    if not kind.endswith("_ac"):
+        return loss
+
+    def under_autocast(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss(x, y)
+
+    return under_autocast
 
 
 def peft_model(kind: str):
@@ -180,7 +196,7 @@ def peft_model(kind: str):
                     attn_implementation="sdpa",
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # ours: no dropout either
     model = get_peft_model(GPT2LMHeadModel(hf),
-                           LoraConfig(r=int(kind.split("lora")[1]), lora_alpha=16,
+                           LoraConfig(r=int(kind.split("lora")[1].split("_")[0]), lora_alpha=16,
                                       lora_dropout=0.0, target_modules=TARGETS.split(","),
                                       fan_in_fan_out=True))
 
@@ -215,6 +231,7 @@ def step_row(spec: dict) -> dict:
     kind, device = spec["row"], torch.device("cpu")
     base = peak_memory(device).get("rss", 0)
     model, loss_fn = peft_model(kind) if kind.startswith("peft") else ours(kind)
+    loss_fn = autocast_if_asked(kind, loss_fn)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
@@ -258,10 +275,13 @@ def step_report(results: dict[str, list[dict]], o: StepOptions, command: str) ->
               f"{median(kind, 'peak_rss') / 2**20:,.0f}",
               f"{median(kind, 'peak_over_start') / 2**20:,.0f}",
               f"{median(kind, 'checkpoint_bytes') / 2**20:,.2f}"] for kind, runs in results.items()]
-    ratios = {f"{a} / {b}": median(a, key) / median(b, key) for a, b, key in (
+    ratios = {f"{key}: {a} / {b}": median(a, key) / median(b, key) for a, b, key in (
         ("ours_lora8", "peft_lora8", "step_s"), ("ours_lora8_bf16", "peft_lora8", "step_s"),
+        ("ours_lora8_bf16_ac", "peft_lora8", "step_s"),
+        ("ours_lora8_bf16_ac", "peft_lora8_ac", "step_s"),
         ("ours_lora16", "peft_lora16", "step_s"), ("ours_lora8", "ours_full", "peak_over_start"),
         ("ours_lora8_bf16", "ours_full", "peak_over_start"),
+        ("ours_lora8_bf16_ac", "ours_full", "peak_over_start"),
         ("ours_lora8", "ours_full", "checkpoint_bytes")) if a in results and b in results}
     page = (f"# Finetuning step at GPT-2 124M shape ({utc_now()})\n\n"
             f"{machine_line(torch.device('cpu'))}, torch {torch.__version__}\n\n"

@@ -165,6 +165,10 @@ def attach_lora(raw_model: GPT, cfg: Config, source: Path) -> str:
     """lora.rank's adapters on the model (a resumed run's come with it); the banner's line."""
     from engine.lora import apply_lora, base_record, trainable_note
 
+    if source is None:  # init_from=auto found nothing to resume: a fresh, untrained model
+        raise ConfigError(f"lora.rank={cfg.lora.rank} adapts a trained model, but this run "
+                          f"starts from scratch (init_from=auto found no checkpoint in "
+                          f"{cfg.train.out_dir}); set --init_from=<a checkpoint> or gpt2")
     if getattr(raw_model, "lora", None) is None:
         apply_lora(raw_model, cfg.lora)
         raw_model.lora_record = base_record(cfg.train.init_from, source)
