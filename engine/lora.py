@@ -264,3 +264,19 @@ def check_base(path: Path, record: dict, base_label: str) -> None:
                               f"the adapters were trained ({found} has another sha256); restore "
                               "that base, or finetune again from the new one")
 
+
+def attach(raw_model: GPT, cfg: Config, source: Path | None) -> str:
+    """A training run's adapters (engine/training/build.py): lora.rank's on the model, or a resumed
+    run's, which loading put there; the banner's line."""
+    if source is None:  # init_from=auto found nothing to resume: a fresh, untrained model
+        raise ConfigError(f"lora.rank={cfg.lora.rank} adapts a trained model, but this run "
+                          f"starts from scratch (init_from=auto found no checkpoint in "
+                          f"{cfg.train.out_dir}); set --init_from=<a checkpoint> or gpt2")
+    if getattr(raw_model, "lora", None) is None:
+        apply_lora(raw_model, cfg.lora)
+        raw_model.lora_record = base_record(cfg.train.init_from, source)
+    elif raw_model.lora != cfg.lora:
+        raise ConfigError(f"the checkpoint's adapters were trained with {raw_model.lora}, this "
+                          f"run asks for {cfg.lora}: resume with the lora section the run "
+                          "started with")
+    return trainable_note(raw_model)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from config import Config, ConfigError
+from config import Config
 from data.dataset import check_vocab, is_instruction_file, load_or_prepare
 from data.loader import Batches
 from engine import checkpoint, device
@@ -115,7 +115,9 @@ def build_training(cfg: Config, dist: Dist) -> Run:
                          "the checkpoint to resume (put out_dir where every node sees it)")
     lora_note = []
     if cfg.lora.rank or getattr(raw_model, "lora", None):  # adapters train, the rest is frozen
-        lora_note = [attach_lora(raw_model, cfg, source)]
+        from engine.lora import attach
+
+        lora_note = [attach(raw_model, cfg, source)]
     if "instruction" in meta:  # the loss counts the responses: the LM head only there
         from engine.training.finetune import head_at_counted_positions
 
@@ -159,24 +161,6 @@ def build_run(cfg: Config, dist: Dist) -> Run:
     run.counters.wandb_id = run.log.wandb_id
     run.next_batch = next_batch or run.batches.next()
     return run
-
-
-def attach_lora(raw_model: GPT, cfg: Config, source: Path) -> str:
-    """lora.rank's adapters on the model (a resumed run's come with it); the banner's line."""
-    from engine.lora import apply_lora, base_record, trainable_note
-
-    if source is None:  # init_from=auto found nothing to resume: a fresh, untrained model
-        raise ConfigError(f"lora.rank={cfg.lora.rank} adapts a trained model, but this run "
-                          f"starts from scratch (init_from=auto found no checkpoint in "
-                          f"{cfg.train.out_dir}); set --init_from=<a checkpoint> or gpt2")
-    if getattr(raw_model, "lora", None) is None:
-        apply_lora(raw_model, cfg.lora)
-        raw_model.lora_record = base_record(cfg.train.init_from, source)
-    elif raw_model.lora != cfg.lora:
-        raise ConfigError(f"the checkpoint's adapters were trained with {raw_model.lora}, this "
-                          f"run asks for {cfg.lora}: resume with the lora section the run "
-                          "started with")
-    return trainable_note(raw_model)
 
 
 def estimate_line(cfg: Config, raw_model: GPT, rt: device.Runtime, world_size: int) -> str:
