@@ -40,7 +40,8 @@ def read_records(path: Path) -> list[tuple[str, object]]:
     """(where, record) for each record of a .json list or a .jsonl file; errors name the line."""
     if not path.is_file():
         raise DataError(f"instruction data {path} not found; pass --dataset=<a .json or .jsonl "
-                        "file of examples> (docs/finetuning.md)")
+                        "file of examples> (docs/finetuning.md; the word-reversal task's files: "
+                        "python -m data.instruct_tasks reverse)")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
