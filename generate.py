@@ -7,7 +7,6 @@
     python generate.py --init-from gpt2 --prompt "Hello, I'm a language model,"   # OpenAI's GPT-2
     python generate.py --weight_layout=row    # weights as trained (auto: column-major on CPU)
 """
-import codecs
 import sys
 import time
 from dataclasses import dataclass
@@ -20,22 +19,8 @@ from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, device
 from engine.inference.load import InferenceOptions, load_for_inference, prepare_weights
 from engine.inference.matvec import huge_pages_for, set_matvec
-from engine.inference.sampling import call_forward_directly, generate_tokens, warm_up
-
-
-class StreamPrinter:
-    """Writes tokens as text as they arrive, holding back bytes of an unfinished UTF-8 char."""
-
-    def __init__(self, tokenizer):
-        as_bytes = getattr(tokenizer, "decode_bytes", None)  # GPT-2 BPE: bytes, maybe partial
-        self.to_bytes = as_bytes or (lambda ids: tokenizer.decode(ids).encode())
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def __call__(self, token: torch.Tensor) -> None:
-        print(self.utf8.decode(self.to_bytes([int(token[0, 0])])), end="", flush=True)
-
-    def finish(self) -> None:
-        print(self.utf8.decode(b"", final=True), flush=True)
+from engine.inference.sampling import (StreamPrinter, call_forward_directly,
+                                      generate_tokens, warm_up)
 
 
 def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
@@ -118,6 +103,7 @@ def sample(cfg: Config, options: GenerateOptions) -> None:
         generate_tokens(model, idx, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
                         s.kv_cache, generator, printer, rt.autocast, bucket)
         printer.finish()
+        print(flush=True)
         dt = time.perf_counter() - t0
         print(f"[sample {i + 1}/{s.num_samples}: {s.max_new_tokens} tokens in {dt:.2f}s, "
               f"{s.max_new_tokens / dt:,.0f} tok/s]", file=sys.stderr)

@@ -41,7 +41,7 @@ def run(cfg: Config, o: WeightsOptions) -> None:
         checkpoint.check_out_dir(o.out, "--out")
     if o.export:  # a LoRA run's adapters come merged into their base
         model, _, meta, _ = sources.load_source(o.export, cfg)
-        model, hf_dir, files = hf.export_hf(o.export, o.out, (model, meta))
+        hf_dir, files = hf.export_hf(model, meta, o.out)
         print(f"exported {checkpoint.resolve(o.export)} ({hf.describe(model)}) to {hf_dir}: "
               + ", ".join(files))
     else:

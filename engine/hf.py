@@ -333,13 +333,11 @@ def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
     return ["config.json", "model.safetensors", *list(files)[1:]]
 
 
-def export_hf(ckpt_path: str | Path, out: str | Path, loaded: tuple[GPT, dict] | None = None
-              ) -> tuple[GPT, Path, list[str]]:
-    """One of our checkpoints (or a run directory's latest) -> a HF GPT-2 directory; `loaded`:
-    its (model, meta) already loaded (a LoRA run's, merged: engine/sources.py)."""
-    model, meta = loaded or loading.load_model(ckpt_path)[::2]
+def export_hf(model: GPT, meta: dict, out: str | Path) -> tuple[Path, list[str]]:
+    """One of our models, loaded with its meta (engine/sources.py: a LoRA run's merged) -> a HF
+    GPT-2 directory and the files written there."""
     gpt2_bpe = meta.get("tokenizer", {}).get("kind") == "gpt2"
-    return model, Path(out), write_hf_dir(model, Path(out), gpt2_bpe)
+    return Path(out), write_hf_dir(model, Path(out), gpt2_bpe)
 
 
 @torch.no_grad()

@@ -233,12 +233,12 @@ def load_adapter_checkpoint(path: Path, device: torch.device | str, overrides: d
     fixed = {name for name, is_fixed in facts(ModelConfig, "fixed").items() if is_fixed}
     switches = {k: v for k, v in dataclasses.asdict(stored.model).items() if k not in fixed}
     try:
-        model, _, _, base_label = load_source(record["base"], stored, "cpu",
-                                              {**switches, **(overrides or {})})
+        model, _, base_meta, base_label = load_source(record["base"], stored, "cpu",
+                                                      {**switches, **(overrides or {})})
     except CheckpointError as e:
         raise CheckpointError(f"{path} adapts the base model {record['base']}, which cannot be "
                               f"loaded: {e}") from None
-    check_base(path, record, base_label)
+    check_base(path, record, Path(base_meta.get("source", base_label)))  # HF: its directory
     grow_vocab(model, stored.model.vocab_size)
     if stored.model.block_size < model.config.block_size:
         model.crop_block_size(stored.model.block_size)
@@ -255,9 +255,8 @@ def load_adapter_checkpoint(path: Path, device: torch.device | str, overrides: d
     return model.to(device), stored, meta, str(path)
 
 
-def check_base(path: Path, record: dict, base_label: str) -> None:
-    """The base must be the file the adapters were trained on."""
-    folder = Path(base_label.split(" (")[-1].rstrip(")"))  # a hub id's label: "gpt2 (DIR)"
+def check_base(path: Path, record: dict, folder: Path) -> None:
+    """The base (in folder) must be the file the adapters were trained on."""
     found = weights_file(folder)
     if record.get("base_sha256") and found and file_sha256(found) != record["base_sha256"]:
         raise CheckpointError(f"the base model of {path}, {record['base']}, has changed since "

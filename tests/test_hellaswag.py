@@ -165,8 +165,8 @@ def test_checkpoints_and_hf_directories_load_through_sources(val_file, tmp_path,
     from config import Config
     from engine import hf
     save_tiny(tmp_path / "ours", {"kind": "gpt2"}, TOK.vocab_size)
-    hf.export_hf(tmp_path / "ours", tmp_path / "hf")  # a Hugging Face GPT-2 dir
     ours, _, meta, _ = sources.load_source(str(tmp_path / "ours"), Config(), "cpu")
+    hf.export_hf(ours, meta, tmp_path / "hf")  # a Hugging Face GPT-2 dir
     theirs, _, hf_meta, _ = sources.load_source(str(tmp_path / "hf"), Config(), "cpu",
                                                {"attention": "sdpa"})
     assert meta["tokenizer"] == hf_meta["tokenizer"] == {"kind": "gpt2"}

@@ -19,6 +19,7 @@ import torch
 
 from config import ConfigError
 from data.chat_template import ChatTemplate, TemplateError, from_meta
+from engine.inference.sampling import StreamPrinter
 
 
 def template_of(meta: dict, label: str) -> ChatTemplate:
@@ -80,39 +81,11 @@ class Chat:
             self.messages.pop()
             raise
         end = self.template.end_id(self.tokenizer)
-        printer = ReplyPrinter(self.tokenizer, end, write)
+        printer = StreamPrinter(self.tokenizer, write, end)
         self.sample(torch.tensor([ids]), self.max_new_tokens, {end}, printer)
         answer = printer.finish()
         self.messages.append({"role": "assistant", "content": answer})
         return answer
-
-
-class ReplyPrinter:
-    """Tokens in, text out as it completes (UTF-8 across byte-level tokens); the end token and
-    what follows it are not written."""
-
-    def __init__(self, tokenizer, end: int, write: Callable[[str], None]):
-        import codecs
-
-        as_bytes = getattr(tokenizer, "decode_bytes", None)
-        self.to_bytes = as_bytes or (lambda ids: tokenizer.decode(ids).encode())
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.end, self.write, self.text, self.ended = end, write, "", False
-
-    def __call__(self, token: torch.Tensor) -> None:
-        token = int(token[0, 0])
-        if self.ended or token == self.end:
-            self.ended = True
-            return
-        piece = self.utf8.decode(self.to_bytes([token]))
-        self.text += piece
-        self.write(piece)
-
-    def finish(self) -> str:
-        piece = self.utf8.decode(b"", final=True)
-        self.text += piece
-        self.write(piece)
-        return self.text
 
 
 def converse(chat: Chat, lines: Iterable[str], write: Callable[[str], None],

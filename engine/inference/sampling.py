@@ -4,6 +4,7 @@ context), and compiling every shape before the first token.
 
     out = generate_tokens(model, idx, 100, temperature=0.8, top_k=200)   # (B, T + 100)
 """
+import codecs
 import contextlib
 import functools
 from typing import Callable
@@ -36,6 +37,39 @@ def _direct_class(cls: type) -> type:
     """cls whose instances, called, run forward: __call__ is forward."""
     return cls if cls.__call__ is cls.forward else type(cls.__name__, (cls,),
                                                           {"__call__": cls.forward})
+
+
+class StreamPrinter:
+    """Tokens in, text written as it completes: the bytes of an unfinished UTF-8 character held
+    back; the token `end` and what follows it are not written (a chat reply's end of turn).
+    .text is what was written."""
+
+    def __init__(self, tokenizer, write: Callable[[str], None] | None = None,
+                 end: int | None = None):
+        as_bytes = getattr(tokenizer, "decode_bytes", None)  # GPT-2 BPE: bytes, maybe partial
+        self.to_bytes = as_bytes or (lambda ids: tokenizer.decode(ids).encode())
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.write = write or (lambda text: print(text, end="", flush=True))
+        self.end, self.ended, self.pieces = end, False, []
+
+    def __call__(self, token: torch.Tensor) -> None:
+        token = int(token[0, 0])
+        self.ended = self.ended or token == self.end
+        if not self.ended:
+            self._out(self.utf8.decode(self.to_bytes([token])))
+
+    def finish(self) -> str:
+        """Write what was held back; the whole text."""
+        self._out(self.utf8.decode(b"", final=True))
+        return self.text
+
+    def _out(self, piece: str) -> None:
+        self.pieces.append(piece)
+        self.write(piece)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -113,17 +113,17 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
-    lora_note = []
+    finetuning = []  # the banner's lines for what finetuning changed in the model
     if cfg.lora.rank or getattr(raw_model, "lora", None):  # adapters train, the rest is frozen
         from engine.lora import attach
 
-        lora_note = [attach(raw_model, cfg, source)]
+        finetuning.append(attach(raw_model, cfg, source))
     if "instruction" in meta:  # the loss counts the responses: the LM head only there
         from engine.training.finetune import head_at_counted_positions
 
-        head_note = head_at_counted_positions(raw_model)
+        finetuning.append(head_at_counted_positions(raw_model))
     model, notes = speedups.apply(raw_model, cfg, rt, dist)
-    notes.lines += lora_note + ([head_note] if "instruction" in meta else [])
+    notes.lines += finetuning
     optimizer = make_optimizer(raw_model, cfg, rt.device)
     notes.fused_adamw = fused_note(optimizer, cfg)
     if getattr(raw_model, checkpoint.MASKS, None):  # a pruned model keeps its zeros
