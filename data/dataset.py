@@ -60,6 +60,8 @@ def write_text(out_dir: Path, source: Path, make_tokenizer: Callable, val_fracti
     """A text file as a dataset, tokenized by make_tokenizer(text): the first 90% of the characters
     train, the rest val, so every tokenizer holds out the same text."""
     text = Path(source).read_text(encoding="utf-8")
+    if not text.strip():
+        raise DataError(f"{source} has no text to tokenize")
     tok, split = make_tokenizer(text), int(len(text) * (1 - val_fraction))
     # ordinary encoding: a literal "<|endoftext|>" in the text stays text, never the special token
     meta = write_dataset(out_dir, tok, tok.encode_ordinary(text[:split]),

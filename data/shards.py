@@ -1,7 +1,8 @@
-"""GPT-2 token shards for corpora of any size, tokenized in worker processes, resumable:
+"""Token shards for corpora of any size (GPT-2's BPE, or one trained with data/train_tokenizer.py),
+tokenized in worker processes, resumable:
 
     python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
-        --out-dir data/mycorpus --max-tokens 5M --shard-tokens 1M
+        --out-dir data/mycorpus --max-tokens 5M --shard-tokens 1M [--tokenizer tokenizers/mine]
 
 The first val_tokens of the stream (to the end of that document) are val, the rest train. A shard
 grows as `.NAME.partial`; prepare_state.json, committed after an fsync, holds the matching stream
@@ -27,7 +28,7 @@ import numpy as np
 from config import ConfigError, load_options, opt
 from data.dataset import DataError, token_dtype, write_atomic, write_meta
 from data.stream import Batch, Source, open_stream, peak_rss_mib, read_batches, tokenize_in_order
-from data.tokenizer import GPT2Tokenizer
+from data.tokenizer import GPT2Tokenizer, Tokenizer, TokenizerError
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")
@@ -215,14 +216,14 @@ def rename_shard(partial: Path, final: Path) -> None:
         os.close(fd)
 
 
-def finish_meta(out_dir: Path, state: dict, source: Source) -> dict:
+def finish_meta(out_dir: Path, state: dict, source: Source, tok: Tokenizer) -> dict:
     shards, settings = state["shards"], state["settings"]
     counts = {split: sum(s["tokens"] for s in shards[split]) for split in SPLIT_ORDER}
     if not counts["train"]:
         raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens and "
                         f"the val split takes the first {settings['val_tokens']:,}; delete "
                         f"{out_dir} and prepare again with a smaller --val-tokens or more data")
-    return write_meta(out_dir, GPT2Tokenizer(), counts, shards=shards,
+    return write_meta(out_dir, tok, counts, shards=shards,
                       shard_tokens=settings["shard_tokens"], documents=state["pos"]["doc"],
                       source=source.describe(), settings=settings)
 
@@ -236,30 +237,34 @@ def cpu_seconds() -> dict[str, float]:
 def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000,
             val_tokens: int = VAL_TOKENS, max_tokens: int = 0, workers: int = 1,
             docs_per_task: int = 256, commit_tokens: int = 16_000_000,
-            expected_tokens: int = 0, progress: bool = True) -> dict:
-    """Stream `source` into token shards in out_dir (resuming); meta.json's content + `run`."""
+            expected_tokens: int = 0, progress: bool = True,
+            tok: Tokenizer | None = None) -> dict:
+    """Stream `source` into token shards in out_dir (resuming), tokenized by `tok` (GPT-2's by
+    default); meta.json's content + `run`."""
     check_sizes(shard_tokens, val_tokens, max_tokens, workers, docs_per_task)
+    tok = tok or GPT2Tokenizer()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings = {**asdict(source), "shard_tokens": shard_tokens, "val_tokens": val_tokens,
-                "max_tokens": max_tokens, "tokenizer": "gpt2",
-                "dtype": token_dtype(GPT2Tokenizer().vocab_size).name}
+                "max_tokens": max_tokens, "tokenizer": "gpt2" if tok.kind == "gpt2" else
+                f"{tok.kind}:{tok.name}:{tok.sha256}", "dtype": token_dtype(tok.vocab_size).name}
     writer = ShardWriter(out, settings, commit_tokens)
     if writer.state["finished"]:
         print(f"{out}: already prepared ({writer.written():,} tokens); nothing to do")
-        return {**finish_meta(out, writer.state, source), "run": {"tokens": 0}}
+        return {**finish_meta(out, writer.state, source, tok), "run": {"tokens": 0}}
     writer.recover()
     start_tokens, started, cpu_before = writer.written(), time.perf_counter(), cpu_seconds()
     begin = f"resuming at {start_tokens:,} tokens" if start_tokens else "starting"
-    print(f"{out}: {begin} | {source.describe()} | {workers} worker(s) | shards of "
-          f"{shard_tokens:,} tokens")
+    print(f"{out}: {begin} | {source.describe()} | tokenizer {settings['tokenizer'][:40]} | "
+          f"{workers} worker(s) | shards of {shard_tokens:,} tokens")
     try:
         worker_peak, stream_seconds = _run(writer, source, workers, docs_per_task,
-                                           (max_tokens or expected_tokens) if progress else -1)
+                                           (max_tokens or expected_tokens) if progress else -1,
+                                           tok.meta())
     finally:
         writer.close()
     seconds = time.perf_counter() - started
-    meta = finish_meta(out, writer.state, source)
+    meta = finish_meta(out, writer.state, source, tok)
     tokens = writer.written() - start_tokens
     cpu = {k: round(v - cpu_before[k], 1) for k, v in cpu_seconds().items()}
     # stream_seconds leaves out the start-up (imports, opening the dataset)
@@ -279,7 +284,7 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
 
 
 def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
-         bar_total: int) -> tuple[float, float]:
+         bar_total: int, tokenizer: dict) -> tuple[float, float]:
     """read -> tokenize -> append -> commit; (largest worker peak MiB, seconds since opened).
     bar_total: the progress bar's total (0: unknown, -1: no bar)."""
     from tqdm import tqdm
@@ -295,7 +300,7 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
     with (tqdm(total=bar_total or None, initial=writer.written(), unit="tok", unit_scale=True,
                dynamic_ncols=True, desc="tokens", smoothing=0.05, disable=bar_total < 0) as bar,
           graceful_interrupt() as interrupt,
-          contextlib.closing(tokenize_in_order(batches, workers)) as results):
+          contextlib.closing(tokenize_in_order(batches, workers, tokenizer)) as results):
         for batch, flat, lengths, peak in results:
             worker_peak = max(worker_peak, peak)
             before, ends = writer.written(), np.cumsum(lengths)
@@ -342,6 +347,15 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def named_tokenizer(name: str) -> Tokenizer:
+    """--tokenizer: gpt2, or a trained tokenizer's folder."""
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    from data.train_tokenizer import load_tokenizer
+
+    return load_tokenizer(name)
+
+
 @dataclass
 class Defaults:
     """What a dataset's prepare script changes about the shared command line."""
@@ -369,6 +383,7 @@ class PrepareOptions:
     val_tokens: str = opt("", "tokens held out as val, from the start of the stream (default "
                           "10M, or a tenth of --max-tokens when that is smaller)")
     max_tokens: str = opt("0", "stop after this many tokens (0: the whole dataset), e.g. 20M")
+    tokenizer: str = opt("gpt2", "gpt2, or a folder written by python -m data.train_tokenizer")
     workers: int = opt(0, "tokenizer processes; 0 = CPU cores - 1")
     docs_per_task: int = opt(256, "documents per tokenizer task")
     no_progress: bool = opt(False, "no progress bar")
@@ -391,8 +406,9 @@ def main(defaults: Defaults, argv: list[str] | None = None, description: str = "
                         o.revision or None)
         prepare(source, out_dir, parse_count(o.shard_tokens), val_tokens, max_tokens,
                 o.workers or max(1, (os.cpu_count() or 2) - 1), o.docs_per_task,
-                expected_tokens=defaults.expected_tokens if own else 0, progress=not o.no_progress)
-    except (ConfigError, DataError) as e:
+                expected_tokens=defaults.expected_tokens if own else 0, progress=not o.no_progress,
+                tok=named_tokenizer(o.tokenizer))
+    except (ConfigError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,5 +1,6 @@
-"""Documents in, GPT-2 tokens out, for data/shards.py: a `datasets` stream (hub, local files or
-a save_to_disk folder) read in resumable batches, tokenized in worker processes in order.
+"""Documents in, tokens out (GPT-2's BPE or a trained one), for data/shards.py: a `datasets` stream
+(hub, local files or a save_to_disk folder) read in resumable batches, tokenized in worker
+processes in order.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from data.dataset import DataError
-from data.tokenizer import GPT2Tokenizer
+from data.tokenizer import GPT2Tokenizer, from_meta
 
 if TYPE_CHECKING:
     import datasets  # imported where used: it is slow to import and the workers never need it
@@ -126,14 +127,21 @@ def _text(row: dict, field: str, index: int) -> str:
     return row[field]
 
 
-_worker_tokenizer: GPT2Tokenizer | None = None
+_worker_tokenizer = None  # set by use_tokenizer in this process (each worker sets its own)
+
+
+def use_tokenizer(meta: dict) -> None:
+    """Make the tokenizer `meta` describes the one encode_batch uses in this process."""
+    global _worker_tokenizer
+    _worker_tokenizer = from_meta(meta)
 
 
 def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Each document's GPT-2 tokens + <|endoftext|>, concatenated, and each one's count."""
+    """Each document's tokens + <|endoftext|>, concatenated, and each one's count."""
     global _worker_tokenizer
     tok = _worker_tokenizer = _worker_tokenizer or GPT2Tokenizer()
-    docs = [np.array(tok.encode_ordinary(text) + [tok.eot_id], dtype=np.uint16) for text in texts]
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    docs = [np.array(tok.encode_ordinary(text) + [tok.eot_id], dtype=dtype) for text in texts]
     return np.concatenate(docs), np.array([len(d) for d in docs], dtype=np.int64)
 
 
@@ -142,20 +150,23 @@ def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, float]:
     return (*encode_batch(texts), peak_rss_mib())
 
 
-def _ignore_sigint() -> None:  # Ctrl-C is the main process's: it stops at a consistent point
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _start_worker(tokenizer: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's: it stops at
+    use_tokenizer(tokenizer)  # a consistent point
 
 
-def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int
-                      ) -> Iterator[tuple[Batch, np.ndarray, np.ndarray, float]]:
-    """encode_in_worker in `workers` processes, in input order; at most 2 * workers + 1 batches
-    in flight, so memory stays bounded."""
+def tokenize_in_order(batches: Iterator[tuple[Batch, list[str]]], workers: int,
+                      tokenizer: dict) -> Iterator[tuple[Batch, np.ndarray, np.ndarray, float]]:
+    """encode_in_worker with the tokenizer `tokenizer` (its meta) in `workers` processes, in input
+    order; at most 2 * workers + 1 batches in flight, so memory stays bounded."""
+    use_tokenizer(tokenizer)
     if workers == 1:
         yield from ((batch, *encode_in_worker(texts)) for batch, texts in batches)
         return
     # spawn, not fork: the datasets/fsspec stack runs threads that fork would copy mid-flight
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                             initargs=(tokenizer,)) as pool:
         pending: deque = deque()
         try:
             for batch, texts in batches:

@@ -1,10 +1,12 @@
-"""Character-level and GPT-2 BPE tokenizers behind one interface, chosen by a dataset's metadata.
-GPT-2's ranks ship in data/gpt2.tiktoken (hash-checked), so no network is needed.
+"""Character-level, GPT-2's BPE and byte-level BPEs trained here (data/train_tokenizer.py) behind
+one interface, chosen by a dataset's metadata. GPT-2's ranks ship in data/gpt2.tiktoken
+(hash-checked), so no network is needed; a trained BPE travels whole in the metadata.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from pathlib import Path
 
 GPT2_RANKS = Path(__file__).resolve().parent / "gpt2.tiktoken"
@@ -104,7 +106,74 @@ class GPT2Tokenizer:
         return {"kind": self.kind}
 
 
-Tokenizer = CharTokenizer | GPT2Tokenizer
+def ranks_text(tokens: list[bytes]) -> str:
+    """tiktoken's .tiktoken format: one 'base64(token) rank' line per token."""
+    return "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens))
+
+
+class BPETokenizer(GPT2Tokenizer):
+    """A byte-level BPE trained here: ranks (the 256 single bytes first, so any text
+    round-trips), a split pattern, and special tokens after the ranks, <|endoftext|> first. Its
+    sha256 covers all three; meta() carries it whole, so datasets and checkpoints need no file."""
+
+    kind = "bpe"
+
+    def __init__(self, tokens: list[bytes], pattern: str, special: list[str], name: str = ""):
+        import tiktoken
+
+        if tokens[:256] != [bytes([b]) for b in range(256)]:
+            raise TokenizerError("a byte-level BPE's first 256 ranks must be the single bytes")
+        self.special = [EOT_TEXT] + [s for s in special if s != EOT_TEXT]
+        self.tokens, self.pattern, self.name = tokens, pattern, name
+        self.special_ids = {s: len(tokens) + i for i, s in enumerate(self.special)}
+        self.enc = tiktoken.Encoding(name=f"bpe_{name}", pat_str=pattern, special_tokens=
+                                     self.special_ids, mergeable_ranks={t: i for i, t in
+                                                                        enumerate(tokens)})
+        self.vocab_size, self.eot_id = self.enc.n_vocab, self.special_ids[EOT_TEXT]
+        self.start_id = self.eot_id
+        self.encode_ordinary, self.decode = self.enc.encode_ordinary, self.enc.decode
+        self.decode_bytes = self.enc.decode_bytes
+        digest = hashlib.sha256(ranks_text(tokens).encode())
+        digest.update(json.dumps({"pattern": pattern, "special": self.special}).encode())
+        self.sha256 = digest.hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text`; a special token's literal text becomes that token."""
+        return self.enc.encode(text, allowed_special="all")
+
+    def meta(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "sha256": self.sha256,
+                "vocab_size": self.vocab_size, "pattern": self.pattern, "special": self.special,
+                "ranks": [base64.b64encode(t).decode() for t in self.tokens]}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "BPETokenizer":
+        """The tokenizer a meta.json carries, checked against the sha256 recorded with it."""
+        try:
+            tok = cls([base64.b64decode(t) for t in meta["ranks"]], meta["pattern"],
+                      list(meta["special"]), meta.get("name", ""))
+        except (KeyError, TypeError, ValueError) as e:
+            raise TokenizerError(f"the BPE tokenizer in this metadata is malformed ({e!r}); "
+                                 "prepare the data again from the tokenizer's folder") from None
+        if tok.sha256 != meta.get("sha256"):
+            raise TokenizerError(f"the BPE tokenizer '{tok.name}' fails its hash check (sha256 "
+                                 f"{tok.sha256[:12]}, recorded {str(meta.get('sha256'))[:12]}): "
+                                 "its metadata was edited; prepare the data again")
+        return tok
+
+
+Tokenizer = CharTokenizer | GPT2Tokenizer | BPETokenizer
+
+
+def token_bytes(tokenizer: Tokenizer) -> list[int]:
+    """The bytes of text each id stands for; special tokens stand for none."""
+    if isinstance(tokenizer, CharTokenizer):
+        return [len(c.encode()) for c in tokenizer.chars] + [0] * (tokenizer.vocab_size
+                                                                  - len(tokenizer.chars))
+    enc = tokenizer.enc
+    special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    return [0 if i in special else len(enc.decode_single_token_bytes(i))
+            for i in range(tokenizer.vocab_size)]
 
 
 def from_meta(meta: dict) -> Tokenizer:
@@ -114,4 +183,7 @@ def from_meta(meta: dict) -> Tokenizer:
         return CharTokenizer(meta["chars"], eot=bool(meta.get("eot")))
     if kind == "gpt2":
         return GPT2Tokenizer()
-    raise TokenizerError(f"unknown tokenizer kind {kind!r} in metadata; expected 'char' or 'gpt2'")
+    if kind == "bpe":
+        return BPETokenizer.from_meta(meta)
+    raise TokenizerError(f"unknown tokenizer kind {kind!r} in metadata; expected 'char', 'gpt2' "
+                         "or 'bpe'")

@@ -54,7 +54,7 @@ def test_requirements_txt_is_every_group_with_the_same_floors():
     assert floors(lines) == everything
     assert PROJECT["requires-python"] == ">=3.11"  # tomllib
     test_group = PROJECT["optional-dependencies"]["test"]
-    assert f"{NAME}[serve,hf,data,wandb,quant]" in test_group  # the suite needs every feature
+    assert f"{NAME}[serve,hf,data,tokenizer,wandb,quant]" in test_group  # the suite needs every feature
 
 
 def test_every_module_and_package_of_the_tree_is_in_the_package():

@@ -1,0 +1,245 @@
+"""Train a byte-level BPE tokenizer on your own text; tiktoken encodes with it everywhere after.
+
+    python -m data.train_tokenizer 'corpus/*.jsonl' --vocab_size 16384 --out tokenizers/mine
+    python -m data.train_tokenizer book.txt,notes/ --special '<|user|>,<|assistant|>' --out tok/b
+    python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
+        --tokenizer tokenizers/mine --out-dir data/mine        # then: train.py --dataset=mine
+
+Files: .jsonl (a document per line, its --text_field), anything else as UTF-8 text; a folder is
+read whole, sorted. The trainer is rustbpe (the faster on 100 MB here: bench_results/
+tokenizer_zen4.md) or Hugging Face tokenizers' BPE trainer (--trainer hf). The folder written,
+tokenizer.tiktoken (tiktoken's ranks format) + tokenizer.json, loads with load_tokenizer().
+"""
+from __future__ import annotations
+
+import glob
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from config import ConfigError, load_options, opt  # noqa: E402
+from data.dataset import write_atomic  # noqa: E402
+from data.tokenizer import (EOT_TEXT, GPT2_PATTERN, BPETokenizer, TokenizerError,  # noqa: E402
+                            ranks_text)
+
+RANKS_FILE, META_FILE = "tokenizer.tiktoken", "tokenizer.json"
+# split patterns by name: GPT-2's, and cl100k's (GPT-4's: contractions in either case, digits in
+# groups of at most three, punctuation runs apart from letters), the default
+PATTERNS = {"gpt2": GPT2_PATTERN,
+            "gpt4": (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
+                     r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")}
+CHUNK_CHARS = 1 << 16  # a text file is handed to the trainer in pieces of about this size
+
+
+@dataclass
+class TokenizerOptions:
+    positional: ClassVar[str] = "files"
+    files: str = opt("", "text to train on: files, folders or quoted globs, comma-separated "
+                     "(also the first bare argument); .jsonl = a document per line")
+    out: str = opt("", "the folder to write (tokenizer.tiktoken + tokenizer.json)")
+    vocab_size: int = opt(16384, "every id: the 256 bytes, the merges, the special tokens")
+    special: str = opt("", "special tokens besides <|endoftext|> (always the first), "
+                       "comma-separated, e.g. '<|user|>,<|assistant|>'")
+    pattern: str = opt("gpt4", "the split pattern text is cut by before merging: gpt4, gpt2, or "
+                       "a regex of your own")
+    text_field: str = opt("text", ".jsonl files: the field holding a document's text")
+    max_mb: float = opt(0.0, "train on the first this many MiB of text; 0 = all of it")
+    trainer: str = opt("rustbpe", "rustbpe, or hf (Hugging Face tokenizers' BpeTrainer)",
+                       ("rustbpe", "hf"))
+    name: str = opt("", "the tokenizer's name in metadata; '' = the folder's name")
+    no_progress: bool = opt(False, "no progress bar")
+
+
+def input_files(spec: str) -> list[Path]:
+    """The files `spec` names: files, folders (every file below, sorted) and globs."""
+    found: list[Path] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        matches = sorted(glob.glob(part, recursive=True)) or [part]
+        for match in map(Path, matches):
+            if match.is_dir():
+                found += sorted(p for p in match.rglob("*") if p.is_file())
+            elif match.is_file():
+                found.append(match)
+            else:
+                raise ConfigError(f"{part}: no such file, folder or match")
+    if not found:
+        raise ConfigError("no input: name text files, e.g. python -m data.train_tokenizer "
+                          "'corpus/*.txt' --out tokenizers/mine")
+    return found
+
+
+def documents(files: list[Path], text_field: str, bar) -> Iterator[str]:
+    """Each file's documents: .jsonl lines' text_field, other files in pieces at line ends; the
+    progress bar counts the files' bytes."""
+    for path in files:
+        with open(path, "rb") as f:
+            piece: list[str] = []
+            size = 0
+            for n, raw in enumerate(f, 1):
+                bar.update(len(raw))
+                line = raw.decode("utf-8", errors="replace")
+                if path.suffix == ".jsonl":
+                    if line.strip():
+                        yield jsonl_text(line, text_field, path, n)
+                    continue
+                piece.append(line)
+                size += len(line)
+                if size >= CHUNK_CHARS:
+                    yield "".join(piece)
+                    piece, size = [], 0
+            if piece:
+                yield "".join(piece)
+
+
+def jsonl_text(line: str, field: str, path: Path, n: int) -> str:
+    try:
+        text = json.loads(line)[field]
+    except (ValueError, KeyError, TypeError):
+        raise TokenizerError(f"{path}:{n}: not a JSON object with a '{field}' string; pass "
+                             "--text_field naming the text's field") from None
+    if not isinstance(text, str):
+        raise TokenizerError(f"{path}:{n}: '{field}' is {type(text).__name__}, not text")
+    return text
+
+
+def metered(texts: Iterator[str], budget: int, read: list[int], bar) -> Iterator[str]:
+    """texts until `budget` bytes of text (0: all), counted in read[0]; then the bar says the
+    trainer has moved on to merging."""
+    for text in texts:
+        size = len(text.encode("utf-8", errors="replace"))
+        if budget and read[0] + size > budget:
+            text = text.encode(errors="replace")[:budget - read[0]].decode(errors="ignore")
+            size = budget - read[0]
+        read[0] += size
+        yield text
+        if budget and read[0] >= budget:
+            break
+    bar.set_description("merging (no progress shown)")
+
+
+def train_rustbpe(texts: Iterator[str], n_ranks: int, pattern: str) -> list[bytes]:
+    try:
+        import rustbpe
+    except ImportError:
+        raise TokenizerError("rustbpe is not installed: pip install rustbpe (requirements.txt), "
+                             "or pass --trainer hf") from None
+    trainer = rustbpe.Tokenizer()
+    trainer.train_from_iterator(texts, n_ranks, pattern=pattern)
+    return [token for token, _ in sorted(trainer.get_mergeable_ranks(), key=lambda t: t[1])]
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character map (vocab.json, merges.txt, tokenizers' ByteLevel): printable
+    non-space Latin-1 bytes stand for themselves, the others for chr(256), chr(257), ..."""
+    others = iter(range(256, 512))
+    return {b: chr(b) if b > 32 and chr(b).isprintable() else chr(next(others))
+            for b in range(256)}
+
+
+def train_hf(texts: Iterator[str], n_ranks: int, pattern: str) -> list[bytes]:
+    """Hugging Face tokenizers' BpeTrainer behind the same split; its merges, in order, become
+    ranks after the 256 bytes (GPT-2's byte-to-character alphabet undone)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=n_ranks, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    byte_of = {char: b for b, char in byte_alphabet().items()}
+    tokens = [bytes([b]) for b in range(256)]
+    for merge in json.loads(tok.to_str())["model"]["merges"]:
+        left, right = merge if isinstance(merge, list) else merge.split(" ")
+        tokens.append(bytes(byte_of[c] for c in left + right))
+    return tokens
+
+
+def train(files: list[Path], vocab_size: int, special: list[str], pattern: str,
+          text_field: str = "text", max_bytes: int = 0, trainer: str = "rustbpe",
+          name: str = "", progress: bool = True) -> tuple[BPETokenizer, dict]:
+    """A BPETokenizer trained on `files`, and how the training went."""
+    from tqdm import tqdm
+
+    special = [EOT_TEXT] + [s for s in special if s != EOT_TEXT]
+    if vocab_size < 256 + len(special):
+        raise TokenizerError(f"--vocab_size {vocab_size} is smaller than the 256 byte tokens "
+                             f"plus {len(special)} special token(s); use at least "
+                             f"{256 + len(special)}")
+    pattern = PATTERNS.get(pattern, pattern)
+    started, read = time.perf_counter(), [0]
+    with tqdm(total=None if max_bytes else sum(p.stat().st_size for p in files), unit="B",
+              unit_scale=True, desc="reading + counting pairs", disable=not progress,
+              dynamic_ncols=True) as bar:
+        texts = metered(documents(files, text_field, bar), max_bytes, read, bar)
+        fit = train_rustbpe if trainer == "rustbpe" else train_hf
+        tokens = fit(texts, vocab_size - len(special), pattern)
+    if read[0] == 0:
+        raise TokenizerError(f"no text in {', '.join(map(str, files[:3]))}: the files are empty")
+    seconds = time.perf_counter() - started
+    tok = BPETokenizer(tokens, pattern, special, name)
+    named = [k for k, v in PATTERNS.items() if v == pattern]
+    info = {"trainer": trainer, "pattern_name": named[0] if named else "custom",
+            "files": [str(p) for p in files[:20]], "n_files": len(files),
+            "bytes": read[0], "seconds": round(seconds, 2),
+            "mb_per_s": round(read[0] / 2**20 / max(seconds, 1e-9), 2)}
+    return tok, info
+
+
+def save(tok: BPETokenizer, folder: str | Path, **info) -> Path:
+    """tokenizer.tiktoken, then tokenizer.json (written last: a folder that has it is whole)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / RANKS_FILE, ranks_text(tok.tokens).encode())
+    record = {"kind": tok.kind, "name": tok.name, "sha256": tok.sha256,
+              "vocab_size": tok.vocab_size, "pattern": tok.pattern,
+              "special": tok.special_ids, **info}
+    write_atomic(folder / META_FILE, json.dumps(record, indent=1).encode())
+    return folder
+
+
+def load_tokenizer(folder: str | Path) -> BPETokenizer:
+    """A folder save() wrote, its ranks checked against tokenizer.json's sha256."""
+    folder = Path(folder)
+    if not (folder / META_FILE).is_file() or not (folder / RANKS_FILE).is_file():
+        raise TokenizerError(f"{folder} is not a trained tokenizer (it needs {RANKS_FILE} and "
+                             f"{META_FILE}); train one with python -m data.train_tokenizer")
+    record = json.loads((folder / META_FILE).read_text())
+    lines = [line.split() for line in (folder / RANKS_FILE).read_text().splitlines() if line]
+    if [int(rank) for _, rank in lines] != list(range(len(lines))):
+        raise TokenizerError(f"{folder / RANKS_FILE}: the ranks must run 0, 1, 2, ... in order")
+    return BPETokenizer.from_meta({**record, "special": list(record["special"]),
+                                   "ranks": [token for token, _ in lines]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        o = load_options(sys.argv[1:] if argv is None else argv, TokenizerOptions,
+                         prog="-m data.train_tokenizer", about=__doc__)
+        if not o.out:
+            raise ConfigError("--out FOLDER is required: where the tokenizer is written")
+        specials = [s.strip() for s in o.special.split(",") if s.strip()]
+        tok, info = train(input_files(o.files), o.vocab_size, specials, o.pattern, o.text_field,
+                          int(o.max_mb * 2**20), o.trainer, o.name or Path(o.out).name,
+                          progress=not o.no_progress)
+    except (ConfigError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    save(tok, o.out, trained=info)
+    short = tok.vocab_size < o.vocab_size
+    print(f"{o.out}: {tok.vocab_size:,} ids ({len(tok.tokens) - 256:,} merges + 256 bytes + "
+          f"{len(tok.special)} special) from {info['bytes'] / 2**20:.1f} MiB in "
+          f"{info['seconds']:.1f}s ({info['mb_per_s']} MiB/s, {o.trainer}) | sha256 "
+          f"{tok.sha256[:12]}" + (" | the text ran out of pairs to merge before "
+                                  f"--vocab_size {o.vocab_size}" if short else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
