@@ -78,7 +78,7 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
 
 def evaluate_and_save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest,
                       keep: bool) -> None:
-    losses = evaluate(run.model, run.loaders, run.eval_sets, run.rt)
+    losses = evaluate(run.model, run.loaders, run.eval_sets, run.rt, run.token_bytes)
     run.counters.record_eval(step, run.dist.mean_losses(losses))
     run.log.eval(step, run.counters.losses)  # prints it, redraws the loss curve
     if keep:

@@ -158,6 +158,16 @@ class Tokens:
                          for i, j in zip(file, local)])
 
 
+def token_bytes(meta: dict) -> np.ndarray:
+    """The bytes of text each id stands for (special tokens: none): what bits per byte divides by."""
+    tok = meta["tokenizer"]
+    if tok["kind"] == "char":  # no tokenizer to build: its alphabet is right here
+        return np.array([len(c.encode()) for c in tok["chars"]] + [0] * bool(tok.get("eot")))
+    from data.tokenizer import from_meta, token_bytes
+
+    return np.array(token_bytes(from_meta(tok)))
+
+
 def check_vocab(meta: dict, model_vocab: int, tokenizer_kind: str | None = None) -> None:
     """The data's ids must fit the model's embedding; the tokenizer must be the model's."""
     if meta["vocab_size"] > model_vocab:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from config import Config, ConfigError, command_line_keys, load_config, opt
 from data.dataset import DataError
-from data.tokenizer import GPT2Tokenizer
+from data.tokenizer import BPETokenizer, GPT2Tokenizer, TokenizerError, from_meta
 from engine import checkpoint, sources
 from engine.device import Runtime, SetupError, setup
 
@@ -148,10 +148,14 @@ def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[di
             "correct": correct, "correct_norm": correct_norm, "n": n}
 
 
-def check_tokenizer(kind: str, what: str) -> None:
-    if kind != "gpt2":
-        raise HellaSwagError(f"{what} uses the '{kind}' tokenizer; HellaSwag is scored on GPT-2 "
-                             "BPE models only (train on a GPT-2-tokenized dataset)")
+def scoring_tokenizer(meta: dict, what: str) -> GPT2Tokenizer | BPETokenizer:
+    """The model's own byte-level BPE (GPT-2's or one trained here): any text has ids in it."""
+    kind = meta.get("kind", "unknown")
+    if kind not in ("gpt2", "bpe"):
+        raise HellaSwagError(f"{what} uses the '{kind}' tokenizer; HellaSwag is scored on "
+                             "byte-level BPE models only (GPT-2's or one trained with "
+                             "data/train_tokenizer.py), which can encode any text")
+    return from_meta(meta)
 
 
 class TrainingEval:
@@ -159,11 +163,11 @@ class TrainingEval:
     collectives need the same forward calls on all ranks); rank 0 reports it."""
 
     def __init__(self, cfg: Config, meta: dict, rt: Runtime):
-        check_tokenizer(meta["tokenizer"]["kind"], f"dataset {meta['dir']}")
+        self.tokenizer = scoring_tokenizer(meta["tokenizer"], f"dataset {meta['dir']}")
         self.interval, self.max_iters = cfg.train.hellaswag_interval, cfg.train.max_iters
         self.examples = load_examples(ensure_file(cfg.data.hellaswag_path),
                                       cfg.train.hellaswag_examples)
-        self.tokenizer, self.rt = GPT2Tokenizer(), rt
+        self.rt = rt
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0 or step == self.max_iters
@@ -200,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {k: getattr(cfg.model, k)
                      for k in command_line_keys(argv, "model", HellaSwagOptions)}
         model, _, meta, _ = sources.load_source(o.model, cfg, rt.device, overrides)
-        check_tokenizer(meta.get("tokenizer", {}).get("kind", "unknown"), o.model)
-    except (ConfigError, DataError, checkpoint.CheckpointError, SetupError) as e:
+        tokenizer = scoring_tokenizer(meta.get("tokenizer", {}), o.model)
+    except (ConfigError, DataError, checkpoint.CheckpointError, SetupError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    r = evaluate(model, GPT2Tokenizer(), examples, rt.device, rt.autocast(), o.batch_examples,
+    r = evaluate(model, tokenizer, examples, rt.device, rt.autocast(), o.batch_examples,
                  progress=True)
     note = "" if r["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
     print(f"hellaswag | {o.model} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from config import Config, ModelConfig
-from data.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, load_ranks
+from data.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, from_meta, load_ranks
 from engine import checkpoint, loading
 from engine.checkpoint import first_line
 from engine.fields import facts
@@ -275,22 +275,11 @@ def hf_config(cfg: ModelConfig) -> dict:
             "eos_token_id": eot, "torch_dtype": "float32"}
 
 
-def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
-    """vocab.json, merges.txt, tokenizer_config.json from the bundled ranks (no download)."""
-    ranks, eot, others = load_ranks(GPT2_RANKS), "<|endoftext|>", iter(range(256, 512))
-    # GPT-2's byte -> character map: printable non-space Latin-1 bytes are themselves, the
-    # others chr(256), chr(257), ... in byte order
-    alphabet = {b: chr(b) if b > 32 and chr(b).isprintable() else chr(next(others))
-                for b in range(256)}
-
-    def text(token: bytes) -> str:
-        return "".join(alphabet[b] for b in token)
-
-    vocab = {text(token): rank for token, rank in ranks.items()} | {eot: GPT2_EOT}
-    merges = ["#version: 0.2\n"]
+def merges_of(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge that made each token, in rank order: BPE over a token's own bytes, with only the
+    merges ranked before it, ends in exactly the two parts it was made from."""
+    merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        # the merge that made a token: BPE over its own bytes, with only the merges ranked
-        # before it, ends in exactly the two parts it was made from
         parts = [bytes([b]) for b in token]
         while len(parts) > 2:
             best, i = min((ranks.get(parts[i] + parts[i + 1], rank), i)
@@ -299,15 +288,54 @@ def hf_tokenizer_files(model_max_length: int) -> dict[str, bytes]:
                 raise GPT2WeightsError(f"cannot derive the merge for token rank {rank}")
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
-            merges.append(f"{text(parts[0])} {text(parts[1])}\n")
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def hf_tokenizer_files(model_max_length: int, tokenizer: dict | None = None) -> dict[str, bytes]:
+    """GPT-2's vocab.json, merges.txt and tokenizer_config.json from the bundled ranks (no
+    download); a BPE trained here (`tokenizer`, its meta) as tokenizer.json, which alone can
+    hold its split pattern."""
+    from data.train_tokenizer import byte_alphabet
+
+    alphabet = byte_alphabet()
+
+    def text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    eot = "<|endoftext|>"
     config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": eot, "eos_token": eot,
               "unk_token": eot, "add_prefix_space": False, "model_max_length": model_max_length}
+    if tokenizer is not None and tokenizer.get("kind") == "bpe":
+        config = {**config, "tokenizer_class": "PreTrainedTokenizerFast"}
+        return {"tokenizer.json": bpe_tokenizer_json(tokenizer, text).encode(),
+                "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+    ranks = load_ranks(GPT2_RANKS)
+    vocab = {text(token): rank for token, rank in ranks.items()} | {eot: GPT2_EOT}
+    merges = "".join(f"{text(a)} {text(b)}\n" for a, b in merges_of(ranks))
     return {"vocab.json": json.dumps(vocab, ensure_ascii=False).encode(),
-            "merges.txt": "".join(merges).encode(),
+            "merges.txt": ("#version: 0.2\n" + merges).encode(),
             "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
-def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
+def bpe_tokenizer_json(meta: dict, text) -> str:
+    """A trained BPE in Hugging Face tokenizers' format: its split pattern, then GPT-2's
+    byte-to-character step, its vocabulary and merges, its special tokens after them."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = from_meta(meta)
+    ranks = {token: i for i, token in enumerate(tok.tokens)}
+    hf = Tokenizer(models.BPE(vocab={text(t): i for t, i in ranks.items()},
+                              merges=[(text(a), text(b)) for a, b in merges_of(ranks)]))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tok.pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(tok.special)  # ids after the ranks, as ours
+    return hf.to_str()
+
+
+def write_hf_dir(model: GPT, out: Path, tokenizer: dict | None = None) -> list[str]:
     """A directory from_pretrained loads (config.json, model.safetensors, tokenizer files), staged
     and moved into place once complete, so a failure leaves `out` as it was."""
     out = Path(out)
@@ -315,9 +343,12 @@ def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
     checkpoint.check_out_dir(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_hf(model)
-    files = {"config.json": json.dumps(hf_config(model.config), indent=2).encode()}
-    if gpt2_tokenizer:
-        files.update(hf_tokenizer_files(model.config.block_size))
+    config = hf_config(model.config)
+    if tokenizer is not None and tokenizer.get("kind") == "bpe":  # its end of text
+        config["bos_token_id"] = config["eos_token_id"] = from_meta(tokenizer).eot_id
+    files = {"config.json": json.dumps(config, indent=2).encode()}
+    if tokenizer is not None and tokenizer.get("kind") in ("gpt2", "bpe"):
+        files.update(hf_tokenizer_files(model.config.block_size, tokenizer))
     needed = checkpoint.bytes_to_write(tensors, *files.values())
     staging = out if out.is_dir() else out.parent  # the same filesystem: renames work
     with checkpoint.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
@@ -336,8 +367,7 @@ def write_hf_dir(model: GPT, out: Path, gpt2_tokenizer: bool) -> list[str]:
 def export_hf(model: GPT, meta: dict, out: str | Path) -> tuple[Path, list[str]]:
     """One of our models, loaded with its meta (engine/sources.py: a LoRA run's merged) -> a HF
     GPT-2 directory and the files written there."""
-    gpt2_bpe = meta.get("tokenizer", {}).get("kind") == "gpt2"
-    return Path(out), write_hf_dir(model, Path(out), gpt2_bpe)
+    return Path(out), write_hf_dir(model, Path(out), meta.get("tokenizer"))
 
 
 @torch.no_grad()

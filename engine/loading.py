@@ -108,6 +108,12 @@ def check_tokenizer(ckpt: Path, data_meta: dict) -> None:
                               f"({len(theirs.get('chars', []))} vs {len(ours.get('chars', []))} "
                               "characters): token ids would mean different text; prepare the "
                               "data with the checkpoint's vocabulary or train from scratch")
+    if ours["kind"] == "bpe" and ours.get("sha256") != theirs.get("sha256"):
+        raise CheckpointError(f"{where} use different trained tokenizers ('{theirs.get('name')}' "
+                              f"sha256 {str(theirs.get('sha256'))[:12]} vs '{ours.get('name')}' "
+                              f"{str(ours.get('sha256'))[:12]}): token ids would mean different "
+                              "text; prepare the data with the checkpoint's tokenizer (--tokenizer "
+                              "FOLDER) or train from scratch")
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu",

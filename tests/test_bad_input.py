@@ -252,9 +252,9 @@ def test_outputs_follow_the_umask(umask, dir_mode, file_mode, tmp_path):
     try:
         ckpt = tiny_save(tmp_path / "run", 1)
         model, _, _ = loading.load_model(ckpt)
-        hf.write_hf_dir(model, tmp_path / "fresh_export", gpt2_tokenizer=False)
+        hf.write_hf_dir(model, tmp_path / "fresh_export", tokenizer=None)
         (tmp_path / "existing_export").mkdir()
-        hf.write_hf_dir(model, tmp_path / "existing_export", gpt2_tokenizer=False)
+        hf.write_hf_dir(model, tmp_path / "existing_export", tokenizer=None)
     finally:
         os.umask(old)
     for directory in (ckpt, tmp_path / "fresh_export", tmp_path / "existing_export"):

@@ -147,7 +147,7 @@ def test_each_activation_exports_to_and_imports_from_transformers(activation, tm
     torch.manual_seed(0)
     model = GPT(ModelConfig(block_size=16, vocab_size=70, n_layer=2, n_head=2, n_embd=16,
                             activation=activation)).eval()
-    gpt2.write_hf_dir(model, tmp_path, gpt2_tokenizer=False)
+    gpt2.write_hf_dir(model, tmp_path, tokenizer=None)
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert reloaded.config.activation_function == ACTIVATIONS[activation].hf_names[0]
     ids = ids_for(70, T=16)
@@ -263,7 +263,7 @@ def test_sources_hub_ids_and_errors(hf_dirs, monkeypatch, tmp_path):
 def test_export_round_trip_is_exact(hf_dirs, tmp_path):
     path, hf_model = hf_dirs["5heads"]
     model, _ = gpt2.load_hf(str(path), ModelConfig(vocab_pad_multiple=64))
-    files = gpt2.write_hf_dir(model, tmp_path / "export", gpt2_tokenizer=False)
+    files = gpt2.write_hf_dir(model, tmp_path / "export", tokenizer=None)
     assert files == ["config.json", "model.safetensors"]
     original = load_file(str(path / "model.safetensors"))
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
@@ -280,7 +280,7 @@ def test_export_of_a_model_without_biases(tmp_path):
     from model import GPT
     model = GPT(ModelConfig(block_size=16, vocab_size=70, n_layer=2, n_head=2, n_embd=16,
                             bias=False, vocab_pad_multiple=64)).eval()
-    gpt2.write_hf_dir(model, tmp_path, gpt2_tokenizer=False)
+    gpt2.write_hf_dir(model, tmp_path, tokenizer=None)
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = ids_for(70, T=16)
     with torch.no_grad():

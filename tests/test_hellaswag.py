@@ -157,7 +157,7 @@ def test_command_line_on_our_checkpoints(val_file, tmp_path, capsys):
     save_tiny(tmp_path / "charrun", {"kind": "char", "chars": list("abc")}, 3)
     code = hellaswag.main(["--model", str(tmp_path / "charrun"), "--data", str(val_file),
                            "--device", "cpu"])
-    assert code == 2 and "uses the 'char' tokenizer; HellaSwag is scored on GPT-2 BPE models" \
+    assert code == 2 and "uses the 'char' tokenizer; HellaSwag is scored on byte-level BPE models" \
         in capsys.readouterr().err
 
 

@@ -324,7 +324,7 @@ def test_config_refuses_what_cannot_work():
 def test_hf_export_refuses_what_gpt2_cannot_hold_in_one_line(flag, name, tmp_path):
     model = GPT(tiny_model_config(**flag))
     with pytest.raises(gpt2.GPT2WeightsError, match=f"cannot export .*{name}") as e:
-        gpt2.write_hf_dir(model, tmp_path / "hf", gpt2_tokenizer=False)
+        gpt2.write_hf_dir(model, tmp_path / "hf", tokenizer=None)
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
 
 
@@ -338,7 +338,7 @@ def test_an_activation_gpt2_has_no_name_for_is_refused_in_one_line(tmp_path, mon
                                                                   hf_names=()))
     model = GPT(tiny_model_config(activation="relu2"))
     with pytest.raises(gpt2.GPT2WeightsError, match="model.activation=relu2 has no place") as e:
-        gpt2.write_hf_dir(model, tmp_path / "hf", gpt2_tokenizer=False)
+        gpt2.write_hf_dir(model, tmp_path / "hf", tokenizer=None)
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
 
 
@@ -352,7 +352,7 @@ def test_untied_zero_init_relu2_model_exports_to_transformers_and_back(tmp_path)
         model.lm_head.weight.normal_()
         for block in model.transformer.h:
             block.mlp.c_proj.weight.normal_(std=0.02)
-    gpt2.write_hf_dir(model, tmp_path, gpt2_tokenizer=False)
+    gpt2.write_hf_dir(model, tmp_path, tokenizer=None)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = torch.randint(0, 37, (2, 16))

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from config import Config
-from data.dataset import check_vocab, is_instruction_file, load_or_prepare
+from data.dataset import check_vocab, is_instruction_file, load_or_prepare, token_bytes
 from data.loader import Batches
 from engine import checkpoint, device
 from engine.training import metrics, resume, speedups
@@ -46,6 +46,7 @@ class Run:
     peak_flops: float  # of every process together; 0 when unknown
     counters: resume.Counters = field(default_factory=resume.Counters)
     next_batch: tuple | None = None  # (x, y) of the first step; build_run fetches it
+    token_bytes: torch.Tensor | None = None  # each id's bytes: val bpb (not for instruction data)
     hellaswag: object | None = None  # engine/hellaswag.TrainingEval: train.hellaswag_interval
     log: metrics.RunLog | None = None  # build_run's; benchmarks write none
 
@@ -132,9 +133,10 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         notes.lines += pruning.hold_zeros(raw_model, optimizer)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
+    sizes = None if "instruction" in meta else torch.from_numpy(token_bytes(meta)).to(rt.device)
     return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
                eval_sets, source, notes,
-               device.peak_flops(rt, cfg.system.peak_flops) * dist.world_size)
+               device.peak_flops(rt, cfg.system.peak_flops) * dist.world_size, token_bytes=sizes)
 
 
 def build_run(cfg: Config, dist: Dist) -> Run:

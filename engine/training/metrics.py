@@ -17,7 +17,7 @@ from config import Config
 from engine.training.resume import Counters
 
 CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu",
-               "train", "val")
+               "train", "val", "val_bpb")
 ETA_WINDOW = 20  # progress marks the ETA is averaged over
 PLOT_EVERY_S = 60.0  # the loss curve is redrawn at most this often, and at the end
 
@@ -126,8 +126,9 @@ class RunLog:
         """Print and record an evaluation; redraw the loss curve at most every PLOT_EVERY_S
         (a redraw, and matplotlib's first above all, is time a short run does not train)."""
         val = losses["val"]
+        bpb = f" | val bpb {losses['val_bpb']:.4f}" if "val_bpb" in losses else ""
         print(f"eval {step:5d} | train {losses['train']:.4f} | val {val:.4f} | val ppl "
-              f"{math.exp(min(val, 700)):.2f}")
+              f"{math.exp(min(val, 700)):.2f}{bpb}")
         self.write(kind="eval", step=step, **losses)
         self.unplotted = True
         if time.perf_counter() - self.plotted >= PLOT_EVERY_S:

@@ -4,7 +4,7 @@
                     batch while the device works), unscale, clip, then the update unless the loss
                     or gradient norm is non-finite (the step is then skipped)
     NonFiniteGuard  counts the skipped steps on the device; the loop reads it at log intervals
-    evaluate        mean loss per split over fixed batches
+    evaluate        mean loss per split over fixed batches, and bits per byte
 """
 import contextlib
 import math
@@ -142,18 +142,23 @@ class NonFiniteGuard:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loaders: dict[str, Batches], eval_sets: dict[str, list],
-             rt: Runtime) -> dict[str, float]:
-    """Mean loss per split over fixed batches (the same ones at every evaluation)."""
+             rt: Runtime, token_bytes: torch.Tensor | None = None) -> dict[str, float]:
+    """Mean loss per split over fixed batches (the same ones at every evaluation); given each
+    id's bytes, also SPLIT_bpb: bits per byte = loss / ln 2 x tokens / bytes of the targets."""
     was_training = model.training
     model.eval()
     out = {}
     for split, starts_list in eval_sets.items():
-        losses = []
+        losses, n_bytes, n_tokens = [], 0, 0
         for starts in starts_list:
             x, y = loaders[split].windows(starts)
             with rt.autocast():
                 _, loss = model(x, y)
             losses.append(loss.item())
+            if token_bytes is not None:
+                n_bytes, n_tokens = n_bytes + token_bytes[y].sum(), n_tokens + y.numel()
         out[split] = sum(losses) / len(losses)
+        if token_bytes is not None:  # every batch the same size: the mean of means is the mean
+            out[f"{split}_bpb"] = out[split] / math.log(2) * n_tokens / max(int(n_bytes), 1)
     model.train(was_training)
     return out
