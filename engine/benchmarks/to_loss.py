@@ -72,6 +72,7 @@ EVAL_ITERS = 20  # batches per split at each evaluation, as nanoGPT's recipe
 RECIPE_SECONDS = 300  # a recipe short of the target by then is stopped
 EVAL = re.compile(r"^eval\s+(\d+) \| train [\d.]+ \| val ([\d.]+)"  # ours, then nanoGPT's
                   r"|^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
+BPB = re.compile(r"\| val bpb ([\d.]+)")  # ours; nanoGPT's char data is a byte a token: loss/ln 2
 STEP_MS = re.compile(r"^step\s+\d+ \| loss .* \| (\d+) ms \||^iter [1-9]\d*: loss [\d.]+, "
                      r"time ([\d.]+)ms")  # nanoGPT's iter 0 holds an evaluation: not a step
 
@@ -80,6 +81,9 @@ STEP_MS = re.compile(r"^step\s+\d+ \| loss .* \| (\d+) ms \||^iter [1-9]\d*: los
 class ToLossOptions:
     positional: ClassVar[str] = "target"
     target: float = opt(0.0, "the val loss to reach (also the first bare argument)")
+    metric: str = opt("loss", "what the target is in: val loss (nats per token), or bpb (val "
+                      "bits per byte, which compares runs whatever their tokenizer)",
+                      ("loss", "bpb"))
     recipes: str = opt("", "only these recipes, a comma list (default: all)")
     eval_every: int = opt(100, "steps between evaluations (the target is checked there)")
     nanogpt: str = opt("", "a nanoGPT checkout (data/shakespeare_char prepared): a row")
@@ -111,10 +115,10 @@ def check_nanogpt(folder: str) -> None:
 
 
 def follow(cwd: Path, args: list[str], target: float = 0.0, limit: float = math.inf,
-           threads: int = 0) -> dict:
+           threads: int = 0, metric: str = "loss") -> dict:
     """Run `python train.py ARGS` in cwd, reading its evaluations and step times as they are
     printed; stopped at the first evaluation at or below target, or after limit seconds. The
-    curve [[step, val, seconds], ...], the median step time, the last val."""
+    curve [[step, val, seconds], ...] (val in `metric`), the median step time, the last val."""
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], cwd=cwd, env=env,
@@ -124,6 +128,9 @@ def follow(cwd: Path, args: list[str], target: float = 0.0, limit: float = math.
         tail = (tail + [line.rstrip()])[-20:]
         if m := EVAL.match(line):
             step, val = (g for g in m.groups() if g is not None)
+            if metric == "bpb":
+                bpb = BPB.search(line)
+                val = float(bpb.group(1)) if bpb else float(val) / math.log(2)
             curve.append([int(step), float(val), time.perf_counter() - start])
             reached = curve[-1] if curve[-1][1] <= target else None
         elif m := STEP_MS.match(line):
@@ -161,7 +168,8 @@ def measure(name: str, cwd: Path, args: list[str], opts: ToLossOptions) -> dict:
         with tempfile.TemporaryDirectory() as out:  # its own checkpoints: nanoGPT's stay its own
             ours = [f"--out_dir={out}", "--save_checkpoints=false"] * (cwd == REPO_ROOT)
             print(f"to-loss: {name}: python train.py {' '.join(args)} ...", flush=True)
-            runs.append(follow(cwd, args + ours, opts.target, RECIPE_SECONDS))
+            runs.append(follow(cwd, args + ours, opts.target, RECIPE_SECONDS,
+                               metric=opts.metric))
     row = {"recipe": name, "args": args, **runs[0], "chain": "",
            "times": [r["reached"][2] for r in runs if r["reached"]]}
     if len(row["times"]) < len(runs):
@@ -226,15 +234,17 @@ def run(opts: ToLossOptions, command: str) -> int:
     if opts.nanogpt:
         check_nanogpt(opts.nanogpt)
     rows = run_chain(opts, chosen)
-    report = {"target": opts.target, "command": command, "rows": rows, "date": utc_now(),
-              "hardware": machine_line(torch.device("cpu"))}
-    text = page(report, [f"target: val loss <= {opts.target}, checked every {opts.eval_every} "
+    report = {"target": opts.target, "metric": opts.metric, "command": command, "rows": rows,
+              "date": utc_now(), "hardware": machine_line(torch.device("cpu"))}
+    unit = "val loss" if opts.metric == "loss" else "val bits per byte"
+    text = page(report, [f"target: {unit} <= {opts.target}, checked every {opts.eval_every} "
                          "steps; time from launch (start-up and evaluations included), the "
                          f"median of {opts.repeat} run(s); each + row adds its technique to "
                          "the best recipe so far, kept only when it reaches the target sooner "
                          f"by more than {100 * opts.keep_margin:.0f}% and twice the noise"],
                 ["recipe", "chain", "steps", "time to target", "vs nanoGPT", "vs reference",
-                 "best val"], [cells(r, rows) for r in rows],
+                 f"best {'val' if opts.metric == 'loss' else 'bpb'}"],
+                [cells(r, rows) for r in rows],
                 {r["recipe"]: r["args"] for r in rows})
     print("\n" + text)
     stem = f"to_loss_{opts.name}"
@@ -271,8 +281,10 @@ def plot(report: dict, path: Path) -> Path | None:
         ax.plot([t for _, _, t in r["curve"]], [v for _, v, _ in r["curve"]], marker=".",
                 label=r["recipe"], color=colors(i % 20), linestyle="-" if i < 20 else "--")
     ax.axhline(report["target"], color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel="wall-clock seconds from launch", ylabel="val loss", ylim=(None, 3.0))
-    ax.set_title(f"time to val {report['target']}\n{report['hardware']}", fontsize=9)
+    unit = "val bits per byte" if report.get("metric") == "bpb" else "val loss"
+    ax.set(xlabel="wall-clock seconds from launch", ylabel=unit,
+           ylim=(None, 3.0 / (math.log(2) if report.get("metric") == "bpb" else 1)))
+    ax.set_title(f"time to {unit} {report['target']}\n{report['hardware']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
