@@ -17,8 +17,7 @@ if TYPE_CHECKING:
     import torch  # imported where batches become tensors: the preparation workers never need it
 
 
-MIXTURE_STATE = ("the stored data position is for a mixture of datasets; resume with the "
-                 "--mixture the run started with")
+MIXTURE_STATE = "the stored data position is a mixture's; resume with the run's own --mixture"
 
 
 class Batches:
