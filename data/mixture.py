@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config import ConfigError
+from config import Config, ConfigError, DataConfig
 from data.dataset import DataError, is_instruction_file, load_or_prepare
 from data.loader import Batches
 
@@ -76,7 +76,7 @@ def check_sources(names: list[str], metas: list[dict]) -> None:
                             "dataset of a mixture with the same tokenizer")
 
 
-def mixture_meta(data) -> dict:
+def mixture_meta(data: DataConfig) -> dict:
     """data.mixture's datasets as one dataset meta (the first's vocab_size, tokenizer and dir)
     with meta["mixture"], what a checkpoint records, and meta["sources"], each one's meta."""
     if data.loader_workers:
@@ -95,7 +95,7 @@ def mixture_meta(data) -> dict:
             "sources": metas}
 
 
-def describe(meta: dict, cfg, world_size: int) -> list[str]:
+def describe(meta: dict, cfg: Config, world_size: int) -> list[str]:
     """The banner's lines: each source's weight, size and the epochs of it the run reads."""
     t = cfg.train
     tokens = t.batch_size * t.grad_accum_steps * world_size * cfg.model.block_size * t.max_iters

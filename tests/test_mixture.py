@@ -213,3 +213,13 @@ def test_training_on_a_mixture_resumes_exactly_and_records_it(datasets, tmp_path
     assert [(r["dataset"], r["weight"], r["train_tokens"], r["val_tokens"]) for r in record] == [
         (str(datasets[0]), 0.6, 4000, 600), (str(datasets[1]), 0.2, 3000, 600),
         (str(datasets[2]), 0.2, 2700, 700)]
+
+
+def test_a_toml_config_sets_the_mixture_as_the_same_string(tmp_path):
+    from config import load_config
+
+    path = tmp_path / "mix.toml"
+    path.write_text('[data]\nmixture = "fineweb_edu:3,data/mycode:1"\n')
+    cfg, _ = load_config(["--config", str(path)])
+    assert cfg.data.mixture == "fineweb_edu:3,data/mycode:1"
+    assert parse_mixture(cfg.data.mixture) == [("fineweb_edu", 0.75), ("data/mycode", 0.25)]
