@@ -35,6 +35,9 @@ class ConfigError(ValueError):
 class DataConfig:
     dataset: str = opt("shakespeare_char", "folder under data/ or a path: meta.json + tokens; "
                        "or a .json/.jsonl file of instruction examples (docs/finetuning.md)")
+    mixture: str = opt("", "several prepared datasets, each row's source drawn by weight: "
+                       "'NAME:WEIGHT,...' (e.g. 'fineweb_edu:3,data/mycode:1'); replaces "
+                       "dataset (data/mixture.py)")
     val_file: str = opt("", "instruction data: a .json/.jsonl file of validation examples; '' = "
                         "hold out val_fraction of the dataset's")
     val_fraction: float = opt(0.05, "instruction data: the share of examples held out for "

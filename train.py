@@ -71,7 +71,7 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
         info = {**extra, "losses": counters.losses, "eval_step": counters.eval_step,
                 "tokens_seen": counters.tokens_seen, "tokenizer": run.meta["tokenizer"],
                 "dataset": run.cfg.data.dataset,
-                **({"template": run.meta["template"]} if "template" in run.meta else {})}
+                **{key: run.meta[key] for key in ("template", "mixture") if key in run.meta}}
         checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, info, state,
                         t.keep_checkpoints, weights=weights)
 

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     import torch  # imported where batches become tensors: the preparation workers never need it
 
 
+MIXTURE_STATE = "the stored data position is a mixture's; resume with the run's own --mixture"
+
+
 class Batches:
     """Windows at uniformly random offsets of a single-file split, reproducible from the seed."""
 
@@ -72,16 +75,17 @@ class Batches:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.windows(self.draw())
 
-    def _starts(self, rng: np.random.Generator) -> np.ndarray:
+    def _starts(self, rng: np.random.Generator, rows: int | None = None) -> np.ndarray:
         # every rank draws the whole global micro-batch and keeps every world_size-th window:
         # one process with world_size times the batch reads the windows all of them do
         high = int(self.tokens.lengths[0]) - self.block_size
-        starts = rng.integers(0, high, size=self.batch_size * self.world_size)
-        return starts[self.rank::self.world_size]
+        rows = self.batch_size * self.world_size if rows is None else rows
+        return rng.integers(0, high, size=rows)[self.rank::self.world_size]
 
-    def draw(self) -> np.ndarray:
-        """The next batch's window starts (advances the position)."""
-        return self._starts(self.rng)
+    def draw(self, rows: int | None = None) -> np.ndarray:
+        """The next batch's window starts (advances the position); `rows` of them instead of a
+        batch's for a mixture (data/mixture.py)."""
+        return self._starts(self.rng, rows)
 
     def fixed(self, n_batches: int, seed: int) -> list[np.ndarray]:
         """Window starts of n_batches batches from their own seed: the same text every call."""
@@ -92,6 +96,8 @@ class Batches:
         return {"rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
+        if "mixture" in state:
+            raise DataError(MIXTURE_STATE)
         if "rng" not in state:
             raise DataError("the stored data position is for a sharded dataset but this dataset "
                             "is a single train.bin; resume with the dataset the run started on")

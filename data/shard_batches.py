@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.dataset import DataError
-from data.loader import Batches
+from data.loader import MIXTURE_STATE, Batches
 
 
 class ShardBatches(Batches):
@@ -48,8 +48,8 @@ class ShardBatches(Batches):
             self._order = (epoch, self._window_starts(shift, mine))
         return self._order[1]
 
-    def draw(self) -> np.ndarray:
-        B = self.batch_size
+    def draw(self, rows: int | None = None) -> np.ndarray:
+        B = self.batch_size if rows is None else rows
         if self.cursor + B > len(self._epoch_order(self.epoch)):  # less than a batch left
             self.epoch, self.cursor = self.epoch + 1, 0
         self.cursor += B
@@ -68,6 +68,8 @@ class ShardBatches(Batches):
         return {"epoch": self.epoch, "cursor": self.cursor, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if "mixture" in state:
+            raise DataError(MIXTURE_STATE)
         if "cursor" not in state:
             raise DataError("the stored data position is for a single train.bin dataset but this "
                             "dataset is sharded; resume with the dataset the run started on")

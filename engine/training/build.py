@@ -84,6 +84,8 @@ def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
         from data.shard_batches import ShardBatches as loader
     if "instruction" in meta:  # whole examples a row, the loss on their responses
         from data.instruct import InstructBatches as loader
+    if "mixture" in meta:  # rows from several datasets (data/mixture.py)
+        from data.mixture import MixtureBatches as loader
     split = {split: loader(meta, split, t.batch_size, cfg.model.block_size, cfg.system.seed,
                            rt.device, d.pin_memory, dist.rank, dist.world_size,
                            prefetch=d.prefetch and split == "train")
@@ -103,7 +105,11 @@ def build_training(cfg: Config, dist: Dist) -> Run:
     loaders; out_dir is neither read nor written."""
     rt, t = device.setup(cfg.system, device=dist.device), cfg.train
     with dist.main_first():  # rank 0 prepares the data and downloads GPT-2 first
-        if is_instruction_file(cfg.data.dataset):  # examples in the model's tokens
+        if cfg.data.mixture:  # several datasets, each row's drawn by weight
+            from data.mixture import mixture_meta
+
+            meta = mixture_meta(cfg.data)
+        elif is_instruction_file(cfg.data.dataset):  # examples in the model's tokens
             from engine.training.finetune import instruction_data
 
             meta = instruction_data(cfg)
@@ -125,6 +131,10 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         finetuning.append(head_at_counted_positions(raw_model))
     model, notes = speedups.apply(raw_model, cfg, rt, dist)
     notes.lines += finetuning
+    if "mixture" in meta:  # a line per dataset: weight, size, epochs of it read
+        from data.mixture import describe
+
+        notes.lines += describe(meta, cfg, dist.world_size)
     optimizer = make_optimizer(raw_model, cfg, rt.device)
     notes.fused_adamw = fused_note(optimizer, cfg)
     if getattr(raw_model, checkpoint.MASKS, None):  # a pruned model keeps its zeros
