@@ -159,7 +159,7 @@ class Tokens:
 
 
 def token_bytes(meta: dict) -> np.ndarray:
-    """The bytes of text each id stands for (special tokens: none): what bits per byte divides by."""
+    """The bytes of text each id stands for (special tokens: none): bits per byte divides by it."""
     tok = meta["tokenizer"]
     if tok["kind"] == "char":  # no tokenizer to build: its alphabet is right here
         return np.array([len(c.encode()) for c in tok["chars"]] + [0] * bool(tok.get("eot")))

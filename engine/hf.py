@@ -16,7 +16,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from config import Config, ModelConfig
-from data.tokenizer import GPT2_EOT, GPT2_RANKS, GPT2Tokenizer, from_meta, load_ranks
+from data.tokenizer import (GPT2_EOT, GPT2_RANKS, BPETokenizer, GPT2Tokenizer, from_meta,
+                            load_ranks)
 from engine import checkpoint, loading
 from engine.checkpoint import first_line
 from engine.fields import facts
@@ -236,10 +237,31 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
     return model, hf_dir
 
 
-def tokenizer_meta(vocab_size: int) -> dict:
-    """GPT-2's BPE when the vocabulary is GPT-2's."""
-    return {"kind": "gpt2"} if vocab_size == GPT2_VOCAB else {"kind": "unknown",
-                                                              "vocab_size": vocab_size}
+def tokenizer_meta(vocab_size: int, hf_dir: Path | None = None) -> dict:
+    """GPT-2's BPE when the vocabulary is GPT-2's; a BPE trained here when hf_dir's
+    tokenizer.json is one our export wrote; else unknown."""
+    if vocab_size == GPT2_VOCAB:
+        return {"kind": "gpt2"}
+    path = Path(hf_dir or "") / "tokenizer.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError, TypeError):
+        return bpe_from_tokenizer_json(json.loads(path.read_text()), vocab_size)
+    return {"kind": "unknown", "vocab_size": vocab_size}
+
+
+def bpe_from_tokenizer_json(hf: dict, vocab_size: int) -> dict:
+    """bpe_tokenizer_json's inverse: ranks by id (the 256 bytes first), the Split's pattern and
+    the added tokens after them; raises ValueError for a tokenizer.json of another shape."""
+    from data.train_tokenizer import byte_alphabet
+
+    byte_of = {char: b for b, char in byte_alphabet().items()}
+    vocab = sorted(hf["model"]["vocab"].items(), key=lambda item: item[1])
+    tokens = [bytes(byte_of[c] for c in text) for text, _ in vocab]
+    special = [t["content"] for t in sorted(hf["added_tokens"], key=lambda t: t["id"])]
+    if [i for _, i in vocab] != list(range(len(vocab))) or len(vocab) + len(special) != \
+            vocab_size or hf["model"]["type"] != "BPE":
+        raise ValueError("not a byte-level BPE numbered as ours")
+    pattern = hf["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+    return BPETokenizer(tokens, pattern, special, "imported").meta()
 
 
 def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
@@ -407,8 +429,8 @@ def import_checkpoint(model: GPT, source: str, hf_dir: Path, out: str | Path) ->
     cfg = Config()
     cfg.model, cfg.data.dataset = model.config, ""
     cfg.train.out_dir, cfg.train.init_from = str(out), source
-    meta = {"source": f"{source} ({hf_dir})", "tokenizer": tokenizer_meta(model.config.vocab_size),
-            "losses": {}, "tokens_seen": 0}
+    meta = {"source": f"{source} ({hf_dir})", "losses": {}, "tokens_seen": 0,
+            "tokenizer": tokenizer_meta(model.config.vocab_size, hf_dir)}
     return checkpoint.save(out, 0, model, cfg, meta, out_flag="--out")
 
 

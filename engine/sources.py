@@ -45,5 +45,5 @@ def load_source(source: str, cfg: config.Config, device: torch.device | str = "c
     used = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **(overrides or {})))
     model, hf_dir = hf.load_hf(source, used.model)
     label = source if Path(source) == hf_dir else f"{source} ({hf_dir})"
-    meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size), "source": str(hf_dir)}
+    meta = {"tokenizer": hf.tokenizer_meta(model.config.vocab_size, hf_dir), "source": str(hf_dir)}
     return model.to(device), used, meta, label

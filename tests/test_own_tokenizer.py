@@ -271,6 +271,9 @@ def test_hf_export_holds_the_trained_tokenizer(own_run, tmp_path):
     assert theirs.eos_token_id == ours.eot_id
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == ours.eot_id
+    assert load_gpt2_weights.main([str(out), "--out", str(tmp_path / "back")]) == 0  # import
+    back = checkpoint.read_meta(checkpoint.latest_checkpoint(tmp_path / "back"))["tokenizer"]
+    assert back["kind"] == "bpe" and back["sha256"] == ours.sha256  # the same tokenizer again
 
 
 def test_hellaswag_scores_a_model_with_its_own_tokenizer(own_run, tmp_path, capsys):

@@ -106,9 +106,10 @@ def build_training(cfg: Config, dist: Dist) -> Run:
     rt, t = device.setup(cfg.system, device=dist.device), cfg.train
     with dist.main_first():  # rank 0 prepares the data and downloads GPT-2 first
         if cfg.data.mixture:  # several datasets, each row's drawn by weight
-            from data.mixture import mixture_meta
+            from data.mixture import describe, mixture_meta
 
             meta = mixture_meta(cfg.data)
+            meta["notes"] = describe(meta, cfg, dist.world_size)
         elif is_instruction_file(cfg.data.dataset):  # examples in the model's tokens
             from engine.training.finetune import instruction_data
 
@@ -120,7 +121,7 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
-    finetuning = []  # the banner's lines for what finetuning changed in the model
+    finetuning = meta.pop("notes", [])  # the banner's lines: the mixture, finetuning
     if cfg.lora.rank or getattr(raw_model, "lora", None):  # adapters train, the rest is frozen
         from engine.lora import attach
 
@@ -131,10 +132,6 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         finetuning.append(head_at_counted_positions(raw_model))
     model, notes = speedups.apply(raw_model, cfg, rt, dist)
     notes.lines += finetuning
-    if "mixture" in meta:  # a line per dataset: weight, size, epochs of it read
-        from data.mixture import describe
-
-        notes.lines += describe(meta, cfg, dist.world_size)
     optimizer = make_optimizer(raw_model, cfg, rt.device)
     notes.fused_adamw = fused_note(optimizer, cfg)
     if getattr(raw_model, checkpoint.MASKS, None):  # a pruned model keeps its zeros
