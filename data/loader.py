@@ -17,9 +17,6 @@ if TYPE_CHECKING:
     import torch  # imported where batches become tensors: the preparation workers never need it
 
 
-MIXTURE_STATE = "the stored data position is a mixture's; resume with the run's own --mixture"
-
-
 class Batches:
     """Windows at uniformly random offsets of a single-file split, reproducible from the seed."""
 
@@ -96,10 +93,8 @@ class Batches:
         return {"rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        if "mixture" in state:
-            raise DataError(MIXTURE_STATE)
         if "rng" not in state:
-            raise DataError("the stored data position is for a sharded dataset but this dataset "
-                            "is a single train.bin; resume with the dataset the run started on")
+            raise DataError("the stored data position is a sharded dataset's or a mixture's but "
+                            "this dataset is a single train.bin; resume with the run's own data")
         self.rng.bit_generator.state = state["rng"]
 

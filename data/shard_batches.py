@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.dataset import DataError
-from data.loader import MIXTURE_STATE, Batches
+from data.loader import Batches
 
 
 class ShardBatches(Batches):
@@ -68,11 +68,9 @@ class ShardBatches(Batches):
         return {"epoch": self.epoch, "cursor": self.cursor, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        if "mixture" in state:
-            raise DataError(MIXTURE_STATE)
         if "cursor" not in state:
-            raise DataError("the stored data position is for a single train.bin dataset but this "
-                            "dataset is sharded; resume with the dataset the run started on")
+            raise DataError("the stored data position is a single train.bin's or a mixture's but "
+                            "this dataset is sharded; resume with the run's own data")
         # windows read so far by all ranks, shared out again if the world size changed
         seen = int(state["cursor"]) * int(state.get("world_size", 1))
         self.epoch, self.cursor = int(state["epoch"]), seen // self.world_size
