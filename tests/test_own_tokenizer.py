@@ -316,3 +316,16 @@ def test_to_loss_can_take_a_bits_per_byte_target(tmp_path):
                                                                                    abs=1e-5)]]
     assert run["reached"][0] == 20 and run["status"] == "ok"
     assert follow(tmp_path, [], target=1.0)["reached"][:2] == [20, 0.6931]  # --metric loss
+
+
+def test_extra_special_tokens_follow_endoftext(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text(SHAKESPEARE[:50_000])
+    tok, _ = tt.train([src], 400, ["<|user|>", "<|endoftext|>", "<|assistant|>"], "gpt2",
+                      progress=False)
+    assert tok.special == ["<|endoftext|>", "<|user|>", "<|assistant|>"]
+    assert tok.vocab_size == 400 and len(tok.tokens) == 397 and tok.eot_id == 397
+    assert tok.encode("<|user|>hi<|assistant|>") == [398, *tok.encode_ordinary("hi"), 399]
+    assert tok.pattern == tt.PATTERNS["gpt2"] and 398 not in tok.encode_ordinary("<|user|>")
+    sizes = token_bytes({"tokenizer": tok.meta()})
+    assert sizes[397:].tolist() == [0, 0, 0] and sizes[:256].tolist() == [1] * 256

@@ -202,4 +202,7 @@ def build_model(cfg: Config, meta: dict, target: torch.device) -> tuple[GPT, Pat
         return load_for_training(cfg, meta, target)
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     check_vocab(meta, cfg.model.vocab_size)
+    if meta["vocab_size"] < cfg.model.vocab_size:  # a config sized for another tokenizer
+        print(f"note: the model has {cfg.model.vocab_size:,} token ids, the data "
+              f"{meta['vocab_size']:,}: the rest never occur; --vocab_size=0 takes the data's")
     return GPT(cfg.model).to(target), None
