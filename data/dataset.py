@@ -163,9 +163,12 @@ def token_bytes(meta: dict) -> np.ndarray:
     tok = meta["tokenizer"]
     if tok["kind"] == "char":  # no tokenizer to build: its alphabet is right here
         return np.array([len(c.encode()) for c in tok["chars"]] + [0] * bool(tok.get("eot")))
-    from data.tokenizer import from_meta, token_bytes
+    from data.tokenizer import from_meta
 
-    return np.array(token_bytes(from_meta(tok)))
+    enc = from_meta(tok).enc  # GPT-2's BPE or a trained one: tiktoken's
+    special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    return np.array([0 if i in special else len(enc.decode_single_token_bytes(i))
+                     for i in range(enc.n_vocab)])
 
 
 def check_vocab(meta: dict, model_vocab: int, tokenizer_kind: str | None = None) -> None:

@@ -165,17 +165,6 @@ class BPETokenizer(GPT2Tokenizer):
 Tokenizer = CharTokenizer | GPT2Tokenizer | BPETokenizer
 
 
-def token_bytes(tokenizer: Tokenizer) -> list[int]:
-    """The bytes of text each id stands for; special tokens stand for none."""
-    if isinstance(tokenizer, CharTokenizer):
-        return [len(c.encode()) for c in tokenizer.chars] + [0] * (tokenizer.vocab_size
-                                                                  - len(tokenizer.chars))
-    enc = tokenizer.enc
-    special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
-    return [0 if i in special else len(enc.decode_single_token_bytes(i))
-            for i in range(tokenizer.vocab_size)]
-
-
 def from_meta(meta: dict) -> Tokenizer:
     """Build the tokenizer a dataset (or checkpoint) was made with from its metadata."""
     kind = meta.get("kind")
