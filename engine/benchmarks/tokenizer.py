@@ -174,7 +174,8 @@ def agreement(a: list[bytes], b: list[bytes], first: int = 1000) -> dict:
     merged_a, merged_b = a[256:], b[256:]
     return {"merged_a": len(merged_a), "merged_b": len(merged_b),
             "shared": len(set(merged_a) & set(merged_b)), "first": first,
-            "shared_first": len(set(merged_a[:first]) & set(merged_b[:first]))}
+            "shared_first": len(set(merged_a[:first]) & set(merged_b[:first])),
+            "same_ranks": a == b}
 
 
 # groff, simply: requests dropped, the text-bearing macros' arguments kept, escapes resolved
@@ -366,11 +367,12 @@ def machine() -> dict:
         except metadata.PackageNotFoundError:
             versions[package] = "not installed"
     return {"cpu": cpu_model(), "model": info.get("model", "?"), "cpus": os.cpu_count(),
-            "avx512": flags, "python": sys.version.split()[0], "versions": versions}
+            "avx512": flags, "python": sys.version.split()[0], "versions": versions,
+            "load_average": round(os.getloadavg()[0], 2)}
 
 
 def run(o: TokenizerBenchOptions, command: str) -> int:
-    work = Path(o.work)
+    work, load_at_start = Path(o.work), round(os.getloadavg()[0], 2)
     corpus_dir = work / (f"corpus_{o.mb:g}mb" if not o.corpus else f"corpus_own_{o.mb:g}mb")
     corpus = build_corpus(o.corpus, o.mb, corpus_dir)
     print(f"corpus: {corpus['bytes']['train'] / MIB:.1f} MiB to train on, "
@@ -383,7 +385,8 @@ def run(o: TokenizerBenchOptions, command: str) -> int:
         ratios = compression(kinds, {"gpt2": gpt2, "corpus_rustbpe": trained["rustbpe"],
                                      "corpus_hf": trained["hf"]}, o, Path(tmp))
         speeds = encode_speeds(kinds, trained["rustbpe"], gpt2, o)
-    report = {"command": command, "machine": machine(), "corpus": corpus, "training": runs,
+    report = {"command": command, "machine": {**machine(), "load_at_start": load_at_start},
+              "corpus": corpus, "training": runs,
               "agreement": agreement(trained["rustbpe"].tokens, trained["hf"].tokens),
               "bytes_per_token": ratios, "encode_mib_per_s": speeds,
               "peak_rss_this_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -14,7 +14,8 @@ def machine_line(m: dict) -> str:
     avx512 = f"AVX-512 ({', '.join(m['avx512'])})" if m["avx512"] else "no AVX-512"
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     return (f"CPU {m['cpu']} model {m['model']}, {avx512}, {m['cpus']} CPUs (shared with other "
-            f"jobs while this ran); Python {m['python']}, {versions}")
+            f"jobs: 1-minute load average {m['load_at_start']} at the start, "
+            f"{m['load_average']} at the end); Python {m['python']}, {versions}")
 
 
 def training_section(r: dict, o) -> list[str]:
@@ -44,7 +45,9 @@ def training_section(r: dict, o) -> list[str]:
         f"fast as HF tokenizers' BPE trainer, side by side) is {verdict}.", "",
         f"Agreement: of {a['merged_a']:,} merged tokens (rustbpe) and {a['merged_b']:,} (HF), "
         f"{a['shared']:,} are in both ({a['shared'] / max(a['merged_a'], 1):.1%}); among each "
-        f"one's first {a['first']:,} merges, {a['shared_first']:,}.", ""]
+        f"one's first {a['first']:,} merges, {a['shared_first']:,}"
+        + ("; the two rank lists are identical, order included." if a["same_ranks"] else
+           "; the rank lists differ in order or content."), ""]
 
 
 def compression_section(r: dict, o) -> list[str]:
@@ -101,8 +104,22 @@ def encoding_section(r: dict, o) -> list[str]:
                         "trained / GPT-2"], rows), ""]
 
 
+def caveats(o) -> list[str]:
+    return [
+        "## Read with it", "",
+        "- Translated man pages keep English option names, commands and some untranslated "
+        "paragraphs (the non-ASCII column), and pages share boilerplate (translation credits, "
+        "licences): a tokenizer trained on the other pages is in-domain, so its figure flatters "
+        "it beside GPT-2's, a general tokenizer's.",
+        f"- The trained tokenizers split text with the {o.pattern} pattern, GPT-2 with its own: "
+        "encoding speed differs with the pattern, the vocabulary and the text.",
+        "- The CPUs were shared with other jobs (the load averages above): compare the ratios "
+        "of runs taken in turns, not the absolute MiB/s.", ""]
+
+
 def page(r: dict, o) -> str:
     lines = [f"# Tokenizer: training, bytes per token, encoding ({utc_now()})", "",
              machine_line(r["machine"]), "", f"`{r['command']}`", "",
-             *training_section(r, o), *compression_section(r, o), *encoding_section(r, o)]
+             *training_section(r, o), *compression_section(r, o), *encoding_section(r, o),
+             *caveats(o)]
     return "\n".join(lines)
