@@ -11,6 +11,7 @@ a command's options. Results go to bench_results/ (--results).
     python bench.py vs-nanogpt ../nanoGPT --rounds 3          # whole runs beside nanoGPT's
     python bench.py finetune-task                             # instruction finetuning: full, LoRA
     python bench.py finetune-step                             # its step at GPT-2 124M vs peft
+    python bench.py tokenizer                                 # BPE: rustbpe vs HF; bytes/token
 
 ablation and memory take the config as train.py does (configs/bench_gpu.toml on CUDA, else
 bench_cpu, unless --config is given); the others take only their own options.
@@ -25,7 +26,7 @@ from typing import Callable, NamedTuple
 from config import Config, ConfigError, load_config, load_options, parse_command_line
 from data.loader import DataError
 from engine import checkpoint
-from engine.benchmarks import ablation, decode, finetune, memory, serving, to_loss
+from engine.benchmarks import ablation, decode, finetune, memory, serving, to_loss, tokenizer
 from engine.device import SetupError, resolve_device
 
 
@@ -47,6 +48,7 @@ COMMANDS = {
     "vs-nanogpt": Command(to_loss.VsNanoGPTOptions, to_loss.vs_nanogpt, to_loss.__doc__),
     "finetune-task": Command(finetune.TaskOptions, finetune.run_task, finetune.__doc__),
     "finetune-step": Command(finetune.StepOptions, finetune.run_step, finetune.__doc__),
+    "tokenizer": Command(tokenizer.TokenizerBenchOptions, tokenizer.run, tokenizer.__doc__),
 }
 
 
