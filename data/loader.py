@@ -92,6 +92,9 @@ class Batches:
         return {"rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
+        if "doc_buffer" in state:  # data/doc_batches.py's
+            raise DataError("the stored data position is for data.doc_aligned batches; resume "
+                            "with --doc_aligned=true as the run started")
         if "rng" not in state:
             raise DataError("the stored data position is for a sharded dataset but this dataset "
                             "is a single train.bin; resume with the dataset the run started on")
