@@ -51,6 +51,8 @@ class DataConfig:
     loss_on: str = opt("responses", "instruction data: the tokens the loss counts: the "
                        "responses (the assistant's turns and their end), or every token (all)",
                        ("responses", "all"))
+    doc_aligned: bool = opt(False, "training rows start at a document start and hold whole "
+                            "documents, packed best-fit (data/doc_batches.py); val keeps windows")
     pin_memory: bool = opt(False, "pinned host batches, copied with non_blocking=True (CUDA)")
     prefetch: bool = opt(False, "copy the next batch on a side CUDA stream (implies pin_memory)")
     loader_workers: int = opt(0, "processes reading batches into shared memory; 0 = in-process",

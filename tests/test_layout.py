@@ -25,7 +25,7 @@ NOT_FOR_TRAINING = ("engine.inference", "engine.serving", "engine.benchmarks", "
                     "engine.training.init_from", "data.loader_workers", "data.shard_batches",
                     "engine.training.finetune", "engine.vocab", "data.instruct",
                     "data.chat_template", "data.instruct_tasks", "engine.lora",
-                    "engine.merge_lora", "data.mixture")
+                    "engine.merge_lora", "data.mixture", "data.doc_batches")
 NOT_FOR_GENERATION = ("engine.training", "engine.serving", "engine.benchmarks", "engine.hf",
                       "engine.hellaswag", "engine.pruning", "engine.compiling",
                       "engine.inference.packed", "engine.inference.cpu_kernels",

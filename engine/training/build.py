@@ -86,10 +86,15 @@ def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
         from data.instruct import InstructBatches as loader
     if "mixture" in meta:  # rows from several datasets (data/mixture.py)
         from data.mixture import MixtureBatches as loader
-    split = {split: loader(meta, split, t.batch_size, cfg.model.block_size, cfg.system.seed,
-                           rt.device, d.pin_memory, dist.rank, dist.world_size,
-                           prefetch=d.prefetch and split == "train")
-             for split in ("train", "val")}
+    kinds = {"train": loader, "val": loader}
+    if d.doc_aligned:  # training rows of whole documents; val keeps the usual windows
+        from data.doc_batches import doc_loader
+
+        kinds["train"] = doc_loader(meta, d.loader_workers)
+    split = {split: kind(meta, split, t.batch_size, cfg.model.block_size, cfg.system.seed,
+                         rt.device, d.pin_memory, dist.rank, dist.world_size,
+                         prefetch=d.prefetch and split == "train")
+             for split, kind in kinds.items()}
     eval_sets = {name: b.fixed(t.eval_iters, seed=cfg.system.seed + 1 + i)
                  for i, (name, b) in enumerate(split.items())}
     batches = split["train"]
@@ -140,6 +145,7 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         notes.lines += pruning.hold_zeros(raw_model, optimizer)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     batches, loaders, eval_sets = make_loaders(cfg, meta, rt, dist)
+    notes.lines += [batches.note] if cfg.data.doc_aligned else []
     sizes = None if "instruction" in meta else torch.from_numpy(token_bytes(meta)).to(rt.device)
     return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
                eval_sets, source, notes,
