@@ -93,11 +93,8 @@ class Batches:
         return {"rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        if "doc_buffer" in state:  # data/doc_batches.py's
-            raise DataError("the stored data position is for data.doc_aligned batches; resume "
-                            "with --doc_aligned=true as the run started")
         if "rng" not in state:
-            raise DataError("the stored data position is a sharded dataset's or a mixture's but "
-                            "this dataset is a single train.bin; resume with the run's own data")
+            raise DataError("the stored data position is a sharded dataset's, a mixture's or "
+                            "--doc_aligned's, not windows of a train.bin; resume as the run began")
         self.rng.bit_generator.state = state["rng"]
 

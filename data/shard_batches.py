@@ -68,12 +68,9 @@ class ShardBatches(Batches):
         return {"epoch": self.epoch, "cursor": self.cursor, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        if "doc_buffer" in state:  # data/doc_batches.py's
-            raise DataError("the stored data position is for data.doc_aligned batches; resume "
-                            "with --doc_aligned=true as the run started")
         if "cursor" not in state:
-            raise DataError("the stored data position is a single train.bin's or a mixture's but "
-                            "this dataset is sharded; resume with the run's own data")
+            raise DataError("the stored data position is a train.bin's, a mixture's or "
+                            "--doc_aligned's, not windows of shards; resume as the run began")
         # windows read so far by all ranks, shared out again if the world size changed
         seen = int(state["cursor"]) * int(state.get("world_size", 1))
         self.epoch, self.cursor = int(state["epoch"]), seen // self.world_size

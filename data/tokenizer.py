@@ -84,23 +84,27 @@ class GPT2Tokenizer:
     kind = "gpt2"
 
     def __init__(self, ranks_path: Path = GPT2_RANKS):
+        self.use(load_ranks(Path(ranks_path)), GPT2_PATTERN, [EOT_TEXT], "gpt2_offline")
+
+    def use(self, ranks: dict[bytes, int], pattern: str, special: list[str], name: str) -> None:
+        """tiktoken's Encoding of these ranks, its special tokens numbered after them."""
         import tiktoken
 
-        self.enc = tiktoken.Encoding(name="gpt2_offline", pat_str=GPT2_PATTERN,
-                                     mergeable_ranks=load_ranks(Path(ranks_path)),
-                                     special_tokens={"<|endoftext|>": GPT2_EOT})
-        self.vocab_size = self.enc.n_vocab  # 50257
-        self.eot_id = self.start_id = GPT2_EOT
+        self.special_ids = {s: len(ranks) + i for i, s in enumerate(special)}  # GPT-2's: 50256
+        self.enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks,
+                                     special_tokens=self.special_ids)
+        self.vocab_size, self.eot_id = self.enc.n_vocab, self.special_ids[EOT_TEXT]
+        self.start_id = self.eot_id
         # tiktoken's own encode_ordinary(text), decode(ids) -> str, decode_bytes(ids) -> bytes
         self.encode_ordinary, self.decode = self.enc.encode_ordinary, self.enc.decode
         self.decode_bytes = self.enc.decode_bytes
 
     def encode(self, text: str) -> list[int]:
-        """The ids of `text`; a literal <|endoftext|> becomes the special token."""
-        return self.enc.encode(text, allowed_special={"<|endoftext|>"})
+        """The ids of `text`; a special token's literal text (<|endoftext|>) becomes the token."""
+        return self.enc.encode(text, allowed_special="all")
 
     def with_eot(self) -> "GPT2Tokenizer":
-        return self  # <|endoftext|> is GPT-2's own
+        return self  # <|endoftext|> is one of its special tokens
 
     def meta(self) -> dict:
         return {"kind": self.kind}
@@ -119,27 +123,14 @@ class BPETokenizer(GPT2Tokenizer):
     kind = "bpe"
 
     def __init__(self, tokens: list[bytes], pattern: str, special: list[str], name: str = ""):
-        import tiktoken
-
         if tokens[:256] != [bytes([b]) for b in range(256)]:
             raise TokenizerError("a byte-level BPE's first 256 ranks must be the single bytes")
         self.special = [EOT_TEXT] + [s for s in special if s != EOT_TEXT]
         self.tokens, self.pattern, self.name = tokens, pattern, name
-        self.special_ids = {s: len(tokens) + i for i, s in enumerate(self.special)}
-        self.enc = tiktoken.Encoding(name=f"bpe_{name}", pat_str=pattern, special_tokens=
-                                     self.special_ids, mergeable_ranks={t: i for i, t in
-                                                                        enumerate(tokens)})
-        self.vocab_size, self.eot_id = self.enc.n_vocab, self.special_ids[EOT_TEXT]
-        self.start_id = self.eot_id
-        self.encode_ordinary, self.decode = self.enc.encode_ordinary, self.enc.decode
-        self.decode_bytes = self.enc.decode_bytes
+        self.use({t: i for i, t in enumerate(tokens)}, pattern, self.special, f"bpe_{name}")
         digest = hashlib.sha256(ranks_text(tokens).encode())
         digest.update(json.dumps({"pattern": pattern, "special": self.special}).encode())
         self.sha256 = digest.hexdigest()
-
-    def encode(self, text: str) -> list[int]:
-        """The ids of `text`; a special token's literal text becomes that token."""
-        return self.enc.encode(text, allowed_special="all")
 
     def meta(self) -> dict:
         return {"kind": self.kind, "name": self.name, "sha256": self.sha256,

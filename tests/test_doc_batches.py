@@ -152,8 +152,8 @@ def test_what_it_cannot_read_is_refused_in_one_line(tmp_path):
     docs, windows = DocBatches(meta, "train", 2, 8, seed=0), Batches(meta, "train", 2, 8, seed=0)
     sharded = ShardBatches(random_dataset(tmp_path / "three", 3)[0], "train", 2, 8, seed=0)
     for loader in (windows, sharded):
-        with pytest.raises(DataError, match="position is for data.doc_aligned batches; resume "
-                                            "with --doc_aligned=true"):
+        with pytest.raises(DataError, match="a mixture's or --doc_aligned's, not windows of .*; "
+                                            "resume as the run began"):
             loader.load_state_dict(docs.state_dict())
         with pytest.raises(DataError, match="not for document-aligned batches; resume with the "
                                             "data.doc_aligned the run started with"):

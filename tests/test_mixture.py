@@ -181,8 +181,8 @@ def test_a_position_from_another_mixture_or_dataset_is_refused(datasets):
                                         r"a mixture; resume with the --dataset the run started"):
         mixed.load_state_dict(single.state_dict())
     for plain in (single, loader(datasets, [1, 1, 1]).sources[2]):  # single-file, sharded
-        with pytest.raises(DataError, match=r"the stored data position is a .* or a mixture's "
-                                            r"but this dataset is .*; resume with the run's own"):
+        with pytest.raises(DataError, match=r"the stored data position is .*, a mixture's or "
+                                            r"--doc_aligned's, not windows of .*; resume as the"):
             plain.load_state_dict(mixed.state_dict())
 
 

@@ -309,9 +309,9 @@ def test_shard_batches_errors(tmp_path, char_dataset):
     assert type(single) is Batches
     with pytest.raises(DataError, match="is sharded: read it with ShardBatches"):
         Batches(meta, "train", 2, 8, seed=0)
-    with pytest.raises(DataError, match="position is a single train.bin's or a mixture's"):
+    with pytest.raises(DataError, match="position is a train.bin's, a mixture's or --doc_aligned's, not windows of shards"):
         sharded.load_state_dict(single.state_dict())
-    with pytest.raises(DataError, match="position is a sharded dataset's or a mixture's"):
+    with pytest.raises(DataError, match="position is a sharded dataset's, a mixture's or --doc_aligned's, not windows of"):
         single.load_state_dict(sharded.state_dict())
     (tmp_path / "s" / "train_000000.bin").write_bytes(b"\0" * 10)
     with pytest.raises(DataError, match=r"train_000000.bin is 10 bytes, not 200; the folder was "
