@@ -12,6 +12,7 @@ a command's options. Results go to bench_results/ (--results).
     python bench.py finetune-task                             # instruction finetuning: full, LoRA
     python bench.py finetune-step                             # its step at GPT-2 124M vs peft
     python bench.py tokenizer                                 # BPE: rustbpe vs HF; bytes/token
+    python bench.py doc-aligned                               # rows at documents vs windows
 
 ablation and memory take the config as train.py does (configs/bench_gpu.toml on CUDA, else
 bench_cpu, unless --config is given); the others take only their own options.
@@ -26,7 +27,8 @@ from typing import Callable, NamedTuple
 from config import Config, ConfigError, load_config, load_options, parse_command_line
 from data.loader import DataError
 from engine import checkpoint
-from engine.benchmarks import ablation, decode, finetune, memory, serving, to_loss, tokenizer
+from engine.benchmarks import (ablation, decode, doc_aligned, finetune, memory, serving, to_loss,
+                               tokenizer)
 from engine.device import SetupError, resolve_device
 
 
@@ -49,6 +51,7 @@ COMMANDS = {
     "finetune-task": Command(finetune.TaskOptions, finetune.run_task, finetune.__doc__),
     "finetune-step": Command(finetune.StepOptions, finetune.run_step, finetune.__doc__),
     "tokenizer": Command(tokenizer.TokenizerBenchOptions, tokenizer.run, tokenizer.__doc__),
+    "doc-aligned": Command(doc_aligned.DocAlignedOptions, doc_aligned.run, doc_aligned.__doc__),
 }
 
 

@@ -329,3 +329,23 @@ def test_extra_special_tokens_follow_endoftext(tmp_path):
     assert tok.pattern == tt.PATTERNS["gpt2"] and 398 not in tok.encode_ordinary("<|user|>")
     sizes = token_bytes({"tokenizer": tok.meta()})
     assert sizes[397:].tolist() == [0, 0, 0] and sizes[:256].tolist() == [1] * 256
+
+
+def test_single_file_preparation_takes_the_tokenizer(english, tmp_path, capsys):
+    from data.shakespeare import prepare as single
+
+    book = tmp_path / "book.txt"
+    book.write_text("Ελληνικά και English. " * 200, encoding="utf-8")
+    assert single.main(["--source", str(book), "--tokenizer", str(english),
+                        "--out_dir", str(tmp_path / "book")]) == 0
+    meta = json.loads((tmp_path / "book" / "meta.json").read_text())
+    assert meta["tokenizer"]["sha256"] == tt.load_tokenizer(english).sha256
+    ids = np.fromfile(tmp_path / "book" / "train.bin", dtype=np.uint16).tolist()
+    assert from_meta(meta["tokenizer"]).decode(ids) == book.read_text()[:len(book.read_text())
+                                                                         * 9 // 10]
+    assert single.main(["--source", str(tmp_path / "nope.txt")]) == 2
+    assert "nope.txt: no such file" in capsys.readouterr().err
+    (tmp_path / "blank.txt").write_text("  \n")
+    assert single.main(["--source", str(tmp_path / "blank.txt"), "--out_dir",
+                        str(tmp_path / "blank")]) == 2
+    assert "has no text to tokenize" in capsys.readouterr().err
