@@ -3,6 +3,7 @@ packed best-fit, are exactly T+1 tokens, split across ranks as one stream, resum
 a training run with the flag resumes exactly; what it cannot read is refused in one line."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +170,24 @@ def test_a_doc_aligned_training_run_resumes_exactly(tmp_path, capsys):
     assert "note: data.doc_aligned: train rows of 17 tokens packed best-fit" in out
     state = torch.load(checkpoint.latest_checkpoint(whole) / "train_state.pt", weights_only=True)
     assert "doc_buffer" in state["data"]  # the training rows were packed documents
+
+
+def test_bench_doc_aligned_trains_both_ways_and_scores_both_kinds_of_rows(tmp_path):
+    """bench.py doc-aligned end to end at toy size: speeches in a BPE trained on them, a pair
+    of runs, each model scored on windows and on document rows."""
+    import bench
+
+    assert bench.main(["doc-aligned", "--seeds", "3", "--max-iters", "2", "--block-size", "32",
+                       "--batch-size", "2", "--eval-batches", "2", "--work", str(tmp_path / "w"),
+                       "--results", str(tmp_path), "--name", "t"]) == 0
+    report = json.loads((tmp_path / "doc_aligned_t.json").read_text())
+    windows, docs = report["runs"]
+    assert (windows["rows"], docs["rows"]) == ("windows", "documents")
+    assert docs["note"].startswith("note: data.doc_aligned: train rows of 33 tokens") and \
+        not windows["note"]
+    for run in (windows, docs):
+        assert 0 < run["bpb_windows"] < 20 and 0 < run["bpb_documents"] < 20
+        assert run["val_windows"] != run["val_documents"]  # different rows
+    meta = json.loads((tmp_path / "w" / "speeches" / "meta.json").read_text())
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["vocab_size"] == 2048
+    assert "| **documents, median** |" in (tmp_path / "doc_aligned_t.md").read_text()
