@@ -49,8 +49,12 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
 
 
 def tokenizer_id(meta: dict) -> dict:
-    """The tokenizer as meta.json records it, less where it was read from."""
-    return {k: v for k, v in meta["tokenizer"].items() if k not in PATH_KEYS}
+    """The tokenizer as meta.json records it, less where it was read from; a trained BPE by its
+    sha256 (its name is only a label)."""
+    tok = meta["tokenizer"]
+    if tok.get("kind") == "bpe":
+        return {"kind": "bpe", "sha256": tok.get("sha256")}
+    return {k: v for k, v in tok.items() if k not in PATH_KEYS}
 
 
 def check_sources(names: list[str], metas: list[dict]) -> None:
