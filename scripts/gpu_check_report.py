@@ -45,6 +45,9 @@ OPTIONAL = {
     "accelerate": "not used by this check (multi-GPU launch)",
     "datasets": "not used by this check (data/shards.py needs it)",
     "wandb": "not used by this check (train.py's Weights & Biases logging needs it)",
+    **{name: "serve.py's test modules are left out of the tests part (tests/conftest.py); "
+             "serve.py needs fastapi, pydantic, starlette and uvicorn, its tests the openai "
+             "client" for name in ("openai", "fastapi", "pydantic", "uvicorn", "starlette")},
 }
 # the ones this check imports, so a broken install counts as missing (the rest: looked up only)
 USED = {"torch", "numpy", "safetensors", "tiktoken", "pytest", "torchao", "transformers",

@@ -316,6 +316,30 @@ def test_auto_micro_batch_off_cuda_says_what_it_kept():
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 3)
 
 
+def test_batch_search_counts_a_library_allocation_failure_as_not_fitting(monkeypatch):
+    """The trial step's device half, on a CPU: cuBLAS failing to allocate its workspace (a plain
+    RuntimeError) means "does not fit", as OutOfMemoryError does; any other error propagates."""
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 100)
+    model, rt = GPT(tiny_model_config()), cpu_runtime()
+    errors = {4: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                              "`cublasCreate(handle)`"),
+              8: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+              16: RuntimeError("CUDA error: an illegal memory access was encountered")}
+
+    def trial(model, rt, micro_batch):
+        if micro_batch in errors:
+            raise errors[micro_batch]
+
+    monkeypatch.setattr(auto_batch, "_trial_step", trial)
+    assert auto_batch._fits(model, rt, 2, budget=1000)
+    assert not auto_batch._fits(model, rt, 4, budget=1000)  # cuBLAS could not allocate
+    assert not auto_batch._fits(model, rt, 8, budget=1000)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        auto_batch._fits(model, rt, 16, budget=1000)  # a real error is not "too big"
+
+
 @pytest.mark.cuda
 def test_auto_micro_batch_finds_the_largest_size_that_fits(monkeypatch):
     """train.batch_size_auto on CUDA: with room for all of it, the whole global batch in one

@@ -16,6 +16,15 @@ from model import GPT
 
 # share of free CUDA memory a trial step may reserve: room for fragmentation, eval, autotuning
 MEMORY_HEADROOM = 0.90
+# what CUDA's libraries say when they cannot allocate their own workspace: torch raises these
+# as a plain RuntimeError, not OutOfMemoryError, but for the search they mean "does not fit"
+ALLOCATION_FAILED = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                     "CUBLAS_STATUS_NOT_INITIALIZED", "out of memory")
+
+
+def allocation_failed(error: RuntimeError) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or any(
+        text in str(error) for text in ALLOCATION_FAILED)
 
 
 def split_global_batch(global_batch: int, fits: Callable[[int], bool]) -> tuple[int, int] | None:
@@ -46,7 +55,9 @@ def _fits(model: GPT, rt: Runtime, micro_batch: int, budget: int) -> bool:
     try:
         _trial_step(model, rt, micro_batch)  # its tensors are freed when it returns or raises
         fits = torch.cuda.max_memory_reserved(rt.device) <= budget
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as e:  # OutOfMemoryError, or a library that could not allocate
+        if not allocation_failed(e):
+            raise
         fits = False
     model.zero_grad(set_to_none=True)
     gc.collect()
