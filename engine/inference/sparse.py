@@ -72,8 +72,10 @@ class SemiStructuredLinear(torch.nn.Module):
 
         self.in_features, self.out_features, self.dtype = (linear.in_features,
                                                            linear.out_features, dtype)
+        # row-major whatever layout decoding chose (a column-major weight is a transposed view,
+        # which the 2:4 compressor refuses)
         self.weight = torch.nn.Parameter(to_sparse_semi_structured(
-            linear.weight.detach().to(dtype)), requires_grad=False)
+            linear.weight.detach().to(dtype).contiguous()), requires_grad=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(
             linear.bias.detach().to(dtype), requires_grad=False)
 
