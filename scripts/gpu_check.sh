@@ -72,10 +72,17 @@ record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$PARTS_TSV"; }
 skip() { say "SKIP $1: $2"; record "$1" skipped 0 "$2"; }
 wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
 
-copy_out() {  # everything this run wrote, to $OUT/bench_results/ as it appears
+# to $OUT/bench_results/ as it appears: the summary's page, record and log, and one archive of
+# every file this run wrote (the lent machine hands back at most 8 files from $OUT)
+copy_out() {
     [[ -n ${OUT:-} ]] || return 0
-    mkdir -p "$OUT/bench_results" && find "$RESULTS" -maxdepth 1 -type f -name "*$SLUG*" \
-        -exec cp -f {} "$OUT/bench_results/" \;
+    mkdir -p "$OUT/bench_results" || return 0
+    local f
+    for f in "$RESULTS/gpu_check_$SLUG".{md,json,log}; do
+        [[ -f $f ]] && cp -f "$f" "$OUT/bench_results/"
+    done
+    (cd "$RESULTS" && find . -maxdepth 1 -type f -name "*$SLUG*" -printf '%f\0' \
+        | tar --null -czf "$OUT/bench_results/gpu_check_${SLUG}_all.tar.gz" -T -)
 }
 
 # begin NAME CAP: sets LIMIT to the part's seconds (its cap, or what is left of the budget);

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,14 @@ def test_cpu_pass_exits_0_and_writes_its_results(cpu_pass):
              "gpu_check_cpu-check_speedrun.md", "gpu_check_cpu-check_speedrun.json"]
     for name in names:
         assert (tmp / "results" / name).is_file(), name
-        assert (tmp / "out" / "bench_results" / name).is_file(), name  # copied to $OUT
+    # $OUT: at most 8 files come back from the lent machine: the summary's three, and an archive
+    # of every result file
+    out = tmp / "out" / "bench_results"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_check_cpu-check.json", "gpu_check_cpu-check.log", "gpu_check_cpu-check.md",
+        "gpu_check_cpu-check_all.tar.gz"]
+    with tarfile.open(out / "gpu_check_cpu-check_all.tar.gz") as archive:
+        assert set(names) <= set(archive.getnames())
     summary = json.loads((tmp / "results" / "gpu_check_cpu-check.json").read_text())
     status = {p["part"]: p["status"] for p in summary["parts"]}
     assert status == {"env": "ok", "tests": "skipped", "decode": "ok", "memory": "ok",
