@@ -112,9 +112,15 @@ finish() {
     copy_out
 }
 
-limited() {  # limited CMD...: run under the part's time limit
+limited() {  # limited CMD...: run under what is left of the part's time limit (a part that runs
+    # two commands gives the second only what the first left, so the part ends within its limit)
+    local left=$((LIMIT - (SECONDS - ${PART_START:-$SECONDS})))
+    if ((left < 5)); then
+        say "not run (the part's ${LIMIT} s are spent): $*"
+        return 124
+    fi
     if command -v timeout >/dev/null; then
-        timeout -k 10 "$LIMIT" "$@"
+        timeout -k 10 "$left" "$@"
     else
         "$@"
     fi

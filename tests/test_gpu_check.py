@@ -151,3 +151,17 @@ def test_bench_memory_rows_and_time_budget(char_dataset, tmp_path, capsys):
                        "--device=cpu"]) == 2
     assert "--rows='baseline,nope': use a comma list of baseline, checkpointing=all" in \
         capsys.readouterr().err
+
+
+def test_a_part_gives_its_second_command_only_what_the_first_left(tmp_path):
+    """limited() runs a command under what is left of the part's limit, so a part of two
+    commands (decode, speedrun) ends within its own: with 6 s, `sleep 3` then `sleep 5` cuts
+    the second (the whole limit would let it finish)."""
+    text = SCRIPT.read_text()
+    limited = "limited() {" + text.split("\nlimited() {", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
+    script = tmp_path / "parts.sh"
+    script.write_text("say() { printf '%s\\n' \"$*\"; }\n" + limited +
+                      "LIMIT=6 PART_START=$SECONDS\nlimited sleep 3; echo first=$?\n"
+                      "limited sleep 5; echo second=$?\n")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert "first=0" in proc.stdout and "second=124" in proc.stdout, proc.stdout + proc.stderr
