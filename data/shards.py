@@ -29,6 +29,7 @@ from config import ConfigError, load_options, opt
 from data.dataset import DataError, token_dtype, write_atomic, write_meta
 from data.stream import Batch, Source, open_stream, peak_rss_mib, read_batches, tokenize_in_order
 from data.tokenizer import GPT2Tokenizer, Tokenizer, TokenizerError
+from data.train_tokenizer import named_tokenizer
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")
@@ -345,15 +346,6 @@ def parse_count(text: str) -> int:
     if value != int(value):
         raise ConfigError(f"{text!r} is not a whole number of tokens")
     return int(value)
-
-
-def named_tokenizer(name: str) -> Tokenizer:
-    """--tokenizer: gpt2, or a trained tokenizer's folder."""
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    from data.train_tokenizer import load_tokenizer
-
-    return load_tokenizer(name)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from data.dataset import DataError
+from data.dataset import DataError, token_dtype
 from data.tokenizer import GPT2Tokenizer, from_meta
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Each document's tokens + <|endoftext|>, concatenated, and each one's count."""
     global _worker_tokenizer
     tok = _worker_tokenizer = _worker_tokenizer or GPT2Tokenizer()
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    dtype = token_dtype(tok.vocab_size)
     docs = [np.array(tok.encode_ordinary(text) + [tok.eot_id], dtype=dtype) for text in texts]
     return np.concatenate(docs), np.array([len(d) for d in docs], dtype=np.int64)
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
 from data.dataset import write_atomic  # noqa: E402
-from data.tokenizer import (EOT_TEXT, GPT2_PATTERN, BPETokenizer, TokenizerError,  # noqa: E402
-                            ranks_text)
+from data.tokenizer import (EOT_TEXT, GPT2_PATTERN, BPETokenizer, GPT2Tokenizer,  # noqa: E402
+                            TokenizerError, ranks_text)
 
 RANKS_FILE, META_FILE = "tokenizer.tiktoken", "tokenizer.json"
 # split patterns by name: GPT-2's, and cl100k's (GPT-4's: contractions in either case, digits in
@@ -216,6 +216,11 @@ def load_tokenizer(folder: str | Path) -> BPETokenizer:
         raise TokenizerError(f"{folder / RANKS_FILE}: the ranks must run 0, 1, 2, ... in order")
     return BPETokenizer.from_meta({**record, "special": list(record["special"]),
                                    "ranks": [token for token, _ in lines]})
+
+
+def named_tokenizer(name: str) -> GPT2Tokenizer:
+    """A preparation's --tokenizer: gpt2, or a folder save() wrote."""
+    return GPT2Tokenizer() if name == "gpt2" else load_tokenizer(name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from config import Config, ConfigError, command_line_keys, load_config, opt
 from data.dataset import DataError
-from data.tokenizer import BPETokenizer, GPT2Tokenizer, TokenizerError, from_meta
+from data.tokenizer import GPT2Tokenizer, TokenizerError, from_meta
 from engine import checkpoint, sources
 from engine.device import Runtime, SetupError, setup
 
@@ -148,7 +148,7 @@ def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[di
             "correct": correct, "correct_norm": correct_norm, "n": n}
 
 
-def scoring_tokenizer(meta: dict, what: str) -> GPT2Tokenizer | BPETokenizer:
+def scoring_tokenizer(meta: dict, what: str) -> GPT2Tokenizer:
     """The model's own byte-level BPE (GPT-2's or one trained here): any text has ids in it."""
     kind = meta.get("kind", "unknown")
     if kind not in ("gpt2", "bpe"):

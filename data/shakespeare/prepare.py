@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
 from data.dataset import DATA_DIR, DataError, write_text  # noqa: E402
-from data.shards import named_tokenizer  # noqa: E402
+from data.train_tokenizer import named_tokenizer  # noqa: E402
 from data.tokenizer import TokenizerError  # noqa: E402
 
 SOURCE = DATA_DIR / "tinyshakespeare.txt"

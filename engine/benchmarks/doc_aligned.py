@@ -13,7 +13,6 @@ start at a document, packed as --doc_aligned packs them. Loss and bits per byte,
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -21,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from config import ConfigError, opt
 from data.dataset import DATA_DIR, load_meta, token_bytes
+from data.loader import Batches
 from engine.benchmarks import checks
 from engine.benchmarks.report import markdown_table, utc_now, write_report
 from engine.benchmarks.timing import REPO_ROOT
-from engine.device import machine_line
+from engine.device import Runtime, machine_line
 
 EVAL_SEED = 4242  # the validation batches, the same for every model
 
@@ -90,31 +89,34 @@ def train_arm(opts: DocAlignedOptions, dataset: str, seed: int, aligned: bool, o
             "train_loss": summary["final"].get("train"), "note": note.strip()}
 
 
+class Ready:
+    """A loader for evaluate() whose batches are already (x, y) tensors."""
+
+    @staticmethod
+    def windows(xy: tuple) -> tuple:
+        return xy
+
+
 @torch.no_grad()
 def score(run: dict, meta: dict, opts: DocAlignedOptions) -> dict:
-    """The run's final model on the same validation batches of both kinds: loss and bpb."""
+    """The run's final model on the same validation batches of both kinds: loss and bpb, by the
+    evaluation train.py runs."""
     from data.doc_batches import DocBatches
     from data.shard_batches import ShardBatches
     from engine.loading import load_model
-    from data.loader import Batches
+    from engine.training.step import evaluate
 
-    model = load_model(run["out"])[0].eval()
-    sizes = torch.from_numpy(token_bytes(meta))
+    model = load_model(run["out"])[0]
     kind = ShardBatches if "shards" in meta else Batches
     windows = kind(meta, "val", opts.batch_size, opts.block_size, EVAL_SEED)
     docs = DocBatches(meta, "val", opts.batch_size, opts.block_size, EVAL_SEED)
-    batches = {"windows": [windows.windows(s) for s in windows.fixed(opts.eval_batches,
-                                                                     EVAL_SEED)],
-               "documents": [docs.next() for _ in range(opts.eval_batches)]}
-    for name, xys in batches.items():
-        nats = n_bytes = 0.0
-        for x, y in xys:
-            logits, _ = model(x, y)
-            nats += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
-                                    reduction="sum").item()
-            n_bytes += sizes[y].sum().item()
-        tokens = sum(y.numel() for _, y in xys)
-        run[f"val_{name}"], run[f"bpb_{name}"] = nats / tokens, nats / math.log(2) / n_bytes
+    out = evaluate(model, {"windows": windows, "documents": Ready},
+                   {"windows": windows.fixed(opts.eval_batches, EVAL_SEED),
+                    "documents": [docs.next() for _ in range(opts.eval_batches)]},
+                   Runtime(torch.device("cpu"), torch.float32, False, []),
+                   torch.from_numpy(token_bytes(meta)))
+    for name in ("windows", "documents"):
+        run[f"val_{name}"], run[f"bpb_{name}"] = out[name], out[f"{name}_bpb"]
     return run
 
 
