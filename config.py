@@ -145,6 +145,11 @@ class TrainConfig:
                            "minute, and at the end; matplotlib's first drawing takes a second)")
     keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir", check=POSITIVE)
     save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
+    checkpoint_format: str = opt("auto", "full: rank 0 writes every weight and optimizer state | "
+                                 "sharded: each process its own shards (engine/sharded.py) | "
+                                 "auto: sharded under parallel=fsdp", ("auto", "full", "sharded"))
+    checkpoint_async: bool = opt(False, "sharded checkpoints written in the background while "
+                                 "training goes on (from a copy in host memory)")
     hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "
                                   "(GPT-2 BPE data); 0 = off", check=NON_NEGATIVE)
     hellaswag_examples: int = opt(0, "HellaSwag examples scored each time; 0 = all 10,042",

@@ -65,14 +65,17 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
         return
     counters.train_seconds = run.log.train_seconds
     state = resume.capture(dist, run.raw_model, run.optimizer, run.scaler, run.batches,
-                           next_batch, counters, run.rt.device)  # None on ranks > 0
+                           next_batch, counters, run.rt.device,
+                           optimizer_too=run.shards is None)  # None on ranks > 0
+    info = {"losses": counters.losses, "eval_step": counters.eval_step,
+            "tokens_seen": counters.tokens_seen, "tokenizer": run.meta["tokenizer"],
+            "dataset": run.cfg.data.dataset,
+            **{key: run.meta[key] for key in ("template", "mixture") if key in run.meta}}
+    if run.shards is not None:  # every rank writes its own shards (engine/sharded.py)
+        return run.shards.save(step, run.raw_model, run.optimizer, run.cfg, info, state)
     weights, extra = run.checkpoint_weights()  # a LoRA run: its adapters and their base
     if dist.is_main:
-        info = {**extra, "losses": counters.losses, "eval_step": counters.eval_step,
-                "tokens_seen": counters.tokens_seen, "tokenizer": run.meta["tokenizer"],
-                "dataset": run.cfg.data.dataset,
-                **{key: run.meta[key] for key in ("template", "mixture") if key in run.meta}}
-        checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, info, state,
+        checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, {**extra, **info}, state,
                         t.keep_checkpoints, weights=weights)
 
 
@@ -149,6 +152,8 @@ def train(cfg: Config) -> dict:
             step += 1
             counters.step, counters.tokens_seen = step, counters.tokens_seen + run.tokens_per_step
             guard.record(step, result)  # nothing read yet: the device runs ahead
+            if run.shards is not None:  # a background save that has finished: publish it
+                run.shards.poll()
             if t.stop_after_iters and step - start_step >= t.stop_after_iters:
                 stop.request("stop_after_iters")
             logs = step % t.log_interval == 0 or step == t.max_iters
@@ -160,6 +165,8 @@ def train(cfg: Config) -> dict:
                 last_log = log_step(run, step, result, lr, since=last_log)
         if stop and stop.reason != "nonfinite" and counters.eval_step != step:
             save(run, step, (x, y), stop)  # stopped between evaluations: keep this step
+        if run.shards is not None:  # the last save on disk before the summary names it
+            run.shards.wait()
         summary = run.log.finish(counters, stop.reason or "done", start_step,
                                  checkpoint.latest_checkpoint(t.out_dir))
     dist.close()

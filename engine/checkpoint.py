@@ -1,6 +1,7 @@
 """Checkpoints written: `out_dir/ckpt_0001000/` holds model.safetensors, config.json (resolved),
 meta.json and train_state.pt (optimizer, RNG, data position); a pruned model's masks in
-mask.safetensors (engine/pruning.py). Staged in a hidden directory and renamed into place: a
+mask.safetensors (engine/pruning.py); a sharded one, shards/ in place of the weights and the
+optimizer state (engine/sharded.py). Staged in a hidden directory and renamed into place: a
 crash or a full disk never leaves half a one. Found (resolve, latest_checkpoint) here, read back
 by engine/loading.py."""
 from __future__ import annotations
@@ -27,6 +28,7 @@ CKPT_PATTERN = re.compile(r"^ckpt_(\d+)$")
 TIED = "lm_head.weight"
 MASK_FILE = "mask.safetensors"  # a pruned model's masks, True = kept
 ADAPTER_FILE = "adapter.safetensors"  # a LoRA run's adapters, in place of model.safetensors
+SHARDS = "shards"  # a sharded checkpoint's weights and optimizer state (engine/sharded.py)
 MASKS = "prune_masks"  # the model attribute engine/pruning.py keeps them in
 FULL, QUOTA = "no space left on device", "disk quota exceeded"
 DISK_FULL_ERRNOS = {errno.ENOSPC: FULL, errno.EDQUOT: QUOTA}
@@ -72,6 +74,8 @@ def write_files(directory: Path, files: dict[str, bytes]) -> None:
     for name, payload in files.items():
         (directory / name).write_bytes(payload)
     for f in directory.iterdir():
+        if not f.is_file():  # a sharded checkpoint's shards/: DCP fsyncs its own files
+            continue
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
 
@@ -183,29 +187,39 @@ def save(out_dir: str | Path, step: int, model: GPT, cfg: config_mod.Config, met
                               f"tensor(s) ({', '.join(bad[:3])}); the last good checkpoint is "
                               f"{latest}")
     final = out / f"ckpt_{step:07d}"
-    files = {"config.json": cfg.to_json().encode(),
-             "meta.json": json.dumps({"step": step, **meta}, indent=1).encode()}
     note = f"; the last complete checkpoint, {latest}, is intact" if latest else ""
-    masks = {name: mask.cpu() for name, mask in (getattr(model, MASKS, None) or {}).items()}
-    needed = bytes_to_write(weights, train_state, masks, *files.values())
+    needed = bytes_to_write(weights, train_state, getattr(model, MASKS, None)) + 4096
     with staging_dir(out, ".tmp_ckpt_", f"checkpoint {final}", needed, out_flag, note) as tmp:
         save_file(weights, str(tmp / (ADAPTER_FILE if "lora" in meta else "model.safetensors")))
-        if masks:
-            save_file(masks, str(tmp / MASK_FILE))
-        if train_state is not None:
-            torch.save(train_state, tmp / "train_state.pt")
-        write_files(tmp, files)
-        old = final.with_name(f".old_{final.name}")  # recover() above cleared any leftover
-        if final.exists():  # the same step saved again (e.g. eval + end) replaces it
-            os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    if keep > 0:  # renamed first: a kill mid-delete never leaves half a checkpoint by its name
-        for stale in list_checkpoints(out)[:-keep]:
-            hidden = stale.with_name(f".del_{stale.name}")
-            os.rename(stale, hidden)
-            shutil.rmtree(hidden, ignore_errors=True)
+        write_rest(tmp, step, getattr(model, MASKS, None), cfg, meta, train_state)
+        publish(tmp, final, keep)
     return final
+
+
+def write_rest(tmp: Path, step: int, masks: dict | None, cfg: config_mod.Config, meta: dict,
+               train_state: dict | None) -> None:
+    """All but the weights, fsynced: masks, train_state.pt, config.json and meta.json."""
+    if masks:
+        save_file({name: mask.cpu() for name, mask in masks.items()}, str(tmp / MASK_FILE))
+    if train_state is not None:
+        torch.save(train_state, tmp / "train_state.pt")
+    write_files(tmp, {"config.json": cfg.to_json().encode(),
+                      "meta.json": json.dumps({"step": step, **meta}, indent=1).encode()})
+
+
+def publish(tmp: Path, final: Path, keep: int) -> None:
+    """A complete staged checkpoint renamed into place (replacing the same step's: eval + end),
+    then all but the newest `keep` (0 = all) removed, each renamed first: a kill mid-delete
+    never leaves half a checkpoint by its name."""
+    old = final.with_name(f".old_{final.name}")  # recover() cleared any leftover
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in list_checkpoints(final.parent)[:-keep] if keep > 0 else ():
+        hidden = stale.with_name(f".del_{stale.name}")
+        os.rename(stale, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
 
 
 def recover(out_dir: str | Path) -> None:
@@ -226,7 +240,8 @@ def recover(out_dir: str | Path) -> None:
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or a run directory (its latest checkpoint)."""
     p = Path(path)
-    if (p / "model.safetensors").is_file() or (p / ADAPTER_FILE).is_file():
+    if any((p / name).is_file() for name in ("model.safetensors", ADAPTER_FILE,
+                                              f"{SHARDS}/.metadata")):
         return p
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist; train one first with python "

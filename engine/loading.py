@@ -15,8 +15,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import config
-from engine.checkpoint import (MASK_FILE, MASKS, CheckpointError, first_line, model_state,
-                               read_meta, resolve)
+from engine.checkpoint import (MASK_FILE, MASKS, SHARDS, CheckpointError, first_line,
+                               model_state, read_meta, resolve)
 from model import GPT
 
 
@@ -25,9 +25,14 @@ def read_config(ckpt: Path) -> config.Config:
 
 
 def load_weights(model: GPT, ckpt: Path) -> None:
-    """Load model.safetensors into `model`; every mismatch is listed in one error."""
+    """Load model.safetensors (or shards/) into `model`; every mismatch is listed in one error."""
     try:
-        state = load_file(str(ckpt / "model.safetensors"))
+        if (ckpt / SHARDS).is_dir():  # written by every process of the run (engine/sharded.py)
+            from engine.sharded import read_weights
+
+            state = read_weights(ckpt)
+        else:
+            state = load_file(str(ckpt / "model.safetensors"))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{ckpt}/model.safetensors is unreadable ({e}); the file is "
                               "truncated or corrupt") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,9 +22,10 @@ import train
 from config import Config, ConfigError, TrainConfig, load_config
 from conftest import tiny_model_config
 from data.loader import Batches, load_meta
-from engine import checkpoint, loading
+from engine import checkpoint, loading, sharded
 from engine import device as machine
 from engine.training import parallel, processes, restore, resume, speedups, step
+from engine.training.optim import make_optimizer
 from model import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,18 +72,44 @@ def assert_same_trajectory(got: list[dict], want: list[dict]) -> None:
         assert numbers == pytest.approx({k: w[k] for k in numbers}, rel=1e-5, abs=1e-6), (g, w)
 
 
-def assert_same_checkpoint(a: Path, b: Path) -> None:
-    """Weights and AdamW moments equal to float tolerance (the sums run in another order)."""
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights, full (model.safetensors) or sharded."""
+    if sharded.is_sharded(ckpt):
+        return sharded.read_weights(ckpt)
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def moments(ckpt: Path) -> dict[str, dict]:
+    """The optimizer state by parameter name: a sharded checkpoint's as stored; a full one's
+    numbered in param_groups order, named by building the run's model and optimizer."""
+    if sharded.is_sharded(ckpt):
+        by_name: dict[str, dict] = {}
+        for key, t in sharded.read_tensors(ckpt, "optim.state.").items():
+            name, stat = key.removeprefix("optim.state.").rsplit(".", 1)
+            by_name.setdefault(name, {})[stat] = t
+        return by_name
+    cfg = loading.read_config(ckpt)
+    model = GPT(cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in make_optimizer(model, cfg, torch.device("cpu")).param_groups
+             for p in g["params"]]
+    return {order[i]: s for i, s in loading.load_train_state(ckpt)["optimizer"]["state"].items()}
+
+
+def assert_same_checkpoint(a: Path, b: Path, exact: bool = False) -> None:
+    """Weights and AdamW moments equal to float tolerance (the sums run in another order), or
+    bit for bit."""
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-5}
+    wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
-    sa, sb = (loading.load_train_state(c)["optimizer"] for c in (a, b))
-    assert [g["params"] for g in sa["param_groups"]] == [g["params"] for g in sb["param_groups"]]
-    for i, moments in sa["state"].items():
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(moments[name], sb["state"][i][name], rtol=1e-4,
-                                       atol=1e-6, msg=f"{i}.{name}")
+        torch.testing.assert_close(wa[k], wb[k], **tolerance, msg=k)
+    sa, sb = moments(a), moments(b)
+    assert sa.keys() == sb.keys()
+    for name, state in sa.items():
+        for stat in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(state[stat], sb[name][stat], **tolerance,
+                                       msg=f"{name}.{stat}")
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +120,28 @@ def single(char_dataset, tmp_path_factory) -> Path:
     return out
 
 
+def first_half(char_dataset, out: Path, parallel: str, *extra: str) -> subprocess.CompletedProcess:
+    """2 processes train steps 1-2 of RUN (micro-batch 2 each) and stop, saving step 2."""
+    return torchrun("train.py", *RUN, f"--dataset={char_dataset}", f"--out_dir={out}",
+                    "--batch_size=2", f"--parallel={parallel}", "--stop_after_iters=2", *extra)
+
+
+@pytest.fixture(scope="module")
+def fsdp_half(char_dataset, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """first_half under FSDP2: its checkpoint is sharded (checkpoint_format=auto)."""
+    out = tmp_path_factory.mktemp("fsdp_half") / "run"
+    return out, first_half(char_dataset, out, "fsdp")
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_train_as_one_and_resume_in_one(parallel, char_dataset, single, tmp_path,
-                                                      capsys):
+def test_two_processes_train_as_one_and_resume_in_one(parallel, char_dataset, single, fsdp_half,
+                                                      tmp_path, capsys):
     out = tmp_path / "run"
-    proc = torchrun("train.py", *RUN, f"--dataset={char_dataset}", f"--out_dir={out}",
-                    "--batch_size=2", f"--parallel={parallel}", "--stop_after_iters=2")
+    if parallel == "fsdp":
+        shutil.copytree(fsdp_half[0], out)
+        proc = fsdp_half[1]
+    else:
+        proc = first_half(char_dataset, out, parallel)
     assert proc.returncode == 0, output(proc)[-4000:]
     log = proc.stdout
     assert f"distributed: {parallel} over 2 processes" in log
@@ -117,6 +161,36 @@ def test_two_processes_train_as_one_and_resume_in_one(parallel, char_dataset, si
     assert "note:" not in capsys.readouterr().out  # nothing changed that changes the run
     assert_same_trajectory(trajectory(out), want)
     assert_same_checkpoint(out / "ckpt_0000004", single / "ckpt_0000004")
+
+
+def test_fsdp_shards_resume_bit_for_bit_and_on_1_then_2_processes(fsdp_half, char_dataset,
+                                                                    single, tmp_path):
+    """Each rank writes its own shards; in the background they hold the same bits; resumed on
+    2 processes the run is bit for bit the uninterrupted one; 2 -> 1 -> 2 processes it matches
+    one process's to float tolerance."""
+    half = fsdp_half[0]
+    assert sorted(p.name for p in (half / "ckpt_0000002" / "shards").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    whole = tmp_path / "whole"  # uninterrupted, saving in the background while it trains
+    proc = torchrun("train.py", *RUN, f"--dataset={char_dataset}", f"--out_dir={whole}",
+                    "--batch_size=2", "--parallel=fsdp", "--checkpoint_async=true")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert_same_checkpoint(whole / "ckpt_0000002", half / "ckpt_0000002", exact=True)
+    again = shutil.copytree(half, tmp_path / "again")
+    proc = torchrun("train.py", *RUN, f"--dataset={char_dataset}", f"--out_dir={again}",
+                    "--batch_size=2", "--parallel=fsdp", "--init_from=resume")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert trajectory(again) == trajectory(whole)
+    assert_same_checkpoint(again / "ckpt_0000004", whole / "ckpt_0000004", exact=True)
+    moved = shutil.copytree(half, tmp_path / "moved")  # step 3 in one process, step 4 in two
+    run_one(char_dataset, moved, "--batch_size=4", "--init_from=resume", "--stop_after_iters=1",
+            "--checkpoint_format=sharded")
+    assert sharded.is_sharded(moved / "ckpt_0000003")
+    proc = torchrun("train.py", *RUN, f"--dataset={char_dataset}", f"--out_dir={moved}",
+                    "--batch_size=2", "--parallel=fsdp", "--init_from=resume")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert_same_trajectory(trajectory(moved), trajectory(single))
+    assert_same_checkpoint(moved / "ckpt_0000004", single / "ckpt_0000004")
 
 
 def accelerate_launch(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:

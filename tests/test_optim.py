@@ -290,12 +290,13 @@ def test_two_processes_train_muon_as_one(parallel, char_dataset, single_muon, tm
     train.train(load_config([*args, f"--out_dir={out}", "--batch_size=4",
                              "--init_from=resume"])[0])
     assert_near_run(out, single_muon)
-    if parallel == "fsdp":  # each rank loads its shards of the single process's state
+    if parallel == "fsdp":  # each rank loads its shards of the single process's state, and
+        # all of it is gathered on rank 0 to save (checkpoint_format=full)
         resumed = tmp_path / "resumed"
         resumed.mkdir()
         shutil.copytree(single_muon / "ckpt_0000002", resumed / "ckpt_0000002")
         proc = torchrun("train.py", *args, f"--out_dir={resumed}", "--batch_size=2",
-                        "--parallel=fsdp", "--init_from=resume")
+                        "--parallel=fsdp", "--init_from=resume", "--checkpoint_format=full")
         assert proc.returncode == 0, output(proc)[-4000:]
         assert_near_run(resumed, single_muon, since=3)
 

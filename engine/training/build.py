@@ -49,6 +49,7 @@ class Run:
     token_bytes: torch.Tensor | None = None  # each id's bytes: val bpb (not for instruction data)
     hellaswag: object | None = None  # engine/hellaswag.TrainingEval: train.hellaswag_interval
     log: metrics.RunLog | None = None  # build_run's; benchmarks write none
+    shards: object | None = None  # engine/sharded.ShardedWriter: train.checkpoint_format
 
     def checkpoint_weights(self) -> tuple[dict | None, dict]:
         """(the weights a checkpoint stores (None on ranks > 0), what its meta.json adds): every
@@ -175,6 +176,12 @@ def build_run(cfg: Config, dist: Dist) -> Run:
                             wandb_id=run.counters.wandb_id)
     run.counters.wandb_id = run.log.wandb_id
     run.next_batch = next_batch or run.batches.next()
+    t = cfg.train
+    if t.checkpoint_format == "sharded" or t.checkpoint_async or (
+            t.checkpoint_format == "auto" and dist.enabled and dist.parallel == "fsdp"):
+        from engine.sharded import ShardedWriter  # each process writes its own shards
+
+        run.shards = ShardedWriter.for_run(cfg, dist)
     return run
 
 

@@ -32,7 +32,12 @@ def restore(source, cfg: Config, dist: Dist, model: torch.nn.Module,
                               f"code reads format {STATE_FORMAT}; start a new run from its "
                               f"weights with --init_from={source} instead of resuming")
     try:
-        dist.load_optimizer_state(model, optimizer, state["optimizer"])
+        if "optimizer" in state:
+            dist.load_optimizer_state(model, optimizer, state["optimizer"])
+        else:  # a sharded checkpoint: each rank reads its own shards of it
+            from engine.sharded import load_optimizer
+
+            load_optimizer(source, model, optimizer, dist)
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"optimizer state in {source} does not fit this model/optimizer "
                               f"({e}); resume with the config the run was started with") from None
@@ -82,6 +87,7 @@ FREE_ON_RESUME = {"train.init_from", "train.stop_after_iters", "train.max_iters"
                   "train.eval_interval", "train.eval_at_start", "train.log_interval",
                   "train.loss_curve", "train.keep_checkpoints",
                   "train.save_checkpoints", "train.max_nonfinite_steps", "train.out_dir",
+                  "train.checkpoint_format", "train.checkpoint_async",
                   "system.parallel", "system.dist_timeout", "system.fsdp_reshard"}
 
 

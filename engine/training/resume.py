@@ -71,9 +71,10 @@ def resolve_init(init_from: str, out_dir: str) -> str:
 
 def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler, batches, next_batch: tuple[torch.Tensor, torch.Tensor],
-            counters: Counters, device: torch.device) -> dict | None:
+            counters: Counters, device: torch.device, optimizer_too: bool = True) -> dict | None:
     """train_state.pt's contents on rank 0, None elsewhere (every rank calls it: they gather).
-    next_batch, already fetched (the loader is past it), is stored with every rank's rows."""
+    next_batch, already fetched (the loader is past it), is stored with every rank's rows;
+    optimizer_too=False leaves the optimizer to a sharded checkpoint's shards."""
     (x, y), rank_rng = next_batch, None
     if dist.enabled:  # rank r's rows are global[r::W]: (B, W, T) -> (W*B, T)
         x, y = (torch.stack(dist.all_gather(t), dim=1).flatten(0, 1) for t in next_batch)
@@ -81,10 +82,11 @@ def capture(dist: Dist, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         if device.type == "cuda":
             rngs["cuda"] = torch.cuda.get_rng_state(device)
         rank_rng = {key: torch.stack(dist.all_gather(rng)) for key, rng in rngs.items()}
-    optimizer_state = dist.optimizer_state(model, optimizer)
+    optimizer_state = {"optimizer": dist.optimizer_state(model, optimizer)} if optimizer_too \
+        else {}
     if not dist.is_main:
         return None
-    state = {"format": STATE_FORMAT, "optimizer": optimizer_state,
+    state = {"format": STATE_FORMAT, **optimizer_state,
              "scaler": scaler.state_dict(), "data": batches.state_dict(),
              "next_batch": {"x": x.detach().cpu(), "y": y.detach().cpu()},
              "rng": rng_state(device), "counters": asdict(counters),
