@@ -79,6 +79,7 @@ class TorchTree:
     def __init__(self, root: Path):
         self.root = root
         self.modules: dict[str, Module | None] = {}
+        self._exported: dict[str, set[str]] = {}
 
     def version(self) -> str:
         path = self.root / "torch" / "version.py"
@@ -130,12 +131,14 @@ class TorchTree:
         """The names `from module import *` brings (permissive: __all__ and public names)."""
         if module.name in seen:
             return set()
-        names = {n for n in module.bindings if not n.startswith("_")} | module.all_names
-        for star in module.stars:
-            source = self.module(star)
-            if source is not None:
-                names |= self.exported(source, seen | {module.name})
-        return names
+        if module.name not in self._exported:
+            names = {n for n in module.bindings if not n.startswith("_")} | module.all_names
+            for star in module.stars:
+                source = self.module(star)
+                if source is not None:
+                    names |= self.exported(source, seen | {module.name})
+            self._exported[module.name] = names
+        return self._exported[module.name]
 
     def follow(self, bindings: list[Binding], seen: frozenset) -> Found:
         """Imports and plain aliases followed to what they name."""
@@ -289,6 +292,18 @@ def _alias_of(node: ast.AST | None) -> ast.AST | None:
             == "_add_docstr"):
         return node.args[0]
     return node
+
+
+def _statements(body: list[ast.stmt]):
+    """Every statement, into every block (defs and classes too), no expression."""
+    for node in body:
+        yield node
+        for _, value in ast.iter_fields(node):
+            if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+                yield from _statements(value)
+            elif isinstance(value, list) and value and isinstance(value[0], ast.excepthandler):
+                for handler in value:
+                    yield from _statements(handler.body)
 
 
 def _module_statements(body: list[ast.stmt]):
@@ -460,7 +475,7 @@ class UseFinder:
 
     def _read_imports(self) -> None:
         """The names torch imports bind anywhere in the file (one scope for the whole file)."""
-        for node in ast.walk(self.tree):
+        for node in _statements(self.tree.body):
             for bound, value, _ in self.imported(node):
                 self.aliases[bound] = value
 
@@ -613,8 +628,9 @@ def project_files(project: Path, tests: bool) -> list[Path]:
 def find_uses(project: Path, files: list[Path]) -> list[Use]:
     uses = []
     for path in files:
-        relative = path.relative_to(project).as_posix()
-        uses += UseFinder(relative, ast.parse(path.read_text(), relative)).find()
+        relative, text = path.relative_to(project).as_posix(), path.read_text()
+        if "torch" in text:
+            uses += UseFinder(relative, ast.parse(text, relative)).find()
     return uses
 
 
