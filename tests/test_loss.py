@@ -16,7 +16,9 @@ from engine.training.chunked_loss import ChunkedCrossEntropy
 from engine.training.step import Trainer, train_step
 from model import GPT, IGNORE_INDEX
 
-HAS_TORCH_LCE = hasattr(F, "linear_cross_entropy")  # torch >= 2.13
+# torch >= 2.13; the same two names chunked_loss_impl asks for
+HAS_TORCH_LCE = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn,
+                                                                "LinearCrossEntropyOptions")
 
 
 @pytest.fixture
@@ -72,6 +74,21 @@ def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_c
     if pad > 1:
         assert chunked.padded_vocab > chunked.vocab_size
         assert not grads["transformer.wte.weight"][chunked.vocab_size:].any()  # = the LM head
+
+
+def test_torch_without_linear_cross_entropy_runs_our_chunk_loop(small_chunks, monkeypatch):
+    """torch < 2.13 (the floor is 2.9, the GPU machine's 2.11) has neither name: the chunked
+    loss falls back to ChunkedCrossEntropy, with the full loss's value and gradients."""
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
+    monkeypatch.delattr(torch.nn, "LinearCrossEntropyOptions", raising=False)
+    assert chunked_loss.chunked_loss_impl(torch.float32) == "ours"
+    full, chunked = twins()
+    x, y = batch(full.config, ignored=True)
+    _, loss_full, grads_full = loss_and_grads(full, x, y)
+    _, loss, grads = loss_and_grads(chunked, x, y)
+    torch.testing.assert_close(loss, loss_full, rtol=0, atol=1e-5)
+    for name, g in grads_full.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-5, msg=name)
 
 
 def test_compiled_model_runs_our_chunk_loop_eagerly_with_the_same_loss(small_chunks,
