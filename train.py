@@ -217,4 +217,4 @@ def fail(message: str, status: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(launch.record(main)())
+    launch.leave(launch.record(main)())

@@ -24,7 +24,7 @@ from conftest import tiny_model_config
 from data.loader import Batches, load_meta
 from engine import checkpoint, loading, sharded
 from engine import device as machine
-from engine.training import parallel, processes, restore, resume, speedups, step
+from engine.training import launch, parallel, processes, restore, resume, speedups, step
 from engine.training.optim import make_optimizer
 from model import GPT
 
@@ -432,3 +432,19 @@ def test_launcher_environment_errors(monkeypatch):
         parallel.rank_device("mps", 0)
     assert parallel.rank_device("cpu", 1) == ("cpu", "")
     assert processes.error_prefix() == "rank two: "
+
+
+def test_a_launched_rank_leaves_without_the_interpreters_teardown(monkeypatch, capsys):
+    """gloo's worker threads outlive destroy_process_group once DDP used the group: a launched
+    rank exits with os._exit after flushing its output; one plain process exits as usual."""
+    left = []
+    monkeypatch.setattr(launch.os, "_exit", left.append)
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit) as plain:
+        launch.leave(3)
+    assert plain.value.code == 3 and left == []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    print("the last line", end="")
+    launch.leave(0)
+    assert left == [0] and capsys.readouterr().out == "the last line"

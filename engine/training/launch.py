@@ -2,9 +2,12 @@
 or accelerate launch started (then parallel.py joins it, and only then is it loaded).
 
     dist = launch.init(cfg)    # processes.Dist(rank=0, world_size=1), or a parallel.ProcessGroup
-    sys.exit(launch.record(main)())
+    launch.leave(launch.record(main)())
 """
 from __future__ import annotations
+
+import os
+import sys
 
 from config import Config
 from engine.training.processes import Dist, launch_env, launched
@@ -30,6 +33,19 @@ def record(main):
     except ImportError:  # a torch built without distributed support
         return main
     return elastic_record(main)
+
+
+def leave(status: int) -> None:
+    """Exit with status. A launched rank skips the interpreter's teardown (os._exit, once its
+    output is flushed): gloo's worker threads outlive destroy_process_group once DDP has used
+    the group, and tearing them down at exit could abort a rank that had finished cleanly
+    ('terminate called without an active exception')."""
+    if not launched():
+        sys.exit(status)
+    for stream in (sys.stdout, sys.stderr):
+        if not stream.closed:
+            stream.flush()
+    os._exit(status)
 
 
 def collective_failure(e: BaseException, timeout_s: float) -> str | None:
