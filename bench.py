@@ -13,6 +13,7 @@ a command's options. Results go to bench_results/ (--results).
     python bench.py finetune-step                             # its step at GPT-2 124M vs peft
     python bench.py tokenizer                                 # BPE: rustbpe vs HF; bytes/token
     python bench.py doc-aligned                               # rows at documents vs windows
+    python bench.py checkpoint                                # FSDP2 saves: sharded vs rank 0
 
 ablation and memory take the config as train.py does (configs/bench_gpu.toml on CUDA, else
 bench_cpu, unless --config is given); the others take only their own options.
@@ -27,8 +28,8 @@ from typing import Callable, NamedTuple
 from config import Config, ConfigError, load_config, load_options, parse_command_line
 from data.loader import DataError
 from engine import checkpoint
-from engine.benchmarks import (ablation, decode, doc_aligned, finetune, memory, serving, to_loss,
-                               tokenizer)
+from engine.benchmarks import (ablation, checkpoint_save, decode, doc_aligned, finetune, memory,
+                               serving, to_loss, tokenizer)
 from engine.device import SetupError, resolve_device
 
 
@@ -52,6 +53,8 @@ COMMANDS = {
     "finetune-step": Command(finetune.StepOptions, finetune.run_step, finetune.__doc__),
     "tokenizer": Command(tokenizer.TokenizerBenchOptions, tokenizer.run, tokenizer.__doc__),
     "doc-aligned": Command(doc_aligned.DocAlignedOptions, doc_aligned.run, doc_aligned.__doc__),
+    "checkpoint": Command(checkpoint_save.CheckpointBenchOptions, checkpoint_save.run,
+                          checkpoint_save.__doc__),
 }
 
 
