@@ -164,7 +164,8 @@ class ShardedWriter:
         if self.dist.is_main:  # tidy, then make room: before any rank writes
             checkpoint.recover(self.out)
             problem = self.room_error(checkpoint.bytes_to_write(state, train_state))
-            tmp.mkdir(parents=True, exist_ok=problem is None)
+            if problem is None:
+                tmp.mkdir(parents=True, exist_ok=True)
         if not self.dist.all_true(not self.dist.is_main or problem is None):
             raise problem if self.dist.is_main else CheckpointError(
                 "rank 0 could not start the checkpoint save (its error says why)")

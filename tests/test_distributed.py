@@ -1,6 +1,7 @@
 """Distributed training on the CPU: 2 processes under torchrun (gloo) train exactly as one process
-with the same global batch, with DDP and with FSDP2; their checkpoint resumes in one process; a
-rank that raises or hangs brings the whole job down. Then the pieces, without processes: each
+with the same global batch, with DDP and with FSDP2; their checkpoint, written as each rank's
+shards, resumes in one process, and FSDP2's bit for bit on two, or on one then two; a rank that
+raises or hangs brings the whole job down. Then the pieces, without processes: each
 rank's share of the data, the global batch in tokens, gradient sync on the last micro-step only,
 stop signals shared by the ranks, the launcher's environment."""
 from __future__ import annotations
@@ -140,9 +141,11 @@ def test_two_processes_train_as_one_and_resume_in_one(parallel, char_dataset, si
     if parallel == "fsdp":
         shutil.copytree(fsdp_half[0], out)
         proc = fsdp_half[1]
-    else:
-        proc = first_half(char_dataset, out, parallel)
+    else:  # DDP's replicas: sharded, the writing is spread over the processes
+        proc = first_half(char_dataset, out, parallel, "--checkpoint_format=sharded")
     assert proc.returncode == 0, output(proc)[-4000:]
+    sizes = [f.stat().st_size for f in sorted((out / "ckpt_0000002" / "shards").glob("*.distcp"))]
+    assert len(sizes) == 2 and min(sizes) > max(sizes) / 4, sizes  # each rank wrote its part
     log = proc.stdout
     assert f"distributed: {parallel} over 2 processes" in log
     assert ("global batch: 8 sequences = 256 tokens per step (2 micro-batch x 2 accumulation x "
