@@ -23,7 +23,7 @@ import generate
 import load_gpt2_weights
 import train
 from config import load_config
-from conftest import tiny_model_config, train_args
+from conftest import on_each_device, tiny_model_config, train_args
 from engine import checkpoint, loading, sharded
 from engine.checkpoint import CheckpointError
 from engine.training.processes import Dist
@@ -78,28 +78,33 @@ def test_a_background_save_holds_the_state_of_its_step(whole, char_dataset, tmp_
     assert trajectory(tmp_path) == trajectory(whole)
     for step in (3, 6):  # step 3's was written while steps 4-6 trained
         assert_same_shards(tmp_path / f"ckpt_{step:07d}", whole / f"ckpt_{step:07d}")
-    # and in place: the weights change right after save() returns, the saved ones do not
-    model, optimizer = trained_pair()
-    before = {k: v.clone() for k, v in checkpoint.model_state(model).items()}
-    writer = sharded.ShardedWriter(Dist(), str(tmp_path / "inplace"), 2, background=True)
+
+
+@on_each_device
+@pytest.mark.parametrize("background", [False, True])
+def test_the_weights_and_moments_saved_are_those_of_the_save(device, background, tmp_path):
+    """In the background: the weights change right after save() returns, the saved ones do not
+    (on CUDA the copy is to host memory). Read back whole in one process."""
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config()).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 37, (2, 16), device=device)
+    model(x, x)[1].backward()
+    optimizer.step()
+    before = {k: v.cpu().clone() for k, v in checkpoint.model_state(model).items()}
+    moments = {name: optimizer.state[p]["exp_avg"].cpu().clone()
+               for name, p in model.named_parameters()}
+    writer = sharded.ShardedWriter(Dist(), str(tmp_path), 2, background=background)
     writer.save(1, model, optimizer, load_config([])[0], {}, {"x": 1})
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
+            optimizer.state[p]["exp_avg"].add_(1.0)
     writer.wait()
-    saved = sharded.read_weights(tmp_path / "inplace" / "ckpt_0000001")
-    assert saved.keys() == before.keys()
-    assert all(torch.equal(saved[k], before[k]) for k in before)
-
-
-def trained_pair() -> tuple[GPT, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = GPT(tiny_model_config())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randint(0, 37, (2, 16))
-    model(x, x)[1].backward()
-    optimizer.step()
-    return model, optimizer
+    saved = sharded.read_tensors(tmp_path / "ckpt_0000001")
+    assert {k.removeprefix("model.") for k in saved if k.startswith("model.")} == before.keys()
+    assert all(torch.equal(saved[f"model.{k}"], v) for k, v in before.items())
+    assert all(torch.equal(saved[f"optim.state.{k}.exp_avg"], v) for k, v in moments.items())
 
 
 def test_generate_export_and_finetune_read_shards_directly(whole, char_dataset, tmp_path,
