@@ -229,7 +229,7 @@ def test_empty_cache_returns_what_an_evaluation_left_cached(char_dataset):
     allocator's numbers.)"""
     from config import SystemConfig
     rt = machine.setup(SystemConfig(device="cuda"))
-    model, _ = evaluate_at_a_big_batch(char_dataset, rt)
+    model, _ = evaluate_at_a_big_batch(char_dataset, rt)  # held: its weights stay allocated
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     assert reserved - allocated > 16 * 2**20  # the evaluation's blocks, free but still held
