@@ -204,7 +204,7 @@ def evaluate_at_a_big_batch(char_dataset, rt: machine.Runtime) -> tuple[GPT, dic
     return model, step.evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
 
 
-def test_empty_cache_empties_the_cuda_cache_only_when_on(char_dataset, monkeypatch):
+def test_empty_cache_empties_the_cuda_cache_only_when_on(char_dataset, as_a_gpu, monkeypatch):
     """The CPU half of test_empty_cache_returns_what_an_evaluation_left_cached: its evaluation
     runs (here on the CPU), and on a CUDA device release_cached calls torch.cuda.empty_cache
     once when the switch is on, never when it is off."""
@@ -212,7 +212,6 @@ def test_empty_cache_empties_the_cuda_cache_only_when_on(char_dataset, monkeypat
     _, losses = evaluate_at_a_big_batch(char_dataset, machine.setup(SystemConfig(device="cpu")))
     assert abs(losses["val"] - math.log(65)) < 0.3  # an untrained model: about uniform
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     rt = machine.setup(SystemConfig(device="cuda"))
     assert rt.device == torch.device("cuda")

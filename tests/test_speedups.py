@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from config import Config, SystemConfig
-from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
+from conftest import (HAS_CXX, narrowed_below_amx, on_each_device, tiny_default_model_config,
+                      tiny_model_config)
 from data.loader import Batches, load_meta
 from engine import compiling
 from engine import device as machine
@@ -48,24 +49,6 @@ def cpu_runtime(dtype: str = "float32") -> machine.Runtime:
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """|a - b| / |b| over the whole tensor (float32 norms)."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-@pytest.fixture
-def as_a_gpu(monkeypatch):
-    """For the CPU halves of the CUDA tests: torch.cuda's questions answered as one GPU would
-    answer them, an H200 unless the test calls the fixture's value with another compute
-    capability and name (no CUDA kernel runs). The TF32 switches setup writes are put back."""
-    def answer(capability: tuple[int, int] = (9, 0), name: str = "NVIDIA H200") -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args: capability >= (8, 0))
-
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    answer()
-    yield answer
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @on_each_device
@@ -555,12 +538,6 @@ def test_an_attention_kernel_that_cannot_run_is_one_line_with_the_fix(monkeypatc
         "(pack_vnni2 is only supported when avx512 is supported); ATEN_CPU_CAPABILITY=avx2 "
         "narrows torch's kernels below what its attention code expects of this CPU: unset it, "
         "or use --attention=scratch")
-
-
-def narrowed_below_amx() -> bool:
-    """A CPU whose AMX oneDNN may use, but whose torch kernels ATEN_CPU_CAPABILITY narrowed
-    below AVX-512."""
-    return "AMX" in machine.cpu_bf16_units() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
