@@ -2,7 +2,9 @@
 devices a test runs on.
 
 Device-aware tests take a `device` argument through `@on_each_device`: "cpu" always, and "cuda"
-marked `cuda`. Tests that only exist on CUDA carry `@pytest.mark.cuda` themselves. Without a CUDA
+marked `cuda`. Tests that only exist on CUDA carry `@pytest.mark.cuda` themselves, each beside a
+CPU half (the same set-up, arguments and Python logic, with torch.cuda's questions answered by
+`as_a_gpu`), so a GPU's time is spent on what only it can show. Without a CUDA
 device every `cuda` test is skipped with the reason below, so the CPU suite costs nothing more;
 on a GPU, `python -m pytest -m cuda` runs exactly them (scripts/gpu_check.sh does). The marker,
 the per-test timeout and the strict settings are in pyproject.toml.

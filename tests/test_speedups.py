@@ -2,7 +2,9 @@
 and the gradient scaler, TF32, pinned memory, the auto micro-batch search, which SDPA kernel runs,
 the banner and peak memory. Each runs on the CPU and, where there is one, on CUDA against the
 same reference; what exists only on CUDA (TF32, the Flash kernel, the auto micro-batch search,
-CUDA peak memory) is tested there alone (marked `cuda`, skipped elsewhere).
+CUDA peak memory) is tested there (marked `cuda`, skipped elsewhere), each beside a CPU half that
+checks what needs no GPU (settings, arguments, the search's arithmetic) with torch.cuda's
+questions answered as a GPU would (conftest's as_a_gpu).
 
 (Mask buffer vs on the fly, scratch vs SDPA attention, scratch vs native LayerNorm/GELU and padded
 vs unpadded vocab are checked against the reference in test_model.py.)
