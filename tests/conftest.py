@@ -2,7 +2,9 @@
 devices a test runs on.
 
 Device-aware tests take a `device` argument through `@on_each_device`: "cpu" always, and "cuda"
-marked `cuda`. Tests that only exist on CUDA carry `@pytest.mark.cuda` themselves. Without a CUDA
+marked `cuda`. Tests that only exist on CUDA carry `@pytest.mark.cuda` themselves, each beside a
+CPU half (the same set-up, arguments and Python logic, with torch.cuda's questions answered by
+`as_a_gpu`), so a GPU's time is spent on what only it can show. Without a CUDA
 device every `cuda` test is skipped with the reason below, so the CPU suite costs nothing more;
 on a GPU, `python -m pytest -m cuda` runs exactly them (scripts/gpu_check.sh does). The marker,
 the per-test timeout and the strict settings are in pyproject.toml.
@@ -23,6 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from config import ModelConfig  # noqa: E402
+from engine import device as machine  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 # torch.compile on a CPU (TorchInductor) builds C++ kernels
@@ -92,6 +95,30 @@ def tiny_default_model_config() -> ModelConfig:
     cfg, _ = load_config(["--config", "shakespeare_char", "--block_size=16", "--vocab_size=37",
                           "--n_layer=2", "--n_head=2", "--n_embd=16"])
     return cfg.model
+
+
+@pytest.fixture
+def as_a_gpu(monkeypatch):
+    """For the CPU halves of the CUDA tests: torch.cuda's questions answered as one GPU would
+    answer them, an H200 unless the test calls the fixture's value with another compute
+    capability and name (no CUDA kernel runs). The TF32 switches setup writes are put back."""
+    def answer(capability: tuple[int, int] = (9, 0), name: str = "NVIDIA H200") -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args: capability >= (8, 0))
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    answer()
+    yield answer
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def narrowed_below_amx() -> bool:
+    """A CPU whose AMX oneDNN may use, but whose torch kernels ATEN_CPU_CAPABILITY narrowed
+    below AVX-512."""
+    return "AMX" in machine.cpu_bf16_units() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 def cuda_matmul_tf32(enabled: bool) -> None:

@@ -3,6 +3,8 @@ the prefetching loader, empty_cache at phase boundaries only, and compiling with
 The ones that act on CUDA run on the CPU and, where there is one, on CUDA (marked `cuda`)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -192,24 +194,47 @@ def test_prefetch_loader_reads_the_same_batches(char_dataset, device):
         assert x.device.type == device and busy.shape == (64, 64)
 
 
+def evaluate_at_a_big_batch(char_dataset, rt: machine.Runtime) -> tuple[GPT, dict]:
+    """(the model, its losses) after an evaluation whose activations dwarf the model: 2 batches
+    of 64 x 128 tokens, the attention scores (64, 4, 128, 128) each."""
+    meta = load_meta(str(char_dataset))
+    model = GPT(tiny_model_config(vocab_size=65, block_size=128, n_embd=64, n_head=4))
+    model = model.to(rt.device)
+    val = Batches(meta, "val", 64, 128, seed=1, device=rt.device)
+    return model, step.evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
+
+
+def test_empty_cache_empties_the_cuda_cache_only_when_on(char_dataset, as_a_gpu, monkeypatch):
+    """The CPU half of test_empty_cache_returns_what_an_evaluation_left_cached: its evaluation
+    runs (here on the CPU), and on a CUDA device release_cached calls torch.cuda.empty_cache
+    once when the switch is on, never when it is off."""
+    from config import SystemConfig
+    _, losses = evaluate_at_a_big_batch(char_dataset, machine.setup(SystemConfig(device="cpu")))
+    assert abs(losses["val"] - math.log(65)) < 0.3  # an untrained model: about uniform
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    rt = machine.setup(SystemConfig(device="cuda"))
+    assert rt.device == torch.device("cuda")
+    assert machine.release_cached(rt.device, enabled=False) is False and calls == []
+    assert machine.release_cached(rt.device, enabled=True) is True
+    assert calls == ["empty_cache"]
+
+
 @pytest.mark.cuda
 def test_empty_cache_returns_what_an_evaluation_left_cached(char_dataset):
     """system.empty_cache: after an evaluation at a bigger batch, the blocks its activations used
     stay reserved by the caching allocator until release_cached hands them back; the model's
-    own memory stays allocated. With the switch off it does nothing."""
+    own memory stays allocated. With the switch off it does nothing. (The GPU half: the
+    allocator's numbers.)"""
     from config import SystemConfig
-    device = torch.device("cuda")
     rt = machine.setup(SystemConfig(device="cuda"))
-    meta = load_meta(str(char_dataset))
-    model = GPT(tiny_model_config(vocab_size=65, block_size=128, n_embd=64, n_head=4)).to(device)
-    val = Batches(meta, "val", 64, 128, seed=1, device=device)  # scores: (64, 4, 128, 128)
-    step.evaluate(model, {"val": val}, {"val": val.fixed(2, seed=1)}, rt)
+    model, _ = evaluate_at_a_big_batch(char_dataset, rt)  # held: its weights stay allocated
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     assert reserved - allocated > 16 * 2**20  # the evaluation's blocks, free but still held
-    assert machine.release_cached(device, enabled=False) is False
+    assert machine.release_cached(rt.device, enabled=False) is False
     assert torch.cuda.memory_reserved() == reserved
-    assert machine.release_cached(device, enabled=True) is True
+    assert machine.release_cached(rt.device, enabled=True) is True
     assert torch.cuda.memory_reserved() < reserved - 16 * 2**20
     assert torch.cuda.memory_allocated() == allocated
 

@@ -16,6 +16,7 @@ from config import Config, ConfigError, load_config
 from conftest import tiny_model_config, train_args
 from engine import checkpoint, loading, pruning
 from engine.inference import sparse
+from engine.inference.matvec import set_weight_layout
 from engine.training import optim
 from model import GPT
 
@@ -198,21 +199,80 @@ def test_generate_from_a_pruned_checkpoint_says_which_kernels_it_uses(trained, t
     assert texts["sparse"] == texts["dense"]  # greedy: the same tokens either way
 
 
+def two_four_model(device: str, n_embd: int = 128) -> tuple[GPT, torch.Tensor]:
+    """The 2:4 tests' model, pruned 2:4 on `device`, and a batch for it."""
+    model = GPT(tiny_model_config(n_embd=n_embd, n_head=4, block_size=64, vocab_size=128))
+    model = model.to(device).eval()
+    pruning.prune(model, 0.5, "2:4")
+    return model, torch.randint(0, 128, (4, 64), device=device)
+
+
+def semi_structured_on_a_cpu(dense: torch.Tensor) -> torch.Tensor:
+    """Stands in for torch.sparse.to_sparse_semi_structured on a CPU: torch's own checks of the
+    dense weight (2-D, contiguous, a dtype and shape its backend takes) with only the
+    device's left out; returns the dense weight, so the layer multiplies as it would."""
+    from torch.sparse import SparseSemiStructuredTensor as Base
+    from torch.sparse import (SparseSemiStructuredTensorCUSPARSELT,
+                              SparseSemiStructuredTensorCUTLASS)
+
+    class OnCuda:  # the tensor, but saying it is on CUDA
+        is_cuda = True
+
+        def __getattr__(self, name):
+            return getattr(dense, name)
+
+    backend = SparseSemiStructuredTensorCUTLASS if Base._FORCE_CUTLASS else \
+        SparseSemiStructuredTensorCUSPARSELT  # as to_sparse_semi_structured picks it
+    backend._validate_device_dim_dtype_shape(OnCuda())
+    return dense
+
+
+def test_two_four_swap_meets_the_semi_structured_checks_on_a_cpu(monkeypatch):
+    """The CPU half of test_two_four_runs_semi_structured_on_cuda_like_dense: with the CUDA
+    answers a GPU would give (compute 9.0) and torch's checks of what 2:4 compression takes,
+    prepare_for_inference swaps all 8 Linears, their weights in float16, and the model's logits
+    stay the dense ones; a GPU older than Ampere and a width the kernels do not take stay dense
+    and say so."""
+    capability = (9, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.sparse, "to_sparse_semi_structured", semi_structured_on_a_cpu)
+    model, idx = two_four_model("cpu")
+    set_weight_layout(model, "column")  # transposed views: compression needs them row-major
+    with torch.no_grad():
+        dense_logits, _ = model(idx, idx)
+        note = sparse.prepare_for_inference(model, "sparse", "cuda")
+        sparse_logits, _ = model(idx, idx)
+    assert note == "sparse kernels (sparse, 2:4 semi-structured): 8 of 8 pruned Linears sparse"
+    layer = model.transformer.h[0].mlp.c_fc
+    assert isinstance(layer, sparse.SemiStructuredLinear)
+    assert layer.weight.dtype == layer.bias.dtype == torch.float16
+    assert sparse_logits.dtype == torch.float32
+    torch.testing.assert_close(sparse_logits, dense_logits, rtol=2e-2, atol=2e-2)
+    capability = (7, 5)
+    note = sparse.prepare_for_inference(two_four_model("cpu")[0], "sparse", "cuda")
+    assert note.startswith("sparse kernels (sparse, 2:4 semi-structured): 0 of 8 pruned")
+    assert "384x128: dense (no sparse kernel for it here)" in note
+    capability = (9, 0)  # 24 wide: not a multiple of the 16 columns float16 2:4 needs
+    note = sparse.prepare_for_inference(two_four_model("cpu", n_embd=24)[0], "sparse", "cuda")
+    assert "0 of 8 pruned" in note and "72x24: dense (no sparse kernel for it here)" in note
+
+
 @pytest.mark.cuda
 def test_two_four_runs_semi_structured_on_cuda_like_dense():
+    """The GPU half: the real 2:4 kernels (the swap itself is checked on a CPU above)."""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip(f"2:4 sparse tensor cores need Ampere or newer, not "
                     f"{torch.cuda.get_device_name()}")
-    model = GPT(tiny_model_config(n_embd=128, n_head=4, block_size=64, vocab_size=128)).cuda()
-    pruning.prune(model, 0.5, "2:4")
-    idx = torch.randint(0, 128, (4, 64), device="cuda")
+    model, idx = two_four_model("cuda")
     with torch.no_grad():  # the model stays float32 (its residual stream is float32 whatever
         # the weights): the 2:4 Linears multiply in float16 and hand float32 back
         dense_logits, _ = model(idx, idx)
         note = sparse.prepare_for_inference(model, "sparse", "cuda")
         sparse_logits, _ = model(idx, idx)
     assert "2:4 semi-structured" in note and "8 of 8" in note
-    assert isinstance(model.transformer.h[0].mlp.c_fc, sparse.SemiStructuredLinear)
+    layer = model.transformer.h[0].mlp.c_fc
+    assert isinstance(layer, sparse.SemiStructuredLinear)
+    assert isinstance(layer.weight, torch.sparse.SparseSemiStructuredTensor)  # compressed
     torch.testing.assert_close(sparse_logits.float(), dense_logits.float(), rtol=2e-2, atol=2e-2)
 
 

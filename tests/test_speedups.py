@@ -2,7 +2,9 @@
 and the gradient scaler, TF32, pinned memory, the auto micro-batch search, which SDPA kernel runs,
 the banner and peak memory. Each runs on the CPU and, where there is one, on CUDA against the
 same reference; what exists only on CUDA (TF32, the Flash kernel, the auto micro-batch search,
-CUDA peak memory) is tested there alone (marked `cuda`, skipped elsewhere).
+CUDA peak memory) is tested there (marked `cuda`, skipped elsewhere), each beside a CPU half that
+checks what needs no GPU (settings, arguments, the search's arithmetic) with torch.cuda's
+questions answered as a GPU would (conftest's as_a_gpu).
 
 (Mask buffer vs on the fly, scratch vs SDPA attention, scratch vs native LayerNorm/GELU and padded
 vs unpadded vocab are checked against the reference in test_model.py.)
@@ -18,7 +20,8 @@ import pytest
 import torch
 
 from config import Config, SystemConfig
-from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
+from conftest import (HAS_CXX, narrowed_below_amx, on_each_device, tiny_default_model_config,
+                      tiny_model_config)
 from data.loader import Batches, load_meta
 from engine import compiling
 from engine import device as machine
@@ -206,10 +209,33 @@ def test_grad_scaler_skips_an_overflowing_float16_step(device):
         assert torch.equal(p0, p), name
 
 
+def test_tf32_switch_sets_the_cuda_matmul_precision(as_a_gpu):
+    """The CPU half of test_tf32_switch_acts_on_cuda_matmuls: machine.setup on a CUDA device
+    sets cuBLAS's and cuDNN's TF32 switches to system.tf32 (off unless asked for, also when a
+    previous setup left them on), and the banner says so; on a GPU older than Ampere they stay
+    off with the reason."""
+    cfg = Config()
+    cfg.model = tiny_model_config()
+    rt = device_runtime("cuda", tf32=True)
+    assert (rt.device.type, rt.dtype, rt.tf32, rt.notes) == ("cuda", torch.float32, True, [])
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert speedups.settings(cfg, rt, speedups.Notes())["tf32"] == "on"
+    rt = device_runtime("cuda")
+    assert not rt.tf32 and rt.notes == []
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert speedups.settings(cfg, rt, speedups.Notes())["tf32"] == "off"
+    as_a_gpu((7, 0), "Tesla V100-SXM2-16GB")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rt = device_runtime("cuda", tf32=True)
+    assert not rt.tf32 and not torch.backends.cuda.matmul.allow_tf32
+    assert rt.notes == ["tf32 needs an Ampere or newer GPU, not Tesla V100-SXM2-16GB: off"]
+
+
 @pytest.mark.cuda
 def test_tf32_switch_acts_on_cuda_matmuls():
     """system.tf32, read in machine.setup: off keeps float32 matmuls exact to float32 rounding;
-    on lets cuBLAS round the inputs to TF32 (10-bit mantissa): close to float32, not equal."""
+    on lets cuBLAS round the inputs to TF32 (10-bit mantissa): close to float32, not equal.
+    (The GPU half: what the switches do to the products.)"""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip(f"TF32 needs an Ampere or newer GPU, not {torch.cuda.get_device_name()}")
     g = torch.Generator().manual_seed(0)
@@ -340,10 +366,72 @@ def test_batch_search_counts_a_library_allocation_failure_as_not_fitting(monkeyp
         auto_batch._fits(model, rt, 16, budget=1000)  # a real error is not "too big"
 
 
+def test_auto_micro_batch_searches_a_fake_memory_probe(as_a_gpu, monkeypatch, capsys):
+    """The CPU half of test_auto_micro_batch_finds_the_largest_size_that_fits: the search on a
+    CUDA runtime (torch.cuda's answers a GPU would give), its trial step replaced by one that
+    'reserves' 12 MiB a sequence and leaves gradients. The budget is MEMORY_HEADROOM x (free +
+    reserved) = 0.9 x 120 MiB: 8 sequences fit, 16 do not; with no room for one, the error
+    says what to do; the trials' gradients never stay."""
+    per_sequence, peak, tried = 12 * 2**20, [0], []
+    memory = {"mem_get_info": lambda device=None: (100 * 2**20, 140 * 2**30),
+              "memory_reserved": lambda device=None: 20 * 2**20,
+              "max_memory_reserved": lambda device=None: peak[0],
+              "empty_cache": lambda: None, "reset_peak_memory_stats": lambda device=None: None,
+              "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+              "set_rng_state": lambda state, device="cuda": None}
+    for name, answer in memory.items():
+        monkeypatch.setattr(torch.cuda, name, answer)
+
+    def trial(model, rt, micro_batch):
+        assert rt.device.type == "cuda"
+        tried.append(micro_batch)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        peak[0] = micro_batch * per_sequence
+
+    monkeypatch.setattr(auto_batch, "_trial_step", trial)
+    cfg = Config()
+    cfg.model = tiny_model_config()
+    model, rt = GPT(cfg.model), device_runtime("cuda")
+    cfg.train.batch_size, cfg.train.grad_accum_steps = 4, 16
+    assert auto_batch.auto_micro_batch(cfg, model, rt) == "4x16" and tried == []  # flag off
+    cfg.train.batch_size_auto = True
+    assert auto_batch.auto_micro_batch(cfg, model, rt) == "8x8 (auto, of 64 per step)"
+    assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 8)
+    assert tried == [8, 32, 16]  # a binary search over the 7 divisors of 64
+    assert all(p.grad is None for p in model.parameters()) and model.training
+    assert "largest micro-batch dividing 64 that fits" in capsys.readouterr().out
+    per_sequence = 2**30
+    with pytest.raises(machine.SetupError, match=r"not even a micro-batch of 1 sequence of 16 "
+                       r"tokens fits in 0\.1 GiB; use a smaller model"):
+        auto_batch.auto_micro_batch(cfg, model, rt)
+
+
+def test_trial_step_trains_at_the_micro_batch_and_leaves_no_gradients(monkeypatch):
+    """The CPU half of the search's trial step (_fits around _trial_step, unchanged): a forward
+    and backward at the micro-batch, waiting for the runtime's device; fitting is the peak it
+    reserved against the budget; the gradients go."""
+    synced, batches, backward = [], [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 100)
+    model = GPT(tiny_model_config())
+    model.transformer.wte.register_forward_hook(lambda m, i, o: batches.append(i[0].shape))
+    model.lm_head.weight.register_hook(lambda grad: backward.append(grad.dtype))
+    rt = cpu_runtime()
+    assert auto_batch._fits(model, rt, 3, budget=100)
+    assert not auto_batch._fits(model, rt, 3, budget=99)
+    assert batches == [(3, model.config.block_size)] * 2
+    assert backward == [torch.float32] * 2 and synced == [torch.device("cpu")] * 2
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.cuda
 def test_auto_micro_batch_finds_the_largest_size_that_fits(monkeypatch):
     """train.batch_size_auto on CUDA: with room for all of it, the whole global batch in one
-    micro-batch; with room for 8 sequences (what a trial step at 8 reserved, +10%), 8 x 8."""
+    micro-batch; with room for 8 sequences (what a trial step at 8 reserved, +10%), 8 x 8.
+    (The GPU half: real trial steps against the allocator's peaks.)"""
     cfg = Config()
     cfg.model = tiny_model_config(vocab_size=4096, block_size=256, n_embd=64)  # ~12 MiB/sequence
     rt = device_runtime("cuda")
@@ -383,19 +471,54 @@ def test_attention_kernel_report(attention, mask, expected):
     assert speedups.attention_kernels(lambda: model(x, y)[1].backward()) == expected
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype,mask,flash", [
+FLASH_CASES = [
     ("bfloat16", "on_the_fly", True),
     ("float16", "on_the_fly", True),
     ("float32", "on_the_fly", False),  # the Flash kernel takes 16-bit inputs only
     ("bfloat16", "buffer", False),  # and no mask tensor: is_causal=True is what lets it run
-])
+]
+
+
+def flash_case_model(mask: str) -> GPT:
+    return GPT(tiny_model_config(n_embd=128, n_head=2, block_size=64, attention="sdpa",
+                                 causal_mask=mask))  # head size 64, as GPT-2's
+
+
+@pytest.mark.parametrize("dtype,mask,flash", FLASH_CASES)
+def test_sdpa_inputs_suit_flash_where_cuda_should_pick_it(dtype, mask, flash, monkeypatch):
+    """The CPU half of test_sdpa_picks_flash_on_cuda_for_16_bit_causal_attention: in that
+    probe, what the model hands F.scaled_dot_product_attention meets the CUDA Flash kernel's
+    conditions on its inputs (4-D query, key and value, all float16 or all bfloat16, head size
+    a multiple of 8 up to 256, the last dimension contiguous, no mask tensor, is_causal)
+    exactly in the cases that test expects Flash."""
+    import model as model_module
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa, calls = model_module.F.scaled_dot_product_attention, []
+
+    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        calls.append((q, k, v, attn_mask, is_causal))
+        with sdpa_kernel(SDPBackend.MATH):  # any kernel: the inputs are what is checked
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", recorded)
+    kernels = speedups.probe_attention(flash_case_model(mask), cpu_runtime(dtype), micro_batch=2)
+    assert len(calls) == 1 and kernels == []  # the math kernel decomposes out of sight
+    q, k, v, attn_mask, is_causal = calls[0]
+    assert q.dtype == k.dtype == v.dtype == machine.DTYPES[dtype]  # autocast reached them
+    suits_flash = (q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None
+                   and is_causal and all(t.dim() == 4 and t.stride(-1) == 1 for t in (q, k, v))
+                   and q.size(-1) % 8 == 0 and q.size(-1) <= 256)
+    assert suits_flash == flash
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,mask,flash", FLASH_CASES)
 def test_sdpa_picks_flash_on_cuda_for_16_bit_causal_attention(dtype, mask, flash):
+    """The GPU half: which kernel torch's dispatcher picks for those inputs."""
     if os.environ.get("TORCH_CUDNN_SDPA_PREFERRED") == "1":
         pytest.skip("TORCH_CUDNN_SDPA_PREFERRED=1 puts the cuDNN kernel ahead of Flash")
-    cfg = tiny_model_config(n_embd=128, n_head=2, block_size=64, attention="sdpa",
-                            causal_mask=mask)  # head size 64, as GPT-2's
-    model = GPT(cfg).cuda()
+    model = flash_case_model(mask).cuda()
     kernels = speedups.probe_attention(model, device_runtime("cuda", dtype), micro_batch=2)
     assert kernels, "no scaled_dot_product_attention kernel was recorded"
     assert ("flash" in kernels) == flash, kernels
@@ -417,12 +540,6 @@ def test_an_attention_kernel_that_cannot_run_is_one_line_with_the_fix(monkeypatc
         "(pack_vnni2 is only supported when avx512 is supported); ATEN_CPU_CAPABILITY=avx2 "
         "narrows torch's kernels below what its attention code expects of this CPU: unset it, "
         "or use --attention=scratch")
-
-
-def narrowed_below_amx() -> bool:
-    """A CPU whose AMX oneDNN may use, but whose torch kernels ATEN_CPU_CAPABILITY narrowed
-    below AVX-512."""
-    return "AMX" in machine.cpu_bf16_units() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -536,8 +653,27 @@ def test_cpu_peak_memory_tracks_and_resets():
     assert timing.peak_memory(device)["rss"] < peak - 100 * 2**20
 
 
+def test_cuda_peak_memory_reads_the_caching_allocator(monkeypatch):
+    """The CPU half of test_cuda_peak_memory_tracks_and_resets: on a CUDA device peak_memory
+    reads the caching allocator's peaks for that device (allocated, reserved) and
+    reset_peak_memory resets them, not the process's peak RSS."""
+    asked = []
+
+    def answer(question, value=None):
+        return lambda device=None: asked.append((question, device)) or value
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", answer("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", answer("allocated", 1))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", answer("reserved", 2))
+    device = torch.device("cuda", 0)
+    timing.reset_peak_memory(device)
+    assert timing.peak_memory(device) == {"allocated": 1, "reserved": 2}
+    assert asked == [("reset", device), ("allocated", device), ("reserved", device)]
+
+
 @pytest.mark.cuda
 def test_cuda_peak_memory_tracks_and_resets():
+    """The GPU half: the allocator's real peaks."""
     device = torch.device("cuda")
     timing.reset_peak_memory(device)
     before = timing.peak_memory(device)
