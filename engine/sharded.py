@@ -121,6 +121,7 @@ class Pending:
     cfg: config_mod.Config
     masks: dict | None  # a pruned model's
     published: bool = False
+    error: str = ""  # rank 0's, publishing in poll(): raised at wait(), where every rank is
 
 
 class ShardedWriter:
@@ -206,9 +207,13 @@ class ShardedWriter:
         """Rank 0 publishes a background save that has finished (DCP's future completes on rank
         0 after every rank's files and the metadata are written)."""
         p = self.pending
-        if p and self.dist.is_main and not p.published and p.future.done() \
+        if p and self.dist.is_main and not p.published and not p.error and p.future.done() \
                 and p.future.exception() is None:
-            self.publish(p)
+            try:
+                self.publish(p)
+            except OSError as e:
+                shutil.rmtree(p.tmp, ignore_errors=True)
+                p.error = checkpoint.disk_full_cause(e) or checkpoint.first_line(e)
 
     def wait(self) -> None:
         """Block until the save under way is on disk, published; a failed one raises."""
@@ -217,6 +222,8 @@ class ShardedWriter:
             return
         try:
             p.future.result()
+            if p.error:
+                raise OSError(p.error)
         except (Exception, dcp.api.CheckpointException) as e:
             if self.dist.is_main:
                 shutil.rmtree(p.tmp, ignore_errors=True)

@@ -153,6 +153,27 @@ def test_a_failed_save_leaves_the_last_checkpoint_and_says_why(whole, char_datas
             == ["ckpt_0000003"]
 
 
+def test_a_background_save_failing_as_it_is_published_raises_at_the_next_wait(tmp_path,
+                                                                             monkeypatch):
+    model = GPT(tiny_model_config())
+    optimizer = torch.optim.AdamW(model.parameters())
+    writer = sharded.ShardedWriter(Dist(), str(tmp_path), 2, background=True)
+    writer.save(1, model, optimizer, load_config([])[0], {}, {"step": 1})
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_rest", disk_full)
+    deadline = time.monotonic() + 60
+    while not writer.pending.error:  # training goes on: poll() keeps the error for wait()
+        assert time.monotonic() < deadline
+        writer.poll()
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError, match="step 1 failed .*no space left on device"):
+        writer.wait()
+    assert list(tmp_path.iterdir()) == []
+
+
 KILL_DURING_SAVE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
