@@ -2,11 +2,13 @@
 machine's python3 lacks hidden from Python (DEVICE_LACKS), every test module collected as the
 script collects them there, every part at tiny size, each
 CUDA-only part skipped with a line saying why, the result files in the folder given and in $OUT.
-Also the time budgets of bench.py and bench.py memory that the script relies on."""
+Also the time budgets of bench.py and bench.py memory that the script relies on, and the shell
+functions that bound a part and time its compile."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -78,8 +80,10 @@ def test_cpu_pass_exits_0_and_writes_its_results(cpu_pass):
         assert set(names) <= set(archive.getnames())
     summary = json.loads((tmp / "results" / "gpu_check_cpu-check.json").read_text())
     status = {p["part"]: p["status"] for p in summary["parts"]}
-    assert status == {"env": "ok", "tests": "skipped", "decode": "ok", "memory": "ok",
-                      "bench": "ok", "speedrun": "ok"}
+    assert status == {"env": "ok", "tests": "skipped", "compile": "ok", "decode": "ok",
+                      "memory": "ok", "bench": "ok", "speedrun": "ok"}
+    note = next(p["note"] for p in summary["parts"] if p["part"] == "compile")
+    assert note.startswith("CPU pass: --compile=false") and re.search(r"step 2 \d+ ms$", note)
     assert [r["config"] for r in summary["speedrun"]] == ["gpt2_124m", "gpt2_124m_speedrun"]
     assert all(r["steps"] == 3 and r["val"] for r in summary["speedrun"])
     tests = summary["tests"]
@@ -153,14 +157,35 @@ def test_bench_memory_rows_and_time_budget(char_dataset, tmp_path, capsys):
         capsys.readouterr().err
 
 
+def shell_function(name: str) -> str:
+    """One function of scripts/gpu_check.sh, to run alone."""
+    text = SCRIPT.read_text()
+    return f"{name}() {{" + text.split(f"\n{name}() {{", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
+
+
+def test_the_compile_part_notes_the_warm_up_and_each_step(tmp_path):
+    """watch_compile passes train.py's lines on and notes the seconds from its "compiling:" line
+    to the next (torch.compile's warm-up) and each step's time: a slow first step shows a
+    compile the warm-up missed."""
+    script = tmp_path / "watch.sh"
+    script.write_text(f"WORK={tmp_path}\n" + shell_function("watch_compile") + (
+        "{ echo 'compiling: torch.compile warms up ...'; sleep 2; echo 'config:'\n"
+        "  echo 'step     1 | loss 10.9 | lr 6.0e-04 | norm 1.20 | 41234 ms | 198 tok/s'\n"
+        "  echo 'step     2 | loss 10.8 | lr 6.0e-04 | norm 1.10 | 95 ms | 86,231 tok/s'\n"
+        "} | watch_compile\n"))
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[0] == "compiling: torch.compile warms up ..."
+    assert len(proc.stdout.splitlines()) == 4, proc.stdout + proc.stderr
+    assert re.fullmatch(r"torch.compile warm-up [23] s, step 1 41234 ms, step 2 95 ms",
+                        (tmp_path / "compile_note").read_text())
+
+
 def test_a_part_gives_its_second_command_only_what_the_first_left(tmp_path):
     """limited() runs a command under what is left of the part's limit, so a part of two
     commands (decode, speedrun) ends within its own: with 6 s, `sleep 3` then `sleep 5` cuts
     the second (the whole limit would let it finish)."""
-    text = SCRIPT.read_text()
-    limited = "limited() {" + text.split("\nlimited() {", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
     script = tmp_path / "parts.sh"
-    script.write_text("say() { printf '%s\\n' \"$*\"; }\n" + limited +
+    script.write_text("say() { printf '%s\\n' \"$*\"; }\n" + shell_function("limited") +
                       "LIMIT=6 PART_START=$SECONDS\nlimited sleep 3; echo first=$?\n"
                       "limited sleep 5; echo second=$?\n")
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
