@@ -22,10 +22,10 @@ from config import Config, ConfigError, load_config
 from data.chat_template import TemplateError
 from data.tokenizer import TokenizerError
 from engine import checkpoint
-from engine.device import SetupError, resolve_device
+from engine.device import SetupError
 from engine.inference.matvec import huge_pages_for, weight_layout_for
 from engine.serving.options import ServeOptions
-from engine.serving.supervisor import Supervisor, load_for_serving, log
+from engine.serving.supervisor import Supervisor, device_before_fork, load_for_serving, log
 
 
 def check_server_packages() -> None:
@@ -39,7 +39,7 @@ def check_server_packages() -> None:
 
 def serve(cfg: Config, o: ServeOptions) -> int:
     """Load the model once, then the supervisor's loop until SIGTERM/SIGINT. -> exit code."""
-    device = resolve_device(cfg.system.device)  # a device this machine lacks fails here
+    device = device_before_fork(cfg.system.device)  # checked without starting CUDA here
     torch.set_num_threads(1)  # no OpenMP pool before the forks (engine/serving/supervisor.py)
     loaded = load_for_serving(cfg, o, device)  # errors before any fork
     s = cfg.sample

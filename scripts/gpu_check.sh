@@ -9,6 +9,9 @@
 # Parts, in this order, each under its own time limit inside one overall budget:
 #   env      nvidia-smi, python / torch / CUDA, which optional packages are missing
 #   tests    python -m pytest -m cuda tests/: the CUDA variants of the flag tests (needs pytest)
+#   compile  torch.compile of GPT-2 124M at context 1024 (configs/gpt2_124m.toml), two steps of
+#            train.py: a compile failure shows here, early, with the warm-up's seconds and each
+#            step's time in its note (the speedrun part then finds the same graphs cached)
 #   decode   batch-1 decode tok/s on GPT-2 124M-shaped weights     (bench.py memory --part decode)
 #            and pruned Linears: 2:4 semi-structured / CSR vs dense   (python -m engine.inference.sparse)
 #   memory   the memory estimate beside the measured CUDA peaks    (bench.py memory --part train)
@@ -20,8 +23,8 @@
 # script makes the CPU pass (as --cpu). Exit status 1 when a part failed or ran out of time.
 #
 # Environment: PYTHON (default python3), GPU_CHECK_CPU=1 (same as --cpu), GPU_CHECK_BUDGET
-# (seconds, default 460), GPU_CHECK_PARTS (default tests,decode,memory,bench,speedrun; env and summary
-# always run), GPU_CHECK_TESTS (pytest targets), GPU_CHECK_WHEELS (a folder of wheels: pytest and
+# (seconds, default 460), GPU_CHECK_PARTS (default tests,compile,decode,memory,bench,speedrun; env and
+# summary always run), GPU_CHECK_TESTS (pytest targets), GPU_CHECK_WHEELS (a folder of wheels: pytest and
 # its dependencies, installed offline into a temporary folder when pytest is missing),
 # GPU_CHECK_DATASET (CPU pass: a prepared char-level dataset instead of data/shakespeare_char).
 set -uo pipefail
@@ -32,7 +35,7 @@ cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
 CPU_MODE=${GPU_CHECK_CPU:-0}
 BUDGET=${GPU_CHECK_BUDGET:-460}
-PARTS=${GPU_CHECK_PARTS:-tests,decode,memory,bench,speedrun}
+PARTS=${GPU_CHECK_PARTS:-tests,compile,decode,memory,bench,speedrun}
 RESULTS=""
 SUMMARY_RESERVE=15  # seconds kept back for the summary
 
@@ -210,6 +213,49 @@ part_tests() {
     finish tests $rc
 }
 
+# watch_compile: train.py's output passed on; what it says about compiling goes to
+# $WORK/compile_note: the warm-up's seconds (from its "compiling:" line to the next line) and each
+# step's time (a first step much slower than the second compiled again)
+watch_compile() {
+    local line start="" note=""
+    while IFS= read -r line; do
+        printf '%s\n' "$line"
+        if [[ -n $start ]]; then
+            note="torch.compile warm-up $((SECONDS - start)) s"
+            start=""
+        fi
+        [[ $line == compiling:* ]] && start=$SECONDS
+        if [[ $line =~ ^step\ +([0-9]+)\ \|.*\|\ ([0-9,.]+)\ ms\ \| ]]; then
+            note+="${note:+, }step ${BASH_REMATCH[1]} ${BASH_REMATCH[2]} ms"
+        fi
+        printf '%s' "$note" >"$WORK/compile_note"
+    done
+}
+
+part_compile() {
+    begin compile 120 || return
+    # the speedrun part's gpt2_124m run, stopped after 2 steps and never evaluated (the warm-up
+    # compiles the eval step too): the same shapes, so that part reuses these compiled graphs
+    local args=(--config gpt2_124m --save_checkpoints=false --hellaswag_interval=0
+                --tokens_per_step=0 --grad_accum_steps=1 --log_interval=1 --eval_iters=4
+                --eval_at_start=false --stop_after_iters=2 --out_dir="$WORK/compile") why=""
+    if [[ $CPU_MODE == 1 ]]; then
+        why="CPU pass: --compile=false (TorchInductor's C++ build takes ~30 s here even at tiny size; tests/test_speedups.py and the golden runs compile on the CPU)"
+        say "compile: $why"
+        args+=(--compile=false --device=cpu --vocab_size=0 --dataset=shakespeare_char
+               --n_layer=1 --n_head=2 --n_embd=32 --block_size=32 --batch_size=2 --max_iters=3
+               --eval_interval=3 "${CPU_DATA[@]}")
+    else  # 8 x 1024 tokens a step, as the speedrun part's runs
+        args+=(--compile=true --dataset=shakespeare --batch_size=8 --max_iters=40
+               --eval_interval=20)
+    fi
+    : >"$WORK/compile_note"
+    limited "$PYTHON" train.py "${args[@]}" 2>&1 | watch_compile
+    local rc=${PIPESTATUS[0]} note
+    note=$(cat "$WORK/compile_note")
+    finish compile "$rc" "${why:+$why; }${note}"
+}
+
 part_decode() {
     begin decode 60 || return
     local args=(--part decode --results "$RESULTS" --name "${SLUG}_decode")
@@ -299,14 +345,14 @@ main() {
     say "gpu_check: results in $RESULTS, budget ${BUDGET} s, python: $PYTHON"
     part_env
     if [[ -n $GC_CANNOT_RUN ]]; then
-        for part in tests decode memory bench speedrun; do
+        for part in tests compile decode memory bench speedrun; do
             wanted $part && skip $part "$GC_CANNOT_RUN"
         done
     else
         if [[ $CPU_MODE == 1 ]]; then
             say "SKIP the GPU sizes (GPT-2 124M at context 1024): CPU pass, every part runs at tiny size on the CPU and its CUDA-only rows say 'needs CUDA'"
         fi
-        for part in tests decode memory bench speedrun; do
+        for part in tests compile decode memory bench speedrun; do
             if ! wanted $part; then
                 skip $part "not in GPU_CHECK_PARTS=$PARTS"
             elif [[ $part != tests && $CPU_MODE != 1 && $GC_HAS_TIKTOKEN != 1 ]]; then

@@ -1,5 +1,7 @@
 """The Python parts of scripts/gpu_check.sh: what this machine has, the speedrun part's table,
-and the summary page.
+and the summary page (a table of the parts, env tests compile decode memory bench speedrun, with
+each one's status, seconds and note: the compile part's holds the warm-up's seconds and each
+step's time).
 
     python3 scripts/gpu_check_report.py env --json ENV.json --shell ENV.sh [--cpu] \\
         [--nvidia-smi TEXT]
@@ -35,12 +37,13 @@ REQUIRED = {
 }
 # what each missing optional package skips
 OPTIONAL = {
-    "tiktoken": "on a GPU the decode, memory and bench parts are skipped (bench_gpu's data is "
-                "in GPT-2 tokens)",
+    "tiktoken": "on a GPU the compile, decode, memory, bench and speedrun parts are skipped "
+                "(their data is in GPT-2 tokens)",
     "pytest": "the CUDA tests are skipped (part tests)",
     "torchao": "the int8 tests skip and the int8 decode row is skipped",
     "transformers": "the transformers decode row is skipped; tests/test_gpt2.py is not collected",
-    "triton": "the compile tests skip; bench.py's compile row fails with the fix",
+    "triton": "the compile tests skip; the compile part and bench.py's compile row fail with "
+              "the fix",
     "matplotlib": "bench.py writes no PNG",
     "accelerate": "not used by this check (multi-GPU launch)",
     "datasets": "not used by this check (data/shards.py needs it)",

@@ -1,12 +1,14 @@
 """scripts/gpu_check.sh's CPU pass, run as on the H200 it is written for: the packages that
 machine's python3 lacks hidden from Python (DEVICE_LACKS), every test module collected as the
-script collects them there, every part at tiny size, each
-CUDA-only part skipped with a line saying why, the result files in the folder given and in $OUT.
-Also the time budgets of bench.py and bench.py memory that the script relies on."""
+script collects them there, every part at tiny size or skipped with a line saying why, the
+summary written, at most 8 files in $OUT (what the lent machine hands back), the whole within
+the script's budget by its own clock. Also the time budgets of bench.py and bench.py memory that
+the script relies on, and the shell functions that bound a part and time its compile."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -78,8 +80,11 @@ def test_cpu_pass_exits_0_and_writes_its_results(cpu_pass):
         assert set(names) <= set(archive.getnames())
     summary = json.loads((tmp / "results" / "gpu_check_cpu-check.json").read_text())
     status = {p["part"]: p["status"] for p in summary["parts"]}
-    assert status == {"env": "ok", "tests": "skipped", "decode": "ok", "memory": "ok",
-                      "bench": "ok", "speedrun": "ok"}
+    assert status == {"env": "ok", "tests": "skipped", "compile": "ok", "decode": "ok",
+                      "memory": "ok", "bench": "ok", "speedrun": "ok"}
+    assert all(p["note"] for p in summary["parts"] if p["status"] == "skipped")  # with its reason
+    note = next(p["note"] for p in summary["parts"] if p["part"] == "compile")
+    assert note.startswith("CPU pass: --compile=false") and re.search(r"step 2 \d+ ms$", note)
     assert [r["config"] for r in summary["speedrun"]] == ["gpt2_124m", "gpt2_124m_speedrun"]
     assert all(r["steps"] == 3 and r["val"] for r in summary["speedrun"])
     tests = summary["tests"]
@@ -95,6 +100,34 @@ def test_cpu_pass_exits_0_and_writes_its_results(cpu_pass):
                     "## Memory estimate vs measured peak", "## The speedrun config beside"):
         assert heading in page, heading
     assert "SKIP tests: no CUDA device" in (tmp / "results" / "gpu_check_cpu-check.log").read_text()
+
+
+def test_cpu_pass_hands_back_at_most_8_files_within_its_budget(cpu_pass):
+    """What the lent machine returns: at most 8 files anywhere under $OUT; and the script's own
+    total (its last line) within the budget it was given (GPU_CHECK_BUDGET, default 460 s)."""
+    proc, tmp = cpu_pass
+    assert len([p for p in (tmp / "out").rglob("*") if p.is_file()]) <= 8
+    budget = int(re.search(r"^gpu_check: results in .*, budget (\d+) s,", proc.stdout,
+                           re.M).group(1))
+    total = int(re.search(r"^gpu_check: done in (\d+) s;", proc.stdout, re.M).group(1))
+    assert budget == 460 and total <= budget
+    summary = json.loads((tmp / "results" / "gpu_check_cpu-check.json").read_text())
+    assert sum(p["seconds"] for p in summary["parts"]) <= total
+
+
+def test_a_spent_budget_skips_every_part_with_its_reason(tmp_path):
+    """GPU_CHECK_BUDGET=39 leaves under 25 s for the first part once the summary's 15 are kept:
+    every part is skipped, saying why, the summary still written, the total within 39 s."""
+    proc = run_script(tmp_path, set(), "--cpu", "--results", str(tmp_path / "results"),
+                      GPU_CHECK_BUDGET="39", OUT=str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "SKIP env: the 39 s budget is spent (GPU_CHECK_BUDGET)" in proc.stdout
+    summary = json.loads((tmp_path / "results" / "gpu_check_cpu-check.json").read_text())
+    assert [p["part"] for p in summary["parts"]] == ["env", "tests", "compile", "decode",
+                                                      "memory", "bench", "speedrun"]
+    assert all(p["status"] == "skipped" and p["note"] for p in summary["parts"])
+    assert int(re.search(r"^gpu_check: done in (\d+) s;", proc.stdout, re.M).group(1)) <= 39
+    assert len([p for p in (tmp_path / "out").rglob("*") if p.is_file()]) <= 8
 
 
 def test_cpu_pass_says_what_it_skipped_and_why(cpu_pass):
@@ -153,14 +186,35 @@ def test_bench_memory_rows_and_time_budget(char_dataset, tmp_path, capsys):
         capsys.readouterr().err
 
 
+def shell_function(name: str) -> str:
+    """One function of scripts/gpu_check.sh, to run alone."""
+    text = SCRIPT.read_text()
+    return f"{name}() {{" + text.split(f"\n{name}() {{", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
+
+
+def test_the_compile_part_notes_the_warm_up_and_each_step(tmp_path):
+    """watch_compile passes train.py's lines on and notes the seconds from its "compiling:" line
+    to the next (torch.compile's warm-up) and each step's time: a slow first step shows a
+    compile the warm-up missed."""
+    script = tmp_path / "watch.sh"
+    script.write_text(f"WORK={tmp_path}\n" + shell_function("watch_compile") + (
+        "{ echo 'compiling: torch.compile warms up ...'; sleep 2; echo 'config:'\n"
+        "  echo 'step     1 | loss 10.9 | lr 6.0e-04 | norm 1.20 | 41234 ms | 198 tok/s'\n"
+        "  echo 'step     2 | loss 10.8 | lr 6.0e-04 | norm 1.10 | 95 ms | 86,231 tok/s'\n"
+        "} | watch_compile\n"))
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[0] == "compiling: torch.compile warms up ..."
+    assert len(proc.stdout.splitlines()) == 4, proc.stdout + proc.stderr
+    assert re.fullmatch(r"torch.compile warm-up [23] s, step 1 41234 ms, step 2 95 ms",
+                        (tmp_path / "compile_note").read_text())
+
+
 def test_a_part_gives_its_second_command_only_what_the_first_left(tmp_path):
     """limited() runs a command under what is left of the part's limit, so a part of two
     commands (decode, speedrun) ends within its own: with 6 s, `sleep 3` then `sleep 5` cuts
     the second (the whole limit would let it finish)."""
-    text = SCRIPT.read_text()
-    limited = "limited() {" + text.split("\nlimited() {", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
     script = tmp_path / "parts.sh"
-    script.write_text("say() { printf '%s\\n' \"$*\"; }\n" + limited +
+    script.write_text("say() { printf '%s\\n' \"$*\"; }\n" + shell_function("limited") +
                       "LIMIT=6 PART_START=$SECONDS\nlimited sleep 3; echo first=$?\n"
                       "limited sleep 5; echo second=$?\n")
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)

@@ -4,6 +4,7 @@ DDP and FSDP as one process does, holds bf16 weights through float32 masters, an
 where torch has no Muon."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -17,7 +18,7 @@ import train
 from config import Config, ConfigError, load_config
 from conftest import tiny_model_config, train_whole_and_resumed
 from engine import checkpoint, loading
-from engine.training import master_weights, optim, polar_express
+from engine.training import adamw, master_weights, optim, polar_express
 from engine.training import muon as muon_module
 from model import GPT
 from test_distributed import RUN as DIST_RUN
@@ -59,9 +60,11 @@ def test_muon_takes_the_blocks_linear_weights_and_adamw_the_rest():
     assert model.lm_head.weight is model.transformer.wte.weight
     assert isinstance(optimizer, torch.optim.Optimizer)
     assert optimizer.state is optimizer.adamw.state is optimizer.muon.state
-    assert type(optimizer.muon) is muon_module.Float32Muon  # auto, on a CPU
+    assert type(optimizer.muon) is muon_module.Muon
+    assert optimizer.muon.ns_dtype == torch.float32  # auto, on a CPU
+    assert isinstance(optimizer.muon, torch.optim.Muon)  # torch's settings and state
     cuda = optim.make_optimizer(model, muon_config(), torch.device("cuda"))
-    assert type(cuda.muon) is torch.optim.Muon  # auto on CUDA: torch's bfloat16 iteration
+    assert cuda.muon.ns_dtype == torch.bfloat16  # auto on CUDA: torch's bfloat16 iteration
 
 
 def newton_schulz_float64(update: torch.Tensor, coefficients: tuple) -> torch.Tensor:
@@ -93,7 +96,7 @@ def test_float32_newton_schulz_orthogonalizes_like_bfloat16_and_float64():
 @pytest.mark.parametrize("ns_dtype", ["bfloat16", "float32"])
 def test_a_step_is_torch_muon_and_adamw_applied_by_hand_at_each_scheduled_lr(ns_dtype,
                                                                              monkeypatch):
-    """bfloat16 is torch.optim.Muon itself; float32 (Float32Muon) equals torch.optim.Muon with
+    """bfloat16 is torch.optim.Muon's update to the bit; float32 equals torch.optim.Muon with
     its Newton-Schulz swapped for the float32 one: the rest of the update is torch's."""
     if ns_dtype == "float32":
         monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", muon_module.orthogonalize)
@@ -124,10 +127,46 @@ def test_a_step_is_torch_muon_and_adamw_applied_by_hand_at_each_scheduled_lr(ns_
         by_hand_muon.step()
         assert [g["lr"] for g in optimizer.param_groups] == [lr] * 3  # as set: never compounded
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            if ns_dtype == "bfloat16":
+            if ns_dtype == "bfloat16" or id(q) not in ids:
                 assert torch.equal(p, q), f"step {step}: {name}"
-            else:  # Float32Muon orthogonalizes its matrices together: the same to rounding
+            else:  # float32 orthogonalizes the matrices together: the same to rounding
                 torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=f"step {step}: {name}")
+
+
+def test_a_gpu_runs_adamw_is_torchs_to_the_bit_and_skips_a_flagged_step():
+    """adamw.AdamW (a GPU run's non-fused AdamW) against torch's AdamW(foreach=False) on a CPU:
+    the same weights and state bit for bit over steps of changing lr, with and without weight
+    decay, taking over torch's state (its step counts on the host) halfway; a step flagged in
+    found_inf, its gradients NaN, leaves every weight and state tensor as it was."""
+    model, reference = tiny_gpt(), tiny_gpt()
+    groups = model.optimizer_groups(0.1)
+    assert {g["weight_decay"] for g in groups} == {0.0, 0.1}
+    optimizer = adamw.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    by_hand = torch.optim.AdamW(reference.optimizer_groups(0.1), lr=1e-2, betas=(0.9, 0.95),
+                                foreach=False)
+    for step in range(6):
+        lr = 1e-2 * (1 + step) / 3
+        if step == 3:  # resumed from torch's state: its step counts on the host (a GPU: moved once)
+            optimizer = adamw.AdamW(model.optimizer_groups(0.1), lr=lr, foreach=False)
+            optimizer.load_state_dict(copy.deepcopy(by_hand.state_dict()))
+        for group in [*optimizer.param_groups, *by_hand.param_groups]:
+            group["lr"] = lr
+        fill_grads(model, step)
+        fill_grads(reference, step)
+        optimizer.found_inf = torch.zeros(())
+        optimizer.step()
+        by_hand.step()
+        state = [t.clone() for s in optimizer.state.values() for t in s.values()]
+        for p in model.parameters():
+            p.grad.fill_(math.nan)
+        optimizer.found_inf = torch.ones(())
+        optimizer.step()
+        assert all(torch.equal(a, b) for a, b in zip(
+            state, [t for s in optimizer.state.values() for t in s.values()]))
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), f"step {step}: {name}"
+    ours, torchs = optimizer.state_dict()["state"], by_hand.state_dict()["state"]
+    assert all(torch.equal(ours[i][k], torchs[i][k]) for i in torchs for k in torchs[i])
 
 
 def test_orthogonalizing_all_at_once_is_one_by_one():
@@ -221,8 +260,9 @@ def test_a_polar_express_iteration_maps_each_singular_value_by_its_quintics(step
 
 def test_polar_express_is_float32_muon_on_any_device_and_refused_with_bfloat16():
     cfg = muon_config(muon_ns_coefficients="polar_express", muon_ns_steps=3)
-    optimizer = optim.make_optimizer(tiny_gpt(), cfg, torch.device("cpu"))
-    assert isinstance(optimizer.muon, muon_module.Float32Muon)
+    for device in ("cpu", "cuda"):
+        optimizer = optim.make_optimizer(tiny_gpt(), cfg, torch.device(device))
+        assert optimizer.muon.ns_dtype == torch.float32
     group = optimizer.param_groups[-1]
     assert group["ns_coefficients"] == polar_express.polar_express_coefficients(3)
     plain = optim.make_optimizer(tiny_gpt(), muon_config(), torch.device("cpu"))

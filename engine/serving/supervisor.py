@@ -5,8 +5,10 @@ memory), restarts a worker that dies, and on SIGTERM lets the workers finish wha
     Supervisor(cfg, options, load_for_serving(cfg, options, device)).run()   # -> exit code
 
 Each worker runs uvicorn on the inherited socket with its own BatchEngine (its slots, its queue,
-its share of the cores). The supervisor never runs a multi-threaded torch op before forking:
-a forked child of a process whose OpenMP pool has started hangs at its first parallel op.
+its share of the cores). The supervisor never runs a multi-threaded torch op before forking (a
+forked child of a process whose OpenMP pool has started hangs at its first parallel op), nor
+starts CUDA (device_before_fork; the child of a process that started CUDA cannot use it): each
+worker moves the weights, loaded on the CPU, to its GPU itself.
 
 Metrics: the supervisor points PROMETHEUS_MULTIPROC_DIR at a fresh folder before forking (and
 removes it at exit), so every worker writes its counters there and /metrics, from any worker,
@@ -34,7 +36,7 @@ import torch
 from config import Config, ConfigError
 from data import chat_template
 from data.tokenizer import from_meta
-from engine.device import Runtime, setup
+from engine.device import Runtime, resolve_device, setup
 from engine.inference.load import load_for_inference, prepare_weights
 from engine.inference.sampling import call_forward_directly
 from engine.serving.options import ServeOptions
@@ -45,6 +47,7 @@ if TYPE_CHECKING:  # imported by the worker only, after the fork
 RESTARTS_PER_MINUTE = 5  # more crashes than this in a minute: stop, something is wrong
 STOP_GRACE_S = 600.0  # after SIGTERM, running requests get this long before workers are killed
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode: its folder
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # 1: torch.cuda.is_available asks NVML
 
 
 def log(text: str) -> None:
@@ -60,6 +63,23 @@ class LoadedModel:
     name: str
     label: str
     template: chat_template.ChatTemplate | None = None  # for /v1/chat/completions
+
+
+def device_before_fork(name: str) -> torch.device:
+    """resolve_device(name) (a device this machine lacks fails here, before any fork) without
+    starting CUDA in this process: the CUDA runtime's device count, behind a plain
+    torch.cuda.is_available(), starts it, after which no forked child can use CUDA. Under
+    PYTORCH_NVML_BASED_CUDA_CHECK=1 torch counts the GPUs through NVML instead (should NVML fail,
+    torch falls back to the runtime's count, and the workers fail at their first CUDA call)."""
+    saved = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        return resolve_device(name)
+    finally:
+        if saved is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = saved
 
 
 def load_for_serving(cfg: Config, options: ServeOptions,

@@ -37,11 +37,21 @@ class MasterWeights:
     def state(self):
         return self.inner.state
 
+    @property
+    def skips_nonfinite(self) -> bool:
+        """Whether found_inf (1: skip) reaches an inner optimizer that reads it: a skipped step
+        leaves the masters, and so the weights copied from them, as they were."""
+        return getattr(self.inner, "skips_nonfinite", False)
+
     @torch.no_grad()
     def step(self, closure=None) -> None:
         for p, master in zip(self.model_params, self.masters):
             master.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
+        self.inner.found_inf = getattr(self, "found_inf", None)
+        try:
+            self.inner.step()
+        finally:
+            self.inner.found_inf = None
         for p, master in zip(self.model_params, self.masters):
             p.copy_(master)
 

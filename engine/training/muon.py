@@ -1,9 +1,10 @@
-"""train.optimizer=muon: torch.optim.Muon on the blocks' Linear weights and AdamW on the rest,
-as one optimizer (MuonWithAdamW); on a CPU, or with Polar Express's quintics, Muon's Newton-Schulz
-iteration in float32 over all of a group's matrices at once (Float32Muon). engine/training/optim.py
-loads this when the option is on.
+"""train.optimizer=muon: Muon (torch.optim.Muon's update) on the blocks' Linear weights and AdamW
+on the rest, as one optimizer (MuonWithAdamW). Muon's Newton-Schulz iteration runs in bfloat16 a
+matrix at a time as torch's own, or (on a CPU, or with Polar Express's quintics) in float32 over
+all of a group's matrices at once; both halves skip a non-finite step on the device (found_inf).
+engine/training/optim.py loads this when the option is on.
 
-    groups, make = muon_optimizer(model, groups, cfg, device)   # then make(groups, lr=..., ...)
+    groups, make = muon_optimizer(model, groups, cfg, device, adamw)  # make(groups, lr=..., ...)
 """
 from __future__ import annotations
 
@@ -19,20 +20,21 @@ from model import GPT
 Coefficients = tuple[float, float, float]
 
 
-def muon_optimizer(model: GPT, groups: list[dict], cfg: Config,
-                   device: torch.device) -> tuple[list[dict], functools.partial]:
+def muon_optimizer(model: GPT, groups: list[dict], cfg: Config, device: torch.device,
+                   adamw: type = torch.optim.AdamW) -> tuple[list[dict], functools.partial]:
     """(the AdamW groups less the hidden matrices + one Muon group, a maker of the optimizer)."""
     t = cfg.train
     muon = dict(momentum=t.muon_momentum, adjust_lr_fn=t.muon_adjust_lr, ns_steps=t.muon_ns_steps)
     polar = t.muon_ns_coefficients == "polar_express"
-    if polar:  # a quintic per step: only Float32Muon's iteration takes a schedule
+    if polar:  # a quintic per step, iterated in float32 (config.py refuses bfloat16)
         from engine.training.polar_express import polar_express_coefficients
 
         muon["ns_coefficients"] = polar_express_coefficients(t.muon_ns_steps)
     float32 = t.muon_ns_dtype == "float32" or (t.muon_ns_dtype == "auto"
                                                and (device.type != "cuda" or polar))
-    return muon_groups(model, groups, cfg), functools.partial(
-        MuonWithAdamW, muon_class=Float32Muon if float32 else torch.optim.Muon, muon=muon)
+    muon["ns_dtype"] = torch.float32 if float32 else torch.bfloat16
+    return muon_groups(model, groups, cfg), functools.partial(MuonWithAdamW, muon=muon,
+                                                              adamw=adamw)
 
 
 def muon_params(model: GPT) -> list[torch.nn.Parameter]:
@@ -57,17 +59,18 @@ def muon_groups(model: GPT, groups: list[dict], cfg: Config) -> list[dict]:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """torch.optim.Muon over the groups marked "muon", AdamW over the others, as one optimizer:
-    one param_groups list and one state (the inner two share both), so GradScaler, clipping,
-    the lr schedule and state_dict / load_state_dict see an ordinary torch optimizer."""
+    """Muon over the groups marked "muon", `adamw` over the others, as one optimizer: one
+    param_groups list and one state (the inner two share both), so GradScaler, clipping, the lr
+    schedule and state_dict / load_state_dict see an ordinary torch optimizer."""
 
-    def __init__(self, groups: list[dict], muon: dict, muon_class: type | None = None,
-                 **adamw):
-        self.adamw = torch.optim.AdamW([g for g in groups if not g.get("muon")], **adamw)
-        self.muon = (muon_class or torch.optim.Muon)([g for g in groups if g.get("muon")],
-                                                      **muon)
+    def __init__(self, groups: list[dict], muon: dict, adamw: type = torch.optim.AdamW,
+                 **adamw_kwargs):
+        self.adamw = adamw([g for g in groups if not g.get("muon")], **adamw_kwargs)
+        self.muon = Muon([g for g in groups if g.get("muon")], **muon)
         super().__init__(self.adamw.param_groups + self.muon.param_groups, {})
         self._share()
+        self.skips_nonfinite = getattr(self.adamw, "skips_nonfinite", False) or all(
+            group.get("fused") for group in self.adamw.param_groups)  # found_inf to both halves
 
     def _share(self) -> None:
         count = len(self.adamw.param_groups)
@@ -81,13 +84,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.adamw.step()
+        self.adamw.found_inf = self.muon.found_inf = getattr(self, "found_inf", None)
         scheduled = [group["lr"] for group in self.muon.param_groups]
-        for group, lr in zip(self.muon.param_groups, scheduled):
-            group["lr"] = lr * group["lr_scale"]
-        self.muon.step()
-        for group, lr in zip(self.muon.param_groups, scheduled):
-            group["lr"] = lr  # what the schedule set, so a step never compounds the scale
+        try:
+            self.adamw.step()
+            for group, lr in zip(self.muon.param_groups, scheduled):
+                group["lr"] = lr * group["lr_scale"]
+            self.muon.step()
+        finally:  # the schedule's lr, so a step never compounds the scale; found_inf for one step
+            for group, lr in zip(self.muon.param_groups, scheduled):
+                group["lr"] = lr
+            self.adamw.found_inf = self.muon.found_inf = None
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -107,11 +114,11 @@ def per_step(coefficients: Coefficients | Sequence[Coefficients], steps: int
 
 
 def orthogonalize(update: torch.Tensor, coefficients: Coefficients | Sequence[Coefficients],
-                  steps: int, eps: float) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration (torch.optim.Muon's order of operations) in
-    float32: about U V^T of update = U S V^T. coefficients: as per_step takes them."""
+                  steps: int, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration in dtype (torch.optim.Muon's order of operations; in
+    bfloat16 its bits): about U V^T of update = U S V^T. coefficients: as per_step takes them."""
     tall = update.size(0) > update.size(1)
-    x = update.float().T if tall else update.float()  # (short, long): the Gram matrix is small
+    x = update.to(dtype).T if tall else update.to(dtype)  # (short, long): a small Gram matrix
     x = x / x.norm().clamp(min=eps)
     for a, b, c in per_step(coefficients, steps):
         gram = x @ x.T
@@ -175,10 +182,17 @@ def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 # a torch without Muon still imports this module: muon_groups refuses before the class is used
-class Float32Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
-    """torch.optim.Muon's update, state and settings, with the Newton-Schulz iteration in
-    float32 (torch's runs in bfloat16, which a CPU without AMX emulates slowly), over all of a
-    group's matrices at once (orthogonalize_all)."""
+class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
+    """torch.optim.Muon's update, state and settings; its Newton-Schulz iteration in bfloat16 a
+    matrix at a time as torch's, or in float32 over a group's matrices at once (orthogonalize_all:
+    a CPU without AMX emulates bfloat16 slowly). At found_inf = 1 (engine/training/adamw.py) the
+    weights and momentum stay as they were, the host never reading it."""
+
+    skips_nonfinite = True
+
+    def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -186,6 +200,8 @@ class Float32Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        keep = None if found_inf is None else found_inf == 0
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             params = [p for p in group["params"] if p.grad is not None]
@@ -195,11 +211,14 @@ class Float32Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
-            updates = orthogonalize_all(updates, group["ns_coefficients"], group["ns_steps"],
-                                        group["eps"])
+                new_buf = buf.lerp(p.grad, 1 - momentum)
+                updates.append(p.grad.lerp(new_buf, momentum) if group["nesterov"] else new_buf)
+                buf.copy_(new_buf if keep is None else torch.where(keep, new_buf, buf))
+            settings = group["ns_coefficients"], group["ns_steps"], group["eps"]
+            updates = (orthogonalize_all(updates, *settings) if self.ns_dtype == torch.float32
+                       else [orthogonalize(u, *settings, self.ns_dtype) for u in updates])
             for p, update in zip(params, updates):
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], p.shape))
+                new_p = p.mul(1 - lr * group["weight_decay"]).add_(
+                    update, alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], p.shape))
+                p.copy_(new_p if keep is None else torch.where(keep, new_p, p))
         return loss

@@ -1,7 +1,8 @@
 """The optimizer and the learning-rate schedule.
 
     make_optimizer   AdamW over the model's decay / no-decay groups: fused where the device has
-                     it (train.fused_adamw), over float32 master weights when the model holds
+                     it (train.fused_adamw; else off a CPU adamw.py's, which skips a NaN/inf
+                     step on the device), over float32 master weights when the model holds
                      bf16 weights (system.weights_dtype=bfloat16: master_weights.py); with
                      train.optimizer=muon, Muon on the blocks' Linear weights and AdamW on
                      embeddings, the tied head, biases and norms (muon.py)
@@ -58,24 +59,39 @@ def set_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> None:
 
 def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """AdamW (or Muon + AdamW) as configured; fused AdamW where asked and the device has it
-    (fused_note says which ran)."""
+    (fused_note says which ran). Off a CPU each skips a NaN/inf step on the device."""
     t = cfg.train
-    groups, make = model.optimizer_groups(t.weight_decay), torch.optim.AdamW
-    if t.optimizer == "muon":  # Muon on the blocks' matrices, AdamW on the rest
-        from engine.training.muon import muon_optimizer
-
-        groups, make = muon_optimizer(model, groups, cfg, device)
     kwargs = dict(lr=t.learning_rate, betas=(t.beta1, t.beta2))
-    if next(model.parameters()).dtype == torch.bfloat16:  # system.weights_dtype=bfloat16
-        from engine.training.master_weights import MasterWeights
-
-        return MasterWeights(groups, make, foreach=False, **kwargs)
-    if t.fused_adamw:
+    bf16 = next(model.parameters()).dtype == torch.bfloat16  # system.weights_dtype=bfloat16
+    if t.fused_adamw and not bf16:
+        groups, make = optimizer_maker(model, cfg, device, torch.optim.AdamW)
         try:
             return make(groups, fused=True, **kwargs)
         except (RuntimeError, ValueError):  # fused_note tells the banner
             pass
+    # non-fused: torch's on a CPU, where reading the skip flag waits for nothing; elsewhere
+    # adamw.py's, which skips on the device (torch's counts its steps on the host)
+    adamw = torch.optim.AdamW
+    if device.type != "cpu":
+        from engine.training.adamw import AdamW
+
+        adamw = AdamW
+    groups, make = optimizer_maker(model, cfg, device, adamw)
+    if bf16:
+        from engine.training.master_weights import MasterWeights
+
+        return MasterWeights(groups, make, foreach=False, **kwargs)
     return make(groups, foreach=False, **kwargs)
+
+
+def optimizer_maker(model: GPT, cfg: Config, device: torch.device, adamw: type) -> tuple:
+    """(the parameter groups, a maker of the optimizer): `adamw`, or Muon + `adamw` (muon.py)."""
+    groups = model.optimizer_groups(cfg.train.weight_decay)
+    if cfg.train.optimizer != "muon":
+        return groups, adamw
+    from engine.training.muon import muon_optimizer
+
+    return muon_optimizer(model, groups, cfg, device, adamw)
 
 
 def fused_note(optimizer: torch.optim.Optimizer, cfg: Config) -> str:

@@ -26,26 +26,29 @@ class StepResult:
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Fused AdamW takes found_inf and skips the whole update in its kernel (the step count too),
-    so the host need not read the flag; other optimizers are stepped only after the host reads it
-    (a device sync per step: free on a CPU, a stall of the queue on a GPU)."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
-        g.get("fused") for g in optimizer.param_groups)
+    """Whether the optimizer reads found_inf and skips a flagged step on the device, so the host
+    never reads the flag: fused torch AdamW, and every optimizer make_optimizer builds off a CPU
+    (skips_nonfinite: adamw.py's AdamW, Muon, the two as one, float32 masters over them). Any
+    other (torch's non-fused AdamW, which a CPU run keeps) is stepped after the host reads the
+    flag: free on a CPU, a wait for the device on a GPU."""
+    return getattr(optimizer, "skips_nonfinite", False) or (
+        isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+        and all(g.get("fused") for g in optimizer.param_groups))
 
 
-def update_unless_nonfinite(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                            finite: torch.Tensor) -> None:
+def update_unless_nonfinite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """The update, or none at all when finite is False: the weights and the optimizer state,
+    its step count too, stay as they were. With float16 the gradients were unscaled already and
+    GradScaler's own inf check is contained in finite (an inf gradient makes the norm inf)."""
     if not skips_on_device(optimizer):
         if bool(finite):
-            scaler.step(optimizer)
-    elif scaler.is_enabled():  # float16: the scaler hands fused AdamW its own found_inf
-        scaler.step(optimizer)
-    else:
-        optimizer.found_inf = (~finite).float()
-        try:
             optimizer.step()
-        finally:
-            del optimizer.found_inf
+        return
+    optimizer.found_inf = (~finite).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def grad_sync(model: torch.nn.Module) -> Callable[[bool], contextlib.AbstractContextManager] | None:
@@ -100,7 +103,7 @@ def train_step(trainer: Trainer, batch: tuple, lr: float) -> StepResult:
     if hasattr(norm, "full_tensor"):  # under FSDP: a DTensor over every rank's shard
         norm = norm.full_tensor()
     finite = torch.isfinite(loss_sum) & torch.isfinite(norm)  # no sync
-    update_unless_nonfinite(optimizer, scaler, finite)
+    update_unless_nonfinite(optimizer, finite)
     scaler.update()  # with float16, a skipped step also lowers the loss scale
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, norm, finite, (x, y))
