@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"bench", "generate", "load_gpt2_weights", "prune", "serve", "train"}
 LONGEST_FUNCTION = 60  # lines, from the def to its last line
 # what the default runs may load, in lines of the project's own files (docs/layout.md)
-TRAIN_LINES, GENERATE_LINES, MODEL_LINES = 3550, 2530, 450
+TRAIN_LINES, GENERATE_LINES, MODEL_LINES = 3600, 2530, 450
 # modules a default run must not load: each belongs to an option the default leaves off
 NOT_FOR_TRAINING = ("engine.inference", "engine.serving", "engine.benchmarks", "engine.hf",
                     "engine.hellaswag", "engine.pruning", "engine.compiling", "engine.loading",
