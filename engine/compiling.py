@@ -80,15 +80,19 @@ def warm_up(model: torch.nn.Module, raw_model: torch.nn.Module, rt: Runtime,
     change after). Leaves no gradients, RNG draws or mode change behind."""
     cfg, device = raw_model.config, rt.device
     idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), device=device)
+    # as the loader hands them: views into (B, T+1) rows (compiled code is specialised on
+    # strides: contiguous inputs here would compile step 1 again)
+    rows = torch.cat([idx, idx[:, :1]], dim=1)
+    x, y = rows[:, :-1], rows[:, 1:]
     was_training = model.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.train()
         with rt.autocast():
-            _, loss = model(idx, idx)
+            _, loss = model(x, y)
         loss.backward()
         model.eval()
         with torch.no_grad(), rt.autocast():
-            model(idx, idx)
+            model(x, y)
     model.train(was_training)
     raw_model.zero_grad(set_to_none=True)
     for module in raw_model.modules():  # FSDP2 keeps the root gathered after an eval forward:

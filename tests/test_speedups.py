@@ -620,6 +620,23 @@ def test_compile_without_a_compiler_is_refused(monkeypatch):
         (model, "off")
 
 
+def test_compile_warm_up_feeds_the_strides_the_loader_hands_out(char_dataset):
+    """torch.compile specialises on strides: the warm-up's inputs must be laid out as the
+    loader's (views into (B, T+1) rows), else step 1 compiles the training step again. No
+    compile here: the model records what it is given."""
+    meta = load_meta(str(char_dataset))
+    x, y = Batches(meta, "train", 4, 16, seed=0).next()
+    model = GPT(tiny_model_config(block_size=16, vocab_size=meta["vocab_size"]))
+    seen = []
+    real_forward = model.forward
+    model.forward = lambda idx, targets=None: (seen.append((idx.shape, idx.stride(),
+                                                             targets.stride())),
+                                                real_forward(idx, targets))[1]
+    compiling.warm_up(model, model, cpu_runtime(), 4)
+    assert seen and all(s == (x.shape, x.stride(), y.stride()) for s in seen), (seen, x.stride())
+    assert x.stride() != x.contiguous().stride()  # the case at issue: not contiguous
+
+
 @pytest.mark.parametrize("isa, folder", [("VecAVX2", "isa_avx2"),
                                          ("VecAMX", "isa_avx512_avx512_vnni_amx_tile"),
                                          ("invalid_vec_isa", "isa_scalar")])
