@@ -339,14 +339,15 @@ def test_compiled_run_does_not_recompile_after_warm_up(device):
     assert warmed > 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):  # training steps and an evaluation
-        compiled.train()
-        idx = torch.randint(0, 37, (4, 16), device=device)
-        compiled(idx, idx)[1].backward()
+        compiled.train()  # the loader's layout: views into (B, T+1) rows
+        rows = torch.randint(0, 37, (4, 17), device=device)
+        idx, targets = rows[:, :-1], rows[:, 1:]
+        compiled(idx, targets)[1].backward()
         optimizer.step()
         optimizer.zero_grad()
         compiled.eval()
         with torch.no_grad():
-            compiled(idx, idx)
+            compiled(idx, targets)
     for length in (3, 7, 8):  # other prompts in the same bucket, with a context overflow
         prompt = torch.randint(0, 37, (1, length), device=device)
         generate.generate_tokens(compiled, prompt, 20, temperature=0, prompt_bucket=8)

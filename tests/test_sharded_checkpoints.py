@@ -243,12 +243,14 @@ def test_a_resume_with_another_optimizer_is_one_clear_line(whole, char_dataset, 
 
 @pytest.mark.parametrize("args, message", [
     (["--checkpoint_async=true"], "add --checkpoint_format=sharded"),
-    (["--checkpoint_format=sharded", "--lora.rank=4"], "a LoRA run saves its adapters"),
+    (["--checkpoint_format=sharded", "--lora.rank=4", "--init_from=WHOLE"],
+     "a LoRA run saves its adapters"),
     (["--checkpoint_format=sharded", "--weights_dtype=bfloat16", "--dtype=bfloat16"],
      "the optimizer holds float32 copies"),
 ])
-def test_what_shards_cannot_do_is_refused_in_one_line(args, message, char_dataset, tmp_path,
-                                                      capsys):
+def test_what_shards_cannot_do_is_refused_in_one_line(args, message, whole, char_dataset,
+                                                      tmp_path, capsys):
+    args = [a.replace("WHOLE", str(whole / "ckpt_0000006")) for a in args]
     rc = train.main(train_args(char_dataset, tmp_path, "--max_iters=1", *args))
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
