@@ -194,10 +194,12 @@ class ShardedWriter:
             return None
         if usage.total == 0 or usage.free >= needed:  # 0: unknown (network mounts)
             return None
+        def text(n: int) -> str:
+            return f"{n:,} bytes" + (f" ({format_bytes(n)})" if n >= 2**20 else "")
         return checkpoint.DiskFullError(
-            f"cannot write a sharded checkpoint in {self.out}: it needs about "
-            f"{format_bytes(needed)} and {format_bytes(usage.free)} are free there; free some "
-            f"space, or pass --out_dir=<a directory on a disk with room>{self.note()}")
+            f"cannot write a sharded checkpoint in {self.out}: it needs about {text(needed)} "
+            f"and {text(usage.free)} are free there; free some space, or pass "
+            f"--out_dir=<a directory on a disk with room>{self.note()}")
 
     def note(self) -> str:
         latest = checkpoint.latest_checkpoint(self.out)

@@ -174,6 +174,19 @@ def test_a_background_save_failing_as_it_is_published_raises_at_the_next_wait(tm
     assert list(tmp_path.iterdir()) == []
 
 
+def test_no_room_for_the_shards_is_said_before_any_is_written(tmp_path, monkeypatch):
+    model = GPT(tiny_model_config())
+    optimizer = torch.optim.AdamW(model.parameters())
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(sharded.shutil, "disk_usage",
+                        lambda path: usage._replace(free=1000))  # bytes: less than the state
+    writer = sharded.ShardedWriter(Dist(), str(tmp_path), 2, background=False)
+    with pytest.raises(checkpoint.DiskFullError,
+                       match="needs about [0-9,]+ bytes and 1,000 bytes are free"):
+        writer.save(1, model, optimizer, load_config([])[0], {}, {"step": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
 KILL_DURING_SAVE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
