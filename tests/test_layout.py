@@ -110,7 +110,8 @@ PROBE = textwrap.dedent("""
         loaded = {}
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None)
-            if path and os.path.isabs(path) and pathlib.Path(path).resolve().is_relative_to(root):
+            if path and os.path.isabs(path) and pathlib.Path(path).resolve().is_relative_to(root) \
+                    and "site-packages" not in pathlib.Path(path).parts:  # a venv in the clone
                 loaded[name] = len(pathlib.Path(path).read_text().splitlines())
         print("LOADED " + json.dumps(loaded), file=sys.stderr)
     atexit.register(report)
