@@ -14,7 +14,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +178,23 @@ def train_whole_and_resumed(char_dataset, tmp_path, *run: str) -> tuple[Path, Pa
     assert run_train(parts, "--init_from=resume")["steps"] == 2
     assert trajectory(parts) == trajectory(whole)
     return whole, parts
+
+
+def kill_when_stalled(script: str, tmp_path: Path, phases) -> None:
+    """Run the Python `script` once per phase, all at once (argv: the repository root, a folder
+    tmp_path/PHASE, the phase), and SIGKILL each once it has touched STALLED in its folder: it
+    then waits in the middle of a save, which the caller inspects."""
+    (tmp_path / "kill.py").write_text(script)
+    procs = {}
+    for phase in phases:
+        (tmp_path / phase).mkdir()
+        procs[phase] = subprocess.Popen([sys.executable, str(tmp_path / "kill.py"), str(ROOT),
+                                         str(tmp_path / phase), phase], stderr=subprocess.PIPE)
+    for phase, proc in procs.items():
+        marker, deadline = tmp_path / phase / "STALLED", time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 import generate
 import train
 from config import load_config
-from conftest import train_args
+from conftest import kill_when_stalled, train_args
 from engine import checkpoint, loading
 from engine.training import metrics, restore, resume
 from model import GPT
@@ -313,22 +313,8 @@ KILL_DURING_SAVE = textwrap.dedent("""
 
 
 def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
-    script = tmp_path / "kill_during_save.py"
-    script.write_text(KILL_DURING_SAVE)
     phases = {"weights": 2, "train_state": 2, "prune": 3, "replace": 1}  # phase -> latest step
-    procs = {}
-    for phase in phases:  # in parallel: each waits in the middle of a save
-        (tmp_path / phase).mkdir()
-        procs[phase] = subprocess.Popen([sys.executable, str(script), str(ROOT),
-                                         str(tmp_path / phase), phase], stderr=subprocess.PIPE)
-    for phase, proc in procs.items():
-        marker, deadline = tmp_path / phase / "STALLED", time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_when_stalled(KILL_DURING_SAVE, tmp_path, phases)
     for phase, step in phases.items():
         out = tmp_path / phase
         latest = checkpoint.latest_checkpoint(out)

@@ -8,9 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -23,13 +20,12 @@ import generate
 import load_gpt2_weights
 import train
 from config import load_config
-from conftest import on_each_device, tiny_model_config, train_args
+from conftest import kill_when_stalled, on_each_device, tiny_model_config, train_args
 from engine import checkpoint, loading, sharded
 from engine.checkpoint import CheckpointError
 from engine.training.processes import Dist
 from model import GPT
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--max_iters=6", "--eval_interval=3", "--log_interval=1", "--dropout=0.1",
        "--checkpoint_format=sharded"]
 
@@ -220,21 +216,8 @@ KILL_DURING_SAVE = textwrap.dedent("""
 
 
 def test_a_kill_during_a_save_never_leaves_a_checkpoint_that_looks_complete(tmp_path):
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_DURING_SAVE)
-    procs = {}
+    kill_when_stalled(KILL_DURING_SAVE, tmp_path, ("background", "publish"))
     for phase in ("background", "publish"):
-        (tmp_path / phase).mkdir()
-        procs[phase] = subprocess.Popen([sys.executable, str(script), str(ROOT),
-                                         str(tmp_path / phase), phase], stderr=subprocess.PIPE)
-    for phase, proc in procs.items():
-        marker, deadline = tmp_path / phase / "STALLED", time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
         out = tmp_path / phase
         assert (out / f"{sharded.STAGING}0000002").is_dir()  # killed midway
         assert checkpoint.latest_checkpoint(out).name == "ckpt_0000001", phase
