@@ -130,10 +130,11 @@ class ShardedWriter:
     the next save and at the end, lets every rank see it finish (or its error)."""
 
     @classmethod
-    def for_run(cls, cfg: config_mod.Config, dist: Dist) -> "ShardedWriter":
-        """train.checkpoint_format=sharded (or auto under FSDP) and checkpoint_async, checked."""
-        t, fsdp = cfg.train, dist.enabled and dist.parallel == "fsdp"
-        if t.checkpoint_format == "full" or (t.checkpoint_format == "auto" and not fsdp):
+    def for_run(cls, cfg: config_mod.Config, dist: Dist, sharded: bool) -> "ShardedWriter":
+        """train.checkpoint_format and checkpoint_async checked; sharded: the format resolved
+        (auto shards under FSDP with several processes)."""
+        t = cfg.train
+        if not sharded:
             raise ConfigError("--checkpoint_async=true writes sharded checkpoints in the "
                               "background: add --checkpoint_format=sharded (auto shards only "
                               "under --parallel=fsdp with several processes)")

@@ -158,6 +158,13 @@ def build_run(cfg: Config, dist: Dist) -> Run:
     state (or a fresh start) and the run log."""
     with dist.main_first():  # rank 0 tidies out_dir first
         cfg.train.init_from = resume.resolve_init(cfg.train.init_from, cfg.train.out_dir)
+    t, shards = cfg.train, None
+    sharded = t.checkpoint_format == "sharded" or (
+        t.checkpoint_format == "auto" and dist.enabled and dist.parallel == "fsdp")
+    if sharded or t.checkpoint_async:  # each process writes its own shards (checked first)
+        from engine.sharded import ShardedWriter
+
+        shards = ShardedWriter.for_run(cfg, dist, sharded)
     run = build_training(cfg, dist)
     if cfg.train.hellaswag_interval:
         from engine.hellaswag import TrainingEval
@@ -176,12 +183,7 @@ def build_run(cfg: Config, dist: Dist) -> Run:
                             wandb_id=run.counters.wandb_id)
     run.counters.wandb_id = run.log.wandb_id
     run.next_batch = next_batch or run.batches.next()
-    t = cfg.train
-    if t.checkpoint_format == "sharded" or t.checkpoint_async or (
-            t.checkpoint_format == "auto" and dist.enabled and dist.parallel == "fsdp"):
-        from engine.sharded import ShardedWriter  # each process writes its own shards
-
-        run.shards = ShardedWriter.for_run(cfg, dist)
+    run.shards = shards
     return run
 
 
