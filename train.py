@@ -72,7 +72,8 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
             "dataset": run.cfg.data.dataset,
             **{key: run.meta[key] for key in ("template", "mixture") if key in run.meta}}
     if run.shards is not None:  # every rank writes its own shards (engine/sharded.py)
-        return run.shards.save(step, run.raw_model, run.optimizer, run.cfg, info, state)
+        run.shards.save(step, run.raw_model, run.optimizer, run.cfg, info, state)
+        return
     weights, extra = run.checkpoint_weights()  # a LoRA run: its adapters and their base
     if dist.is_main:
         checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, {**extra, **info}, state,
