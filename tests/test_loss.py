@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import Config, ConfigError, load_config
 from conftest import tiny_model_config
@@ -54,14 +55,16 @@ def loss_and_grads(model: GPT, x, y, autocast: bool = False):
     return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("impl", ["torch", "ours"])
-@pytest.mark.parametrize("pad, ignored", [(1, False), (64, False), (1, True), (64, True)])
+@pytest.mark.parametrize("impl, pad, ignored", [
+    ("torch", 1, False), ("torch", 1, True),  # torch's cannot leave padded logits out
+    ("ours", 1, False), ("ours", 64, False), ("ours", 1, True), ("ours", 64, True)])
 def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_chunks,
                                                      monkeypatch):
     """float32, several chunks: equal to 1e-5; the padded rows get no gradient, as in full."""
     if impl == "torch" and not HAS_TORCH_LCE:
         pytest.skip("this torch has no F.linear_cross_entropy (torch >= 2.13)")
-    monkeypatch.setattr(chunked_loss, "chunked_loss_impl", lambda dtype, cap=0.0: impl)
+    monkeypatch.setattr(chunked_loss, "chunked_loss_impl",
+                        lambda dtype, cap=0.0, padded=False: impl)
     full, chunked = twins(pad)
     x, y = batch(full.config, ignored=ignored)
     _, loss_full, grads_full = loss_and_grads(full, x, y)
@@ -74,6 +77,40 @@ def test_chunked_equals_full_loss_and_every_gradient(pad, ignored, impl, small_c
     if pad > 1:
         assert chunked.padded_vocab > chunked.vocab_size
         assert not grads["transformer.wte.weight"][chunked.vocab_size:].any()  # = the LM head
+
+
+class MatmulShapes(TorchDispatchMode):
+    """The shapes of every matrix product dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.shapes.append(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cap", [0.0, 15.0])
+def test_chunked_loss_multiplies_the_padded_head(cap, small_chunks):
+    """model.vocab_pad_multiple pays under the chunked loss too: its products take the head
+    with its padded rows (40 of them at vocabulary 37 padded to 8), never the 37 real ones
+    alone, and the loss and gradients are still the full path's."""
+    full, chunked = twins(8, logit_softcap=cap)
+    assert (chunked.vocab_size, chunked.padded_vocab) == (37, 40)
+    assert chunked_loss.chunked_loss_impl(torch.float32, padded=True) == "ours"
+    x, y = batch(full.config, ignored=True)
+    _, loss_full, grads_full = loss_and_grads(full, x, y)
+    with MatmulShapes() as seen:
+        _, loss, grads = loss_and_grads(chunked, x, y)
+    head = [shapes for shapes in seen.shapes if any(40 in s or 37 in s for s in shapes)]
+    assert head and all(any(40 in s for s in shapes) for shapes in head), seen.shapes
+    assert not any(37 in s for shapes in head for s in shapes)
+    torch.testing.assert_close(loss, loss_full, rtol=0, atol=1e-5)
+    for name, g in grads_full.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-5, msg=name)
+    assert not grads["transformer.wte.weight"][37:].any()  # the padded rows: no gradient
 
 
 def test_torch_without_linear_cross_entropy_runs_our_chunk_loop(small_chunks, monkeypatch):
@@ -94,7 +131,8 @@ def test_torch_without_linear_cross_entropy_runs_our_chunk_loop(small_chunks, mo
 def test_compiled_model_runs_our_chunk_loop_eagerly_with_the_same_loss(small_chunks,
                                                                       monkeypatch):
     """The chunk loop is kept out of the graph (wrapped on first use, not at import)."""
-    monkeypatch.setattr(chunked_loss, "chunked_loss_impl", lambda dtype, cap=0.0: "ours")
+    monkeypatch.setattr(chunked_loss, "chunked_loss_impl",
+                        lambda dtype, cap=0.0, padded=False: "ours")
     full, chunked = twins()
     x, y = batch(full.config)
     _, loss_full, grads_full = loss_and_grads(full, x, y)
@@ -207,10 +245,11 @@ def test_memory_estimate_counts_one_chunk():
     cfg, _ = load_config(["--config", "gpt2_124m", "--batch_size=4", "--dtype=float32"])
     assert cfg.model.loss == "chunked"
     tokens, C, V, padded = 4 * 1024, 768, 50257, 50304
-    chunked = memory_estimate.estimate(cfg).logits
-    assert chunked == 667 * V * 4 + 4 * tokens * C + 4 * V * C  # 287 MiB
+    chunked = memory_estimate.estimate(cfg).logits  # the padded head, multiplied whole
+    assert chunked == 667 * padded * 4 + 4 * tokens * C + 4 * padded * C  # 287 MiB
     cfg.system.dtype = "bfloat16"
-    assert memory_estimate.estimate(cfg).logits == 667 * V * 6 + 2 * tokens * C + 4 * V * C
+    assert memory_estimate.estimate(cfg).logits == (667 * padded * 6 + 2 * tokens * C
+                                                    + 4 * padded * C)
     cfg.system.dtype, cfg.model.loss = "float32", "full"
     assert memory_estimate.estimate(cfg).logits == tokens * (4 * padded + 8 * V)  # 2.30 GiB
     assert memory_estimate.estimate(cfg).logits > 8 * chunked

@@ -112,14 +112,15 @@ def loss_bytes(m: ModelConfig, padded_vocab: int, tokens: int, act: int) -> int:
     """The LM head + loss at its peak. full: the (padded) logits, their float32 log-softmax kept
     for backward and its float32 gradient. chunked: one chunk's float32 logits (turned into their
     gradient in place; + a 16-bit copy under autocast), and the input and float32 head gradients
-    it makes in forward (measured: docs/memory.md)."""
+    it makes in forward (measured: docs/memory.md); its head is the padded one, multiplied whole."""
     C, V = m.n_embd, m.vocab_size
     capped = 4 * V if m.logit_softcap else 0  # the float32 tanh, kept (a chunk: a second buffer)
     if m.loss == "chunked":
         from engine.training.chunked_loss import loss_chunk_rows
 
-        chunk = loss_chunk_rows(tokens, V) * (V * (4 if act == 4 else 4 + act) + capped)
-        return chunk + act * tokens * C + 4 * V * C
+        Vp, capped = padded_vocab, capped and 4 * padded_vocab
+        chunk = loss_chunk_rows(tokens, Vp) * (Vp * (4 if act == 4 else 4 + act) + capped)
+        return chunk + act * tokens * C + 4 * Vp * C
     return tokens * (act * padded_vocab + 8 * V + capped)
 
 
