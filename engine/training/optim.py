@@ -1,8 +1,8 @@
 """The optimizer and the learning-rate schedule.
 
     make_optimizer   AdamW over the model's decay / no-decay groups: fused where the device has
-                     it (train.fused_adamw; else off a CPU adamw.py's, which skips a NaN/inf
-                     step on the device), over float32 master weights when the model holds
+                     it (train.fused_adamw; else off a CPU adamw.py's foreach update, which
+                     skips a NaN/inf step on the device), over float32 master weights when the model holds
                      bf16 weights (system.weights_dtype=bfloat16: master_weights.py); with
                      train.optimizer=muon, Muon on the blocks' Linear weights and AdamW on
                      embeddings, the tied head, biases and norms (muon.py)
@@ -70,7 +70,7 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim
         except (RuntimeError, ValueError):  # fused_note tells the banner
             pass
     # non-fused: torch's on a CPU, where reading the skip flag waits for nothing; elsewhere
-    # adamw.py's, which skips on the device (torch's counts its steps on the host)
+    # adamw.py's foreach update, which skips on the device (torch's foreach refuses found_inf)
     adamw = torch.optim.AdamW
     if device.type != "cpu":
         from engine.training.adamw import AdamW
