@@ -411,8 +411,7 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None and self.chunked_loss is not None:  # the padded head, whole
             return None, self.chunked_loss(x, self.lm_head.weight, targets,
-                                           self.config.logit_softcap, IGNORE_INDEX,
-                                           self.vocab_size)
+                                           self.config.logit_softcap, IGNORE_INDEX, self.vocab_size)
         if logits_at is not None:  # (K,): the same for every row; (B, K): each row's own
             x = x[:, logits_at] if logits_at.dim() == 1 else x.gather(
                 1, logits_at[..., None].expand(-1, -1, x.size(-1)))  # (B, K, C)
