@@ -98,11 +98,12 @@ def log_step(run: Run, step: int, result: StepResult, lr: float,
     dt = (now - since[1]) / max(1, step - since[0])
     flops_per_step = run.raw_model.flops_per_token() * run.tokens_per_step
     mfu = flops_per_step / dt / run.peak_flops if run.peak_flops else None
-    tokens_per_s = run.tokens_per_step / dt
-    print(metrics.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu)
+    tokens_per_s, memory = run.tokens_per_step / dt, device.cuda_peak_memory(run.rt.device)
+    print(metrics.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu, memory)
           + run.log.progress(step))
+    peaks = {"peak_mib": memory[0] // 2**20, "reserved_mib": memory[1] // 2**20} if memory else {}
     run.log.write(kind="train", step=step, loss=loss, lr=lr, norm=norm, ms=1000 * dt,
-                  tok_per_s=tokens_per_s, mfu=mfu)
+                  tok_per_s=tokens_per_s, mfu=mfu, **peaks)
     return step, time.perf_counter()
 
 

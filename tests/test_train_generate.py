@@ -318,6 +318,10 @@ def test_cuda_run_with_its_speedups_learns_like_the_cpu_reference(char_dataset, 
     for part in CUDA_BANNER:
         assert part in banner, (part, banner)
     assert "prefetch=on (side CUDA stream)" in out
+    rows = [json.loads(line) for line in (tmp_path / "cuda" / "metrics.jsonl").read_text()
+            .splitlines() if '"train"' in line]
+    assert rows and all(0 < r["peak_mib"] <= r["reserved_mib"] for r in rows)
+    assert fast["cuda_peak_mib"]["peak_mib"] == max(r["peak_mib"] for r in rows)
     assert fast["final"]["val"] < 3.6  # learned, from ln(65) = 4.17
     assert fast["final"]["val"] == pytest.approx(reference["final"]["val"], rel=0.05)
     model, _, _ = loading.load_model(tmp_path / "cuda", torch.device("cuda"))
@@ -325,6 +329,43 @@ def test_cuda_run_with_its_speedups_learns_like_the_cpu_reference(char_dataset, 
     rc = generate.main([f"--checkpoint={tmp_path / 'cuda'}", "--prompt", "ROMEO:",
                         "--max_new_tokens=20", "--seed=3", "--device=cuda"])
     assert rc == 0 and capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_a_gpu_runs_log_records_cuda_peak_memory(char_dataset, tmp_path, capsys, monkeypatch):
+    """The CPU half of the CUDA run's memory record: each log line's peak since the line before
+    (what device.cuda_peak_memory reads and resets on a GPU, here answered by a stand-in) goes to
+    the line, metrics.jsonl and .csv; summary.json keeps the highest. A CPU run records none."""
+    peaks = iter([(3 * 2**30, 4 * 2**30), (5 * 2**30, 6 * 2**30), (2**30, 6 * 2**30)])
+    monkeypatch.setattr(machine, "cuda_peak_memory", lambda device: next(peaks))
+    out_dir = tmp_path / "run"
+    summary = train.train(tiny_cfg(char_dataset, out_dir, "--max_iters=6", "--log_interval=2",
+                                   "--eval_interval=6", "--eval_iters=1"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[-3] for line in lines] == [
+        "peak 3.00 GiB (reserved 4.00)", "peak 5.00 GiB (reserved 6.00)",
+        "peak 1.00 GiB (reserved 6.00)"]
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["peak_mib"], r["reserved_mib"]) for r in rows if r["kind"] == "train"] == [
+        (3072, 4096), (5120, 6144), (1024, 6144)]
+    assert "peak_mib,reserved_mib" in (out_dir / "metrics.csv").read_text().splitlines()[0]
+    assert summary["cuda_peak_mib"] == {"peak_mib": 5120, "reserved_mib": 6144}
+    assert json.loads((out_dir / "summary.json").read_text())["cuda_peak_mib"]["peak_mib"] == 5120
+    monkeypatch.undo()
+    assert machine.cuda_peak_memory(torch.device("cpu")) is None
+    assert "cuda_peak_mib" not in train.train(tiny_cfg(char_dataset, tmp_path / "cpu",
+                                                       "--max_iters=2", "--eval_interval=2",
+                                                       "--eval_iters=1"))
+
+
+def test_cuda_peak_memory_reads_then_resets(monkeypatch):
+    """device.cuda_peak_memory on a GPU (torch.cuda's answers stood in): the peaks allocated
+    and reserved, then a reset, so the next log line has its own peak."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append("a") or 7)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: calls.append("r") or 9)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append("reset"))
+    assert machine.cuda_peak_memory(torch.device("cuda")) == (7, 9)
+    assert calls == ["a", "r", "reset"]
 
 
 def test_relu_squared_end_to_end(char_dataset, tmp_path, capsys):
