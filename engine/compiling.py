@@ -75,9 +75,9 @@ def compile_model(model: torch.nn.Module, system: SystemConfig,
 
 
 def warm_up(model: torch.nn.Module, raw_model: torch.nn.Module, rt: Runtime,
-            batch_size: int) -> None:
-    """Compile the training forward+backward and the eval forward before step 1 (shapes never
-    change after). Leaves no gradients, RNG draws or mode change behind."""
+            batch_size: int, evaluates: bool = True) -> None:
+    """Compile the training forward+backward and (evaluates) the eval forward before step 1
+    (shapes never change after). Leaves no gradients, RNG draws or mode change behind."""
     cfg, device = raw_model.config, rt.device
     idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), device=device)
     # as the loader hands them: views into (B, T+1) rows (compiled code is specialised on
@@ -91,8 +91,9 @@ def warm_up(model: torch.nn.Module, raw_model: torch.nn.Module, rt: Runtime,
             _, loss = model(x, y)
         loss.backward()
         model.eval()
-        with torch.no_grad(), rt.autocast():
-            model(x, y)
+        if evaluates:
+            with torch.no_grad(), rt.autocast():
+                model(x, y)
     model.train(was_training)
     raw_model.zero_grad(set_to_none=True)
     for module in raw_model.modules():  # FSDP2 keeps the root gathered after an eval forward:

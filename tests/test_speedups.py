@@ -637,6 +637,20 @@ def test_compile_warm_up_feeds_the_strides_the_loader_hands_out(char_dataset):
     assert x.stride() != x.contiguous().stride()  # the case at issue: not contiguous
 
 
+@pytest.mark.parametrize("evaluates", [True, False])
+def test_compile_warm_up_runs_the_eval_step_only_for_runs_that_evaluate(evaluates):
+    """A benchmark's timed steps never evaluate (build_training(evaluates=False)): its warm-up
+    compiles the training step alone, saving the eval graph's compile (a no-grad forward is a
+    graph of its own). No compile here: the model records the modes it is called in."""
+    model = GPT(tiny_model_config())
+    modes = []
+    real_forward = model.forward
+    model.forward = lambda idx, targets=None: (modes.append(
+        (model.training, torch.is_grad_enabled())), real_forward(idx, targets))[1]
+    compiling.warm_up(model, model, cpu_runtime(), 2, evaluates)
+    assert modes == [(True, True), (False, False)][:1 + evaluates]
+
+
 @pytest.mark.parametrize("isa, folder", [("VecAVX2", "isa_avx2"),
                                          ("VecAMX", "isa_avx512_avx512_vnni_amx_tile"),
                                          ("invalid_vec_isa", "isa_scalar")])

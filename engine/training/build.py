@@ -1,7 +1,7 @@
 """One way to build a training run, for train.py and for every benchmark that trains.
 
     run = build_run(cfg, dist)         # train.py: the model, optimizer, loaders, resume, run log
-    run = build_training(cfg, Dist())  # a benchmark: the same, without resume or a run log
+    run = build_training(cfg, Dist(), evaluates=False)  # a benchmark: no resume, no run log
 
 build_training makes the model (fresh, or from train.init_from), applies the speedups, makes
 the optimizer, the gradient scaler and the loaders (single-file or sharded data alike);
@@ -106,9 +106,10 @@ def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
     return batches, {"train": batches, "val": split["val"]}, eval_sets
 
 
-def build_training(cfg: Config, dist: Dist) -> Run:
+def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
     """The model (from train.init_from as given) with its speedups, optimizer, scaler and
-    loaders; out_dir is neither read nor written."""
+    loaders; out_dir is neither read nor written. evaluates=False: a run that never evaluates
+    (a benchmark's timed steps) leaves the eval step uncompiled."""
     rt, t = device.setup(cfg.system, device=dist.device), cfg.train
     with dist.main_first():  # rank 0 prepares the data and downloads GPT-2 first
         if cfg.data.mixture:  # several datasets, each row's drawn by weight
@@ -136,7 +137,7 @@ def build_training(cfg: Config, dist: Dist) -> Run:
         from engine.training.finetune import head_at_counted_positions
 
         finetuning.append(head_at_counted_positions(raw_model))
-    model, notes = speedups.apply(raw_model, cfg, rt, dist)
+    model, notes = speedups.apply(raw_model, cfg, rt, dist, evaluates)
     notes.lines += finetuning
     optimizer = make_optimizer(raw_model, cfg, rt.device)
     notes.fused_adamw = fused_note(optimizer, cfg)

@@ -17,6 +17,7 @@ AdamW), data/loader.py (pin_memory, prefetch), build.py (loader_workers).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,12 +49,14 @@ class Notes:
     weights: str = "float32"
     kernels: list[str] = field(default_factory=list)
     compile: str = "off"
+    compile_s: float = 0.0  # the compile warm-up's seconds
     fused_adamw: str = "off"
     global_batch: str = ""  # sequences and tokens per step, and how they split
     lines: list[str] = field(default_factory=list)  # printed as `note: ...` (resume)
 
 
-def apply(raw_model: GPT, cfg: Config, rt: Runtime, dist: Dist) -> tuple[torch.nn.Module, Notes]:
+def apply(raw_model: GPT, cfg: Config, rt: Runtime, dist: Dist,
+          evaluates: bool = True) -> tuple[torch.nn.Module, Notes]:
     t, model = cfg.train, raw_model
     accumulation = set_global_batch(t, cfg.model.block_size, dist.world_size)
     notes = Notes(batch=f"{t.batch_size}x{t.grad_accum_steps}")
@@ -76,11 +79,16 @@ def apply(raw_model: GPT, cfg: Config, rt: Runtime, dist: Dist) -> tuple[torch.n
         from engine import compiling
 
         model, notes.compile = compiling.compile_model(model, cfg.system, rt)
+        steps = "training and eval steps" if evaluates else "training step"
         if dist.is_main:
             print(f"compiling: torch.compile warms up the {t.batch_size}x{cfg.model.block_size} "
-                  f"training and eval steps before step 1 ({compiling.compile_kernels(rt.device)}"
-                  "); this can take minutes ...", flush=True)
-        compiling.warm_up(model, raw_model, rt, t.batch_size)
+                  f"{steps} before step 1 ({compiling.compile_kernels(rt.device)}); this can take "
+                  "minutes ...", flush=True)
+        start = time.perf_counter()
+        compiling.warm_up(model, raw_model, rt, t.batch_size, evaluates)
+        notes.compile_s = time.perf_counter() - start
+        if dist.is_main:
+            print(f"compiled: the {steps} in {notes.compile_s:.1f} s", flush=True)
     return model, notes
 
 
