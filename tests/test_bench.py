@@ -19,7 +19,7 @@ def gpt2_cfg():
 
 def test_chain_adds_flags_one_by_one_from_the_reference_path():
     cfg = gpt2_cfg()  # the recipe has every speedup on: the baseline must switch them off
-    rows = ablation.plan(cfg, ablation.parse_steps(ablation.DEFAULT_ORDER), only=False)
+    rows = ablation.plan(cfg, ablation.parse_steps(ablation.DEFAULT_ORDER), "chain")
     base = rows[0]["config"]
     assert (base.model.attention, base.model.causal_mask, base.model.norm, base.model.activation_impl,
             base.model.vocab_pad_multiple, base.system.dtype, base.system.tf32,
@@ -91,8 +91,8 @@ def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
     monkeypatch.setattr(ablation, "run_worker", fake_worker)
     cfg, opts, _ = bench.load_bench_config("ablation", ["--config", "tiny", "--device=cpu",
                                                         "--kernels", "off"])
-    rows = ablation.plan(cfg, ablation.parse_steps("attention,norm_gelu,vocab_pad"), only=False)
-    report = ablation.run_all(rows, cfg, opts, False, "test")
+    rows = ablation.plan(cfg, ablation.parse_steps("attention,norm_gelu,vocab_pad"), "chain")
+    report = ablation.run_all(rows, cfg, opts, "chain", "test")
     base, sdpa, norm, pad = report["rows"]
     assert [r.get("chain") for r in report["rows"]] == [
         None, "kept", "dropped: slower here (-50.0%, noise 3.0%)", "kept"]
@@ -111,16 +111,100 @@ def test_chain_goes_on_without_a_row_that_hurt(monkeypatch, tmp_path):
     assert "dropped: slower here" in lines[4] and "| on row 1 |" in lines[5]  # pad: on sdpa
 
 
+def fake_rows(specs: dict, written: list | None = None):
+    """A stand-in for the row's worker process: bf16 triples the speed, sdpa doubles it,
+    compile adds 50%; each row's peak is its precision's (bf16 989e12, else 67e12); a stopped
+    run's report file is read after every row (written)."""
+    def fake_worker(spec, workdir, name, timeout=None, env=None):
+        if spec["kind"] == "ceiling":
+            return {"status": "ok", "measured": 1e9, "datasheet": 0, "hardware": "test GPU"}
+        specs[name] = spec
+        c = spec["config"]
+        bf16 = c["system"]["dtype"] != "float32"
+        speed = 1000 * (3 if bf16 else 1) * (2 if c["model"]["attention"] == "sdpa" else 1) * (
+            1.5 if c["system"]["compile"] else 1)
+        compiled = c["system"]["compile"]
+        return {**timed_row(speed), "settings": {"device": "cuda", "compile": "on" if compiled
+                                                 else "off"}, "notes": [],
+                "dtype": c["system"]["dtype"], "memory": {"allocated": 2**30, "reserved": 2**31},
+                "flops_per_token": 1e9, "loss": 1.0, "kernels": [], "micro_batch": 8,
+                "grad_accum_steps": 1, "build_s": 20.0, "compile_s": 12.0 * compiled,
+                "peak_flops": 989e12 if bf16 else 67e12,
+                "peak_precision": "bfloat16" if bf16 else "float32"}
+    return fake_worker
+
+
+def test_without_mode_turns_each_flag_off_the_full_recipe(monkeypatch, tmp_path):
+    """--without: row 0 is the full recipe, each other row one flag at its reference; 'it buys'
+    is the full recipe's speed over the row's; MFU is against each row's own precision's peak;
+    the json and md are rewritten after every row, so a stopped run keeps what it measured."""
+    specs, seen = {}, []
+    monkeypatch.setattr(ablation, "run_worker", fake_rows(specs))
+    real_write = ablation_report.write
+
+    def write(report, folder, stem, plot_too=True):
+        paths = real_write(report, folder, stem, plot_too)
+        seen.append(len(json.loads((tmp_path / "t.json").read_text())["rows"]))
+        return paths
+
+    monkeypatch.setattr(ablation_report, "write", write)
+    assert bench.main(["ablation", "--config", "tiny", "--device=cpu", "--kernels", "off",
+                       "--order", "dtype=bfloat16,attention,compile", "--without", "all",
+                       "--results", str(tmp_path), "--name", "t"]) == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["mode"] == "without" and seen == [0, 1, 2, 3, 4, 4]  # ceiling, rows, the end
+    full, *off = report["rows"]
+    assert [r["label"] for r in report["rows"]] == [
+        "full recipe", "without dtype (float32)", "without attention (scratch)",
+        "without compile (false)"]
+    assert [specs[f"row{i}"]["config"]["system"]["dtype"] for i in range(4)] == [
+        "bfloat16", "float32", "bfloat16", "bfloat16"]
+    assert all(specs[f"row{i}"]["config"]["system"]["compile"] for i in range(3))
+    assert [r["buys"] for r in off] == pytest.approx([3.0, 2.0, 1.5])
+    assert full["mfu"] == pytest.approx(9000 * 1e9 / 989e12)
+    assert off[0]["mfu"] == pytest.approx(3000 * 1e9 / 67e12)  # float32: against float32's
+    page = (tmp_path / "t.md").read_text()
+    assert "| # | step | tok/s | it buys | vs full |" in page
+    assert "| 1 | without dtype (float32) | 3,000 | 3.00x | 0.33x |" in page
+    assert "each row's datasheet peak in its precision (bfloat16 989 TFLOP/s, float32 67" in page
+    assert page.count("built and compiled in 20 s (compile warm-up 12 s)") == 3
+    specs.clear()
+    assert bench.main(["ablation", "--config", "tiny", "--device=cpu", "--kernels", "off",
+                       "--order", "dtype=bfloat16,attention", "--without", "none",
+                       "--ceiling=false", "--results", str(tmp_path), "--name", "h"]) == 0
+    headline = json.loads((tmp_path / "h.json").read_text())
+    assert [r["label"] for r in headline["rows"]] == ["full recipe"] and list(specs) == ["row0"]
+
+
+def test_cumulative_chain_keeps_every_flag_and_modes_exclude_each_other(monkeypatch, tmp_path,
+                                                                        capsys):
+    specs = {}
+    monkeypatch.setattr(ablation, "run_worker", fake_rows(specs))
+    assert bench.main(["ablation", "--config", "tiny", "--device=cpu", "--kernels", "off",
+                       "--order", "attention,dtype=bfloat16", "--cumulative", "--ceiling=false",
+                       "--results", str(tmp_path), "--name", "c"]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert [r["vs_baseline"] for r in report["rows"]] == [None, 2.0, 6.0]
+    assert [r["previous"] for r in report["rows"]] == [None, 0, 1] and report["best"] == 2
+    assert sorted(specs) == ["row0", "row1", "row2"]  # no side-by-side reruns
+    assert bench.main(["ablation", "--device=cpu", "--only", "all", "--without", "all"]) == 2
+    assert "--only and --without are different modes: give one of them" in \
+        capsys.readouterr().err
+    assert bench.main(["ablation", "--device=cpu", "--order", "attention", "--without",
+                       "compile"]) == 2
+    assert "--without: compile is not in --order" in capsys.readouterr().err
+
+
 def test_only_mode_and_flag_values():
     steps = ablation.parse_steps("compile=max-autotune,dtype=float16,vocab_pad=128")
-    rows = ablation.plan(gpt2_cfg(), steps, only=True)
+    rows = ablation.plan(gpt2_cfg(), steps, "only")
     compile_cfg, fp16_cfg, pad_cfg = (r["config"] for r in rows[1:])
     assert compile_cfg.system.compile and compile_cfg.system.compile_mode == "max-autotune"
     assert compile_cfg.system.dtype == "float32"  # alone: nothing else switched on
     assert fp16_cfg.system.dtype == "float16" and not fp16_cfg.system.compile
     assert pad_cfg.model.vocab_pad_multiple == 128
     assert [r["previous"] for r in rows] == [None, 0, 0, 0]
-    assert [ablation.label(r, only=True) for r in rows] == [
+    assert [ablation.label(r, "only") for r in rows] == [
         "baseline", "only compile=max-autotune", "only dtype=float16", "only vocab_pad=128"]
 
 
@@ -130,7 +214,7 @@ def test_unknown_or_repeated_flag_and_bad_value(capsys):
     with pytest.raises(ConfigError, match="appears twice"):
         ablation.parse_steps("tf32,tf32")
     with pytest.raises(ConfigError, match="dtype=float8.*float32, bfloat16, float16"):
-        ablation.plan(gpt2_cfg(), ablation.parse_steps("dtype=float8"), only=False)
+        ablation.plan(gpt2_cfg(), ablation.parse_steps("dtype=float8"), "chain")
     assert bench.main(["--measure-steps", "0", "--device=cpu"]) == 2
     assert "--measure-steps" in capsys.readouterr().err
     assert bench.main(["--clock=process", "--device=cpu", "--threads=2"]) == 2

@@ -1,7 +1,14 @@
-"""The speedup ablation, `python bench.py [ablation]`: the baseline (every flag at its reference
-value), then each flag put on the fastest combination so far and kept only when faster beyond
-the noise (--only: each flag alone on the baseline). Each row runs in a fresh process from the
-same seed; on a CPU the kernel rows (kernels.py) follow. The page: ablation_report.py."""
+"""The speedup ablation, `python bench.py [ablation]`, in one of four modes (MODES):
+    chain       the baseline (every flag at its reference value), then each flag put on the
+                fastest combination so far and kept only when faster beyond the noise
+    cumulative  (--cumulative) the baseline, then each flag added on the last row, kept whatever
+                it measured: the running total of every speedup
+    only        (--only) each flag alone on the baseline
+    without     (--without) the full recipe (every --order flag at its fast value), then each
+                flag turned off alone: what that speedup buys in the full recipe
+Each row runs in a fresh process from the same seed, and the results are written after every
+row (a run stopped midway keeps its rows); on a CPU the kernel rows (kernels.py) follow. The
+page: ablation_report.py."""
 from __future__ import annotations
 
 import collections
@@ -14,6 +21,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -47,6 +55,11 @@ class AblationOptions:
 
     order: str = opt(DEFAULT_ORDER, "the chain, in order: FLAG[=VALUE],...")
     only: str = opt("", "all | FLAG,...: each flag alone against the baseline, not the chain")
+    without: str = opt("", "all | none | FLAG,...: the full recipe (every --order flag on), then "
+                       "each of these turned off alone (none: the full recipe alone)")
+    cumulative: bool = opt(False, "the chain keeps every flag, whatever it measured (no "
+                           "side-by-side rerun): each row the total of the flags so far")
+    ceiling: bool = opt(True, "measure the device's matmul ceiling first (MFU (meas.))")
     warmup_steps: int = opt(2, "untimed steps per row")
     measure_steps: int = opt(5, "timed steps per row")
     repeat: int = opt(1, "runs of each row, fresh processes, their timed steps pooled")
@@ -99,17 +112,37 @@ def with_flag(cfg: Config, name: str, value: str) -> Config:
     return cfg
 
 
-def plan(cfg: Config, steps: list[tuple[str, str]], only: bool) -> list[dict]:
-    """The baseline, then a row per flag: on the baseline (only), or on the chain's head when it
-    runs (config None until then); every flag is checked now, before anything runs."""
+MODES = ("chain", "cumulative", "only", "without")
+
+
+def plan(cfg: Config, steps: list[tuple[str, str]], mode: str,
+         without: list[str] | None = None) -> list[dict]:
+    """The first row, then a row per flag, every flag checked now, before anything runs. chain
+    and cumulative: the baseline, then each flag on the head when it runs (config None until
+    then); only: each flag alone on the baseline; without: the full recipe (every step's flag
+    at its value), then each flag of `without` (default: every step's) at its reference."""
+    if mode == "without":
+        full = cfg
+        for name, value in steps:
+            full = with_flag(full, name, value)
+        rows = [{"flag": None, "value": None, "config": full, "previous": None}]
+        named = dict(steps)
+        for name in named if without is None else without:
+            if name not in named:
+                raise ConfigError(f"--without: {name} is not in --order, so it is not part of "
+                                  f"the full recipe (--order {','.join(named)})")
+            reference = FLAGS[name].reference
+            rows.append({"flag": name, "value": reference, "config":
+                         with_flag(full, name, reference), "previous": 0})
+        return rows
     base = cfg
     for name, _ in steps:
         base = with_flag(base, name, FLAGS[name].reference)
     rows = [{"flag": None, "value": None, "config": base, "previous": None}]
     for name, value in steps:
         row_cfg = with_flag(base, name, value)
-        rows.append({"flag": name, "value": value, "config": row_cfg if only else None,
-                     "previous": 0 if only else None})
+        rows.append({"flag": name, "value": value, "config": row_cfg if mode == "only" else None,
+                     "previous": 0 if mode == "only" else None})
     return rows
 
 
@@ -194,26 +227,31 @@ class Measurer:
         return first, alongside
 
 
-def run_chain(rows: list[dict], only: bool, measurer: Measurer) -> tuple[list[dict], int]:
-    """Every row -> (results, head); in the chain each flag goes onto the head, the fastest
-    combination so far, which it replaces only when faster beyond the noise."""
+def run_chain(rows: list[dict], mode: str, measurer: Measurer,
+              done: Callable[[list[dict]], None] = lambda results: None) -> tuple[list[dict], int]:
+    """Every row -> (results, head), done(results so far) after each. In the chain each flag
+    goes onto the head, the fastest combination so far, which it replaces only when faster
+    beyond the noise; cumulative: onto the last row, which it always replaces."""
     results: list[dict] = []
     head = 0
     for i, row in enumerate(rows):
-        chained = bool(i) and not only
+        chained = bool(i) and mode in ("chain", "cumulative")
         if chained:
             row["previous"] = head
             row["config"] = with_flag(rows[head]["config"], row["flag"], row["value"])
         prev = results[row["previous"]] if row["previous"] is not None else None
-        print(f"[{i + 1}/{len(rows)}] {label(row, only)}", flush=True)
-        beside = rows[head]["config"] if chained and prev["status"] == "ok" else None
+        print(f"[{i + 1}/{len(rows)}] {label(row, mode)}", flush=True)
+        beside = rows[head]["config"] if (mode == "chain" and chained
+                                          and prev["status"] == "ok") else None
         result, alongside = measurer.row(row["config"], prev, i, beside)
         result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
                       previous_notes=prev.get("notes", []) if prev else [])
-        result["label"] = label(result, only)
+        result["label"] = label(result, mode)
         if alongside and alongside["status"] == "ok":
             result["alongside"] = {k: alongside[k] for k in ("tokens_per_s", "step_s")}
-        if chained:
+        if chained and mode == "cumulative":
+            head = i
+        elif chained:
             against = {"status": "ok", **result["alongside"]} if "alongside" in result else prev
             keep, why = verdict(result, against, measurer.opts.keep_margin)
             result["chain"] = "kept" if keep else why
@@ -221,23 +259,29 @@ def run_chain(rows: list[dict], only: bool, measurer: Measurer) -> tuple[list[di
             if result["chain"]:
                 print(f"    chain: {result['chain']}", flush=True)
         results.append(result)
+        done(results)
     return results, head
 
 
-def label(row: dict, only: bool) -> str:
-    """'baseline', '+ tf32', '+ attention=sdpa', '+ dtype=auto (bfloat16)', 'only ...'."""
+def label(row: dict, mode: str) -> str:
+    """'baseline', '+ tf32', '+ attention=sdpa', '+ dtype=auto (bfloat16)', 'only ...',
+    'full recipe', 'without compile (false)'."""
     if row["flag"] is None:
-        return "baseline"
+        return "full recipe" if mode == "without" else "baseline"
     value = row["value"]
     if row["flag"] == "dtype" and value == "auto" and "dtype" in row:
         value = f"auto ({row['dtype']})"
+    if mode == "without":
+        return f"without {row['flag']} ({value})"
     shown = "" if value.lower() in ("true", "on", "yes", "1") else f"={value}"
-    return ("only " if only else "+ ") + row["flag"] + shown
+    return ("only " if mode == "only" else "+ ") + row["flag"] + shown
 
 
-def derive(rows: list[dict], ceiling: dict) -> None:
+def derive(rows: list[dict], ceiling: dict, mode: str = "chain") -> None:
     """In place: speedups against the row each was tried on (measured alongside, in the chain)
-    and against the baseline, and MFU against the datasheet and the measured ceiling."""
+    and against the first row (without: what the flag buys, the full recipe over the row), and
+    MFU against the row's own datasheet peak (its precision's: bf16, TF32 or float32) and the
+    measured ceiling."""
     base = rows[0] if rows[0]["status"] == "ok" else None
     flops_per_token = next((r["flops_per_token"] for r in rows if "flops_per_token" in r), 0)
     for row in filter(lambda r: r["status"] == "ok", rows):
@@ -246,52 +290,86 @@ def derive(rows: list[dict], ceiling: dict) -> None:
         speed = row["tokens_per_s"]
         row["vs_previous"] = speed / reference["tokens_per_s"] if reference else None
         row["vs_baseline"] = speed / base["tokens_per_s"] if base and row is not base else None
+        if mode == "without":
+            row["buys"] = 1 / row["vs_baseline"] if row["vs_baseline"] else None
         row["model_flops_per_s"] = achieved = speed * flops_per_token
-        row["mfu"] = achieved / ceiling["datasheet"] if ceiling.get("datasheet") else None
+        peak = row.get("peak_flops") or (0 if "peak_flops" in row else ceiling.get("datasheet"))
+        row["mfu"] = achieved / peak if peak else None
         row["mfu_measured"] = achieved / ceiling["measured"] if ceiling.get("measured") else None
 
 
-def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, only: bool,
-            command: str) -> dict:
-    """The ceiling, every row, then the kernel rows on the best combination -> the report."""
+def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, mode: str,
+            command: str, save: Callable[[dict], None] = lambda report: None) -> dict:
+    """The ceiling, every row, then the kernel rows on the best combination -> the report;
+    save(report so far) after the ceiling and after every row."""
     load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else None
+    report = {"mode": mode, "device": cfg.system.device.split(":")[0],
+              "torch": torch.__version__, "python": platform.python_version(), "date": utc_now(),
+              "load_average": None, "command": command, "warmup": opts.warmup_steps,
+              "measure": opts.measure_steps, "repeat": opts.repeat, "clock": opts.clock,
+              "time_budget": opts.time_budget, "keep_margin": opts.keep_margin,
+              "ceiling": {"status": "skipped", "reason": "--ceiling=false"},
+              "config": cfg.to_dict(), "rows": [], "best": None, "kernels": []}
+
+    def done(results: list[dict]) -> None:
+        report["rows"] = results
+        derive(results, report["ceiling"], mode)
+        save(report)
+
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         measurer = Measurer(opts, Path(tmp))
-        print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
-        ceiling = run_worker({"kind": "ceiling", "config": cfg.to_dict(), "clock": opts.clock,
-                              "matmul_n": opts.ceiling_size}, Path(tmp), "ceiling",
-                             measurer.left())
-        results, head = run_chain(rows, only, measurer)
+        if opts.ceiling:
+            print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
+            report["ceiling"] = run_worker({"kind": "ceiling", "config": cfg.to_dict(),
+                                            "clock": opts.clock, "matmul_n": opts.ceiling_size},
+                                           Path(tmp), "ceiling", measurer.left())
+            save(report)
+        results, head = run_chain(rows, mode, measurer, done)
         wanted = opts.kernels == "on" or (opts.kernels == "auto" and cfg.system.device == "cpu")
-        kernel_rows = kernels.run(rows[head]["config"], measurer) if wanted else []
-    if ceiling["status"] != "ok":
-        print(f"matmul ceiling not measured: {ceiling.get('error')}")
-    derive(results, ceiling)
-    return {"mode": "only" if only else "chain", "device": cfg.system.device.split(":")[0],
-            "torch": torch.__version__, "python": platform.python_version(), "date": utc_now(),
-            "load_average": load + [os.getloadavg()[0]] if load else None,
-            "command": command, "warmup": opts.warmup_steps, "measure": opts.measure_steps,
-            "repeat": opts.repeat, "clock": opts.clock, "time_budget": opts.time_budget,
-            "keep_margin": opts.keep_margin, "ceiling": ceiling, "config": cfg.to_dict(),
-            "rows": results, "best": None if only else head, "kernels": kernel_rows}
+        report["kernels"] = kernels.run(rows[head]["config"], measurer) if wanted else []
+    if opts.ceiling and report["ceiling"]["status"] != "ok":
+        print(f"matmul ceiling not measured: {report['ceiling'].get('error')}")
+    derive(results, report["ceiling"], mode)
+    report["best"] = head if mode in ("chain", "cumulative") else None
+    report["load_average"] = load + [os.getloadavg()[0]] if load else None
+    return report
+
+
+def chosen_mode(opts: AblationOptions) -> tuple[str, str, list[str] | None]:
+    """(mode, the flags to run, --without's flags) from --only, --without and --cumulative."""
+    given = [name for name, on in (("--only", opts.only), ("--without", opts.without),
+                                   ("--cumulative", opts.cumulative)) if on]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} are different modes: give one of them")
+    if opts.only:
+        return "only", opts.order if opts.only == "all" else opts.only, None
+    if opts.without:
+        without = None if opts.without == "all" else [] if opts.without == "none" else [
+            name for name, _ in parse_steps(opts.without)]
+        return "without", opts.order, without
+    return ("cumulative" if opts.cumulative else "chain"), opts.order, None
 
 
 def run(cfg: Config, opts: AblationOptions, command: str) -> int:
-    """Plan (every flag checked first), measure, print and write RESULTS/NAME.{json,md,png}."""
+    """Plan (every flag checked first), measure, print and write RESULTS/NAME.{json,md,png},
+    the json and md after every row."""
     checks.check(opts, {"warmup_steps": 0, "measure_steps": 1, "repeat": 1, "keep_margin": 0,
                          "time_budget": 0, "ceiling_size": 0})
     if opts.clock == "process" and (cfg.system.device != "cpu" or cfg.system.threads != 1):
         raise ConfigError("--clock=process times this process's CPU time: it needs "
                           "--device=cpu and --threads=1 (several threads' CPU time adds up)")
     cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
-    only = bool(opts.only)
-    rows = plan(cfg, parse_steps(opts.order if opts.only in ("", "all") else opts.only), only)
+    mode, order, without = chosen_mode(opts)
+    rows = plan(cfg, parse_steps(order), mode, without)
     load_or_prepare(cfg.data.dataset)  # prepared once here, not in every row's process
-    print(f"bench: {len(rows)} rows on {cfg.system.device}, each {opts.warmup_steps} warm-up + "
-          f"{opts.measure_steps} timed steps in its own process, {opts.repeat} run(s) each",
-          flush=True)
-    report = run_all(rows, cfg, opts, only, command)
+    print(f"bench: {len(rows)} rows ({mode}) on {cfg.system.device}, each {opts.warmup_steps} "
+          f"warm-up + {opts.measure_steps} timed steps in its own process, {opts.repeat} run(s) "
+          "each", flush=True)
+    folder = Path(opts.results)
+    report = run_all(rows, cfg, opts, mode, command,
+                     save=lambda partial: ablation_report.write(partial, folder, opts.name,
+                                                                plot_too=False))
     print("\n" + ablation_report.describe(report) + "\n\n" + ablation_report.results(report))
-    paths = ablation_report.write(report, Path(opts.results), opts.name)
+    paths = ablation_report.write(report, folder, opts.name)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if any(r["status"] == "ok" for r in report["rows"]) else 1

@@ -13,6 +13,7 @@ from engine.benchmarks.report import (figure, markdown_table, not_measured, save
 
 HEADER = ["#", "step", "tok/s", "vs prev", "vs base", "ms/step (est.)", "MFU", "MFU (meas.)",
           "peak memory", "loss", "attention kernel", "note"]
+RATIOS = {"without": ("it buys", "vs full")}  # the two ratio columns' names per mode
 
 
 def row_note(r: dict, ceiling: dict) -> str:
@@ -22,7 +23,8 @@ def row_note(r: dict, ceiling: dict) -> str:
     if r["flag"] == "batch_size_auto":
         note.append(f"micro-batch {r['micro_batch']}x{r['grad_accum_steps']}")
     if r["settings"].get("compile", "off") != "off":
-        note.append(f"built and compiled in {r['build_s']:.0f} s")
+        note.append(f"built and compiled in {r['build_s']:.0f} s" + (
+            f" (compile warm-up {r['compile_s']:.0f} s)" if r.get("compile_s") else ""))
         if r["flag"] == "compile" and ceiling.get("compile_kernels"):
             note.append(ceiling["compile_kernels"])
     if r["flag"] == "dtype" and r["dtype"] == "bfloat16" and r["settings"]["device"] == "cpu":
@@ -58,14 +60,17 @@ def cells(i: int, r: dict, ceiling: dict) -> list[str]:
     note = row_note(r, ceiling)
     if "chain" in r and r["previous"] not in (None, i - 1):  # the head it was tried on
         note = f"on row {r['previous']}" + (f"; {note}" if note else "")
-    ratios = ["-" if x is None else f"{x:.2f}x" for x in (r["vs_previous"], r["vs_baseline"])]
+    first = r.get("buys") if "buys" in r else r["vs_previous"]
+    ratios = ["-" if x is None else f"{x:.2f}x" for x in (first, r["vs_baseline"])]
     return [str(i), r["label"], f"{r['tokens_per_s']:,.0f}", *ratios, step_ms, pct(r["mfu"]),
             pct(r["mfu_measured"]), memory, f"{r['loss']:.4f}", ", ".join(r["kernels"]) or "-",
             note]
 
 
-def table(rows: list[dict], ceiling: dict | None = None) -> str:
-    return markdown_table(HEADER, [cells(i, r, ceiling or {}) for i, r in enumerate(rows)])
+def table(rows: list[dict], ceiling: dict | None = None, mode: str = "chain") -> str:
+    header = list(HEADER)
+    header[3:5] = RATIOS.get(mode, header[3:5])
+    return markdown_table(header, [cells(i, r, ceiling or {}) for i, r in enumerate(rows)])
 
 
 def best_line(report: dict) -> str:
@@ -90,8 +95,15 @@ def describe(r: dict) -> str:
     shared = " | the machine was shared (load average {:.1f}, then {:.1f})".format(*load) if (
         load and max(load) > 0.5 * os.cpu_count()) else ""
     clock = ", timed by CPU time (--clock=process)" if r.get("clock") == "process" else ""
-    peak = ceiling.get("datasheet") and f"{ceiling['datasheet'] / 1e12:.0f} TFLOP/s (datasheet)"
-    measured = ceiling.get("measured") and f"{ceiling['measured'] / 1e12:.2f} TFLOP/s measured"
+    peaks = sorted({(row["peak_precision"], row["peak_flops"]) for row in r["rows"]
+                    if row.get("peak_flops")}, key=lambda p: -p[1])
+    peak = ", ".join(f"{p / 1e12:,.0f} TFLOP/s {name}" for name, p in peaks) and (
+        "each row's datasheet peak in its precision (" + ", ".join(
+            f"{name} {p / 1e12:,.0f} TFLOP/s" for name, p in peaks) + ")")
+    if not peak and ceiling.get("datasheet"):
+        peak = f"{ceiling['datasheet'] / 1e12:.0f} TFLOP/s (datasheet)"
+    measured = ceiling.get("measured") and (f"{ceiling['measured'] / 1e12:.2f} TFLOP/s measured "
+                                            f"({ceiling.get('measured_dtype', '')} matmuls)")
     ratios = [statistics.median(row["step_s"]) / row["estimate_step_s"] for row in r["rows"]
               if row["status"] == "ok" and row.get("estimate_step_s")]
     lines = [
@@ -111,12 +123,19 @@ def describe(r: dict) -> str:
         lines.append("chain: a flag is kept when faster than the best so far by more than "
                      f"{100 * r['keep_margin']:.0f}% and twice the standard error of the "
                      "difference; a dropped row is shown, the chain goes on without it")
+    elif r["mode"] == "cumulative":
+        lines.append("cumulative: each row adds its flag to the row before, kept whatever it "
+                     "measured; vs prev: against that row, measured in its own process")
+    elif r["mode"] == "without":
+        lines.append("without: row 0 is the full recipe (every flag on); each row turns one off; "
+                     "it buys: the full recipe's tok/s over the row's, what that flag is worth "
+                     "with all the others on")
     return "\n".join(lines + [f"command: {r['command']}"])
 
 
 def results(report: dict) -> str:
     """The table, the chain's best line, and the CPU kernel rows when they ran."""
-    text = table(report["rows"], report["ceiling"])
+    text = table(report["rows"], report["ceiling"], report["mode"])
     if line := best_line(report):
         text += "\n\n" + line
     if report.get("kernels"):
@@ -157,14 +176,15 @@ def plot(report: dict, path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def write(report: dict, folder: Path, stem: str) -> list[Path]:
-    """NAME.json, .md and .png; NAME by default the device (cpu, nvidia-h200), _only for --only."""
+def write(report: dict, folder: Path, stem: str, plot_too: bool = True) -> list[Path]:
+    """NAME.json, .md and (plot_too) .png; NAME by default the device (cpu, nvidia-h200),
+    _MODE added for the modes other than the chain."""
     if not stem:
         hardware = report["ceiling"].get("hardware", report["device"])
         stem = report["device"] if report["device"] == "cpu" else re.sub(
             r"[^a-z0-9]+", "-", hardware.removeprefix("GPU ").split(" (")[0].lower()).strip("-")
-        stem += "_only" if report["mode"] == "only" else ""
+        stem += "" if report["mode"] == "chain" else f"_{report['mode']}"
     page = (f"# bench.py ({report['mode']})\n\n" + "\n".join(
         f"- {line}" for line in describe(report).splitlines()) + "\n\n" + results(report))
     paths = write_report(report, page, folder, stem)
-    return paths + [p for p in [plot(report, folder / f"{stem}.png")] if p]
+    return paths + [p for p in [plot(report, folder / f"{stem}.png") if plot_too else None] if p]

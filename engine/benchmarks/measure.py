@@ -48,13 +48,15 @@ def stepper(run: Run) -> Callable[[float], tuple[float, torch.Tensor]]:
 
 
 def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict:
-    """warmup untimed steps, measure timed ones, then one more for the attention kernels."""
+    """warmup untimed steps, measure timed ones, then one more for the attention kernels; the
+    loss after them all, and the first step's time (one a compile missed would be slow)."""
     cfg, rt, step = run.cfg, run.rt, stepper(run)
-    times, losses = [], []
+    times, losses, first_step = [], [], None
     for i in range(warmup + measure):
         if i == warmup:
             reset_peak_memory(rt.device)
         dt, (loss, norm) = timed(lambda: step(lr_at(i, cfg)), rt, clock)
+        first_step = dt if first_step is None else first_step
         if i >= warmup:
             times.append(dt)
             losses.append(loss)
@@ -64,7 +66,8 @@ def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict
     peak = peak_memory(rt.device)
     kernels = profiled_attention_kernels(lambda: step(lr_at(warmup + measure, cfg)))
     return {"tokens_per_step": run.tokens_per_step, "step_s": times, "losses": losses,
-            "loss": losses[-1], "tokens_per_s": run.tokens_per_step / statistics.median(times),
+            "loss": losses[-1], "steps": warmup + measure, "first_step_s": first_step,
+            "tokens_per_s": run.tokens_per_step / statistics.median(times),
             "memory": peak, "kernels": kernels}
 
 
@@ -78,7 +81,10 @@ def time_row(spec: dict) -> dict:
     result = {"settings": values, "notes": rt.notes, "dtype": cfg.system.dtype,
               "micro_batch": t.batch_size, "grad_accum_steps": t.grad_accum_steps,
               "params": model.num_params(False), "build_s": time.perf_counter() - start,
-              "flops_per_token": model.flops_per_token() - 6 * padding}
+              "compile_s": run.notes.compile_s,
+              "flops_per_token": model.flops_per_token() - 6 * padding,
+              "peak_flops": peak_flops(rt, cfg.system.peak_flops),  # its precision's; 0: unknown
+              "peak_precision": precision(rt)}
     previous = spec.get("previous")
     if previous and speedups.effective(values) == speedups.effective(previous["settings"]):
         changed = [f"{k}={v}" for k, v in values.items() if v != previous["settings"].get(k)]
@@ -90,6 +96,13 @@ def time_row(spec: dict) -> dict:
     rate = matmul_rate(rt.device, rt.dtype)  # train.py's start-up estimate, the same way
     work = model.flops_per_token() * timing["tokens_per_step"]  # padded rows included
     return {**result, **timing, "matmul_rate": rate, "estimate_step_s": work / rate}
+
+
+def precision(rt: Runtime) -> str:
+    """The precision a run's matmuls take, whose peak its MFU is against."""
+    if rt.dtype != torch.float32:
+        return str(rt.dtype).removeprefix("torch.")
+    return "tf32" if rt.tf32 else "float32"
 
 
 def decode_row(spec: dict) -> dict:
