@@ -6,6 +6,7 @@ a command's options. Results go to bench_results/ (--results).
     python bench.py ablation --order attention,compile=max-autotune --config gpt2_124m
     python bench.py memory --part train,decode          # what each memory strategy costs
     python bench.py decode --gguf f32.gguf --llama-python VENV/bin/python   # weight formats
+    python bench.py decode-device --device cuda --streams 16  # bf16 eager, compiled, batched
     python bench.py serve --checkpoint out/shakespeare_char   # serve.py under load
     python bench.py to-loss 1.886 [--nanogpt ../nanoGPT]      # wall-clock time to a val loss
     python bench.py vs-nanogpt ../nanoGPT --rounds 3          # whole runs beside nanoGPT's
@@ -28,8 +29,8 @@ from typing import Callable, NamedTuple
 from config import Config, ConfigError, load_config, load_options, parse_command_line
 from data.loader import DataError
 from engine import checkpoint
-from engine.benchmarks import (ablation, checkpoint_save, decode, doc_aligned, finetune, memory,
-                               serving, to_loss, tokenizer)
+from engine.benchmarks import (ablation, checkpoint_save, decode, decode_device, doc_aligned,
+                               finetune, memory, serving, to_loss, tokenizer)
 from engine.device import SetupError, resolve_device
 
 
@@ -46,6 +47,8 @@ COMMANDS = {
                         ablation.__doc__, config=True),
     "memory": Command(memory.MemoryOptions, memory.run, memory.__doc__, config=True),
     "decode": Command(decode.DecodeOptions, decode.run, decode.__doc__),
+    "decode-device": Command(decode_device.DecodeDeviceOptions, decode_device.run,
+                             decode_device.__doc__),
     "serve": Command(serving.ServeOptions, serving.run, serving.__doc__),
     "to-loss": Command(to_loss.ToLossOptions, to_loss.run, to_loss.__doc__),
     "vs-nanogpt": Command(to_loss.VsNanoGPTOptions, to_loss.vs_nanogpt, to_loss.__doc__),

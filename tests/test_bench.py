@@ -195,6 +195,20 @@ def test_cumulative_chain_keeps_every_flag_and_modes_exclude_each_other(monkeypa
     assert "--without: compile is not in --order" in capsys.readouterr().err
 
 
+def test_rows_that_change_nothing_here_are_known_without_a_process(monkeypatch):
+    """A flag that needs CUDA, on a CPU, and a row whose settings are those of the row it is set
+    against (here: compile already off in the recipe, and dtype=auto where it resolves to
+    float32) are reported as skipped without starting their processes."""
+    monkeypatch.setattr(ablation, "resolve_dtype", lambda name, device: (
+        "float32" if name == "auto" else name, ""))
+    rows = ablation.plan(gpt2_cfg(), ablation.parse_steps("dtype,compile=false,tf32,attention"),
+                         "without")
+    assert [ablation.unchanged(r, rows) for r in rows] == [
+        "", "changes nothing here: the same settings as row 0",
+        "changes nothing here: the same settings as row 0",
+        "needs CUDA: tf32 changes nothing on cpu", ""]
+
+
 def test_only_mode_and_flag_values():
     steps = ablation.parse_steps("compile=max-autotune,dtype=float16,vocab_pad=128")
     rows = ablation.plan(gpt2_cfg(), steps, "only")
@@ -241,7 +255,7 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, ca
     report = json.loads((tmp_path / "t.json").read_text())
     base, sdpa, tf32 = report["rows"]
     assert [r["status"] for r in report["rows"]] == ["ok", "ok", "skipped"]
-    assert "tf32 needs CUDA" in tf32["reason"]  # a no-op on CPU is reported, not timed
+    assert tf32["reason"] == "needs CUDA: tf32 changes nothing on cpu"  # reported, not run
     assert sdpa["kernels"] == ["flash (cpu)"] and base["kernels"] == []
     assert len(base["step_s"]) == 2 and base["tokens_per_step"] == 8 * 32
     assert base["tokens_per_s"] > 0 and sdpa["vs_baseline"] > 0
@@ -251,7 +265,7 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, ca
     assert base["memory"]["rss"] > 0 and report["ceiling"]["measured"] > 0
     assert 0 < sdpa["mfu_measured"] < 1
     md = (tmp_path / "t.md").read_text()
-    assert "| 1 | + attention=sdpa |" in md and "skipped: changes nothing here" in md
+    assert "| 1 | + attention=sdpa |" in md and "skipped: needs CUDA: tf32" in md
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "+ attention=sdpa" in out and "wrote" in out
 
@@ -276,6 +290,48 @@ def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, caps
     md = (tmp_path / "to_loss_t.md").read_text()
     assert "| reference |" in md and "| every speedup |" in md and "1.00x" in md
     assert (tmp_path / "to_loss_t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_to_loss_configs_shortens_each_config_in_proportion():
+    """--configs --steps N: each config's warmup and Muon's momentum warm-up scaled by
+    N / max_iters, HellaSwag off, --args last (they win)."""
+    opts = to_loss.ToLossOptions(configs="gpt2_124m,gpt2_124m_speedrun", steps=100,
+                                 args="--dataset=shakespeare --batch_size=8")
+    assert to_loss.shortened("gpt2_124m", opts) == [
+        "--config", "gpt2_124m", "--hellaswag_interval=0", "--max_iters=100",
+        "--warmup_iters=4", "--muon_momentum_warmup=0", "--dataset=shakespeare",
+        "--batch_size=8"]  # 715 of 19,073 steps
+    assert to_loss.shortened("gpt2_124m_speedrun", opts)[3:6] == [
+        "--max_iters=100", "--warmup_iters=2", "--muon_momentum_warmup=6"]  # 100, 300 of 5,000
+
+
+def test_to_loss_configs_times_each_to_the_references_best(char_dataset, tmp_path, capsys):
+    """Two configs at a tiny shape: the reference (first) runs to its end and its best val is
+    the target; the other is stopped at the first evaluation at or below it (or runs out its
+    steps); times from launch and from step 1, table, JSON and plot."""
+    shape = (f"--dataset={char_dataset} --device=cpu --threads=1 --n_layer=1 --n_head=2 "
+             "--n_embd=32 --block_size=32 --batch_size=4 --tokens_per_step=0 "
+             "--grad_accum_steps=1 --compile=false --eval_iters=2")
+    code = bench.main(["to-loss", "--configs", "tiny,shakespeare_char_speedrun", "--steps", "20",
+                       "--eval-every", "5", f"--args={shape}", "--results", str(tmp_path),
+                       "--name", "c"])
+    report = json.loads((tmp_path / "to_loss_c.json").read_text())
+    reference, other = report["rows"]
+    best = min(reference["curve"], key=lambda point: point[1])
+    assert [point[0] for point in reference["curve"]] == [5, 10, 15, 20]  # ran to its end
+    assert reference["reached"] == best and reference["target"] == best[1]
+    assert reference["first_step_s"] < best[2]
+    if other["reached"]:  # stopped at the first evaluation at or below the target
+        assert other["curve"][-1] == other["reached"] and other["reached"][1] <= best[1]
+        assert all(val > best[1] for _, val, _ in other["curve"][:-1]) and code == 0
+    else:
+        assert other["curve"][-1][0] == 20 and code == 1
+    md = (tmp_path / "to_loss_c.md").read_text()
+    assert f"target: val loss <= {best[1]:.4f} (the reference config's best val)" in md
+    assert "| tiny | step " in md and "| shakespeare_char_speedrun |" in md
+    assert (tmp_path / "to_loss_c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bench.main(["to-loss", "--configs", "tiny"]) == 2
+    assert "give two configs or more, the reference first" in capsys.readouterr().err
 
 
 def test_the_time_chain_keeps_a_technique_only_when_sooner_beyond_the_noise():

@@ -30,13 +30,15 @@ from data.dataset import load_or_prepare
 from engine.benchmarks import ablation_report, checks, kernels
 from engine.benchmarks.report import utc_now
 from engine.benchmarks.timing import run_worker, time_left
+from engine.device import resolve_dtype
 
-Flag = collections.namedtuple("Flag", "keys reference fast")  # keys: the config keys it sets
+# keys: the config keys it sets; cuda: it changes nothing off CUDA (such a row is not run there)
+Flag = collections.namedtuple("Flag", "keys reference fast cuda", defaults=(False,))
 FLAGS = {
     "causal_mask": Flag(("model.causal_mask",), "buffer", "on_the_fly"),
-    "tf32": Flag(("system.tf32",), "false", "true"),
+    "tf32": Flag(("system.tf32",), "false", "true", cuda=True),
     "fused_adamw": Flag(("train.fused_adamw",), "false", "true"),
-    "pin_memory": Flag(("data.pin_memory",), "false", "true"),
+    "pin_memory": Flag(("data.pin_memory",), "false", "true", cuda=True),
     "dtype": Flag(("system.dtype",), "float32", "auto"),  # auto: bf16 where supported, else fp16
     "norm_gelu": Flag(("model.norm", "model.activation_impl"), "scratch", "native"),
     "attention": Flag(("model.attention",), "scratch", "sdpa"),
@@ -243,14 +245,18 @@ def run_chain(rows: list[dict], mode: str, measurer: Measurer,
         print(f"[{i + 1}/{len(rows)}] {label(row, mode)}", flush=True)
         beside = rows[head]["config"] if (mode == "chain" and chained
                                           and prev["status"] == "ok") else None
-        result, alongside = measurer.row(row["config"], prev, i, beside)
+        if why := unchanged(row, rows):  # no process needed to know
+            result, alongside = {"status": "skipped", "reason": why}, None
+            print(f"    skipped: {why}", flush=True)
+        else:
+            result, alongside = measurer.row(row["config"], prev, i, beside)
         result.update(flag=row["flag"], value=row["value"], previous=row["previous"],
                       previous_notes=prev.get("notes", []) if prev else [])
         result["label"] = label(result, mode)
         if alongside and alongside["status"] == "ok":
             result["alongside"] = {k: alongside[k] for k in ("tokens_per_s", "step_s")}
         if chained and mode == "cumulative":
-            head = i
+            head = i if result["status"] != "failed" else head
         elif chained:
             against = {"status": "ok", **result["alongside"]} if "alongside" in result else prev
             keep, why = verdict(result, against, measurer.opts.keep_margin)
@@ -263,6 +269,27 @@ def run_chain(rows: list[dict], mode: str, measurer: Measurer,
     return results, head
 
 
+def unchanged(row: dict, rows: list[dict]) -> str:
+    """Why a row would change nothing here, known without running it ('' when it may): a flag
+    that needs CUDA off CUDA, or the same config as the row it is set against (dtype=auto
+    resolved, on a CPU, as its process would)."""
+    device = row["config"].system.device
+    if row["flag"] and FLAGS[row["flag"]].cuda and not device.startswith("cuda"):
+        return f"needs CUDA: {row['flag']} changes nothing on {device}"
+    if row["previous"] is None:
+        return ""
+
+    def settled(cfg: Config) -> dict:
+        values = cfg.to_dict()
+        if device == "cpu":  # on CUDA only the row's own process asks the GPU
+            values["system"]["dtype"] = resolve_dtype(cfg.system.dtype, torch.device("cpu"))[0]
+        return values
+
+    if settled(row["config"]) == settled(rows[row["previous"]]["config"]):
+        return f"changes nothing here: the same settings as row {row['previous']}"
+    return ""
+
+
 def label(row: dict, mode: str) -> str:
     """'baseline', '+ tf32', '+ attention=sdpa', '+ dtype=auto (bfloat16)', 'only ...',
     'full recipe', 'without compile (false)'."""
@@ -273,7 +300,7 @@ def label(row: dict, mode: str) -> str:
         value = f"auto ({row['dtype']})"
     if mode == "without":
         return f"without {row['flag']} ({value})"
-    shown = "" if value.lower() in ("true", "on", "yes", "1") else f"={value}"
+    shown = "" if value.lower() in ("true", "on", "yes", "1", row["flag"]) else f"={value}"
     return ("only " if mode == "only" else "+ ") + row["flag"] + shown
 
 

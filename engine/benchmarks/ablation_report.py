@@ -74,8 +74,14 @@ def table(rows: list[dict], ceiling: dict | None = None, mode: str = "chain") ->
 
 
 def best_line(report: dict) -> str:
-    """The chain's outcome: the best combination this machine has, and what it left out."""
+    """The chain's outcome: the best combination this machine has, and what it left out;
+    cumulative: the last row measured, every flag on."""
     rows, best = report["rows"], report.get("best")
+    if report["mode"] == "cumulative":
+        last = next((r for r in reversed(rows[1:]) if r["status"] == "ok"), None)
+        return "" if last is None or not last.get("vs_baseline") else (
+            f"every flag on ({last['label'].removeprefix('+ ')} last): "
+            f"{last['tokens_per_s']:,.0f} tok/s, {last['vs_baseline']:.2f}x the baseline")
     if best is None or rows[best]["status"] != "ok":
         return ""
     kept = [r["label"].removeprefix("+ ") for r in rows[1:best + 1] if r.get("chain") == "kept"]

@@ -27,9 +27,10 @@ from engine.training.processes import Dist
 from engine.training.step import train_step
 
 
-def build(cfg: Config) -> tuple[Run, dict]:
-    """(the run as train.py builds it, without resume or run log; the banner's settings)."""
-    run = build_training(cfg, Dist())
+def build(cfg: Config, evaluates: bool = False) -> tuple[Run, dict]:
+    """(the run as train.py builds it, without resume or run log; the banner's settings);
+    compiled, its eval step too only when it evaluates."""
+    run = build_training(cfg, Dist(), evaluates)
     values = speedups.settings(cfg, run.rt, run.notes)
     print(speedups.banner(values, run.rt.notes), flush=True)
     return run, values
@@ -64,7 +65,9 @@ def time_steps(run: Run, warmup: int, measure: int, clock: str = "wall") -> dict
             i + 1, loss, lr_at(i, cfg), norm.item(), 1000 * dt, run.tokens_per_step / dt, None),
             flush=True)
     peak = peak_memory(rt.device)
-    kernels = profiled_attention_kernels(lambda: step(lr_at(warmup + measure, cfg)))
+    # compiled code calls its kernels out of a dispatch mode's sight: the profiler reads those
+    read = profiled_attention_kernels if cfg.system.compile else speedups.attention_kernels
+    kernels = read(lambda: step(lr_at(warmup + measure, cfg)))
     return {"tokens_per_step": run.tokens_per_step, "step_s": times, "losses": losses,
             "loss": losses[-1], "steps": warmup + measure, "first_step_s": first_step,
             "tokens_per_s": run.tokens_per_step / statistics.median(times),

@@ -83,7 +83,7 @@ def train_row(spec: dict) -> dict:
     before them (the step's own memory), the peak above start-up, tokens/s after the eval."""
     cfg, steps = from_dict(spec["config"]), spec["steps"]
     start = held(resolve_device(cfg.system.device))
-    run, _ = measure.build(cfg)
+    run, _ = measure.build(cfg, evaluates=True)
     rt, t, val, step = run.rt, cfg.train, run.loaders["val"], measure.stepper(run)
     run.model.train()
     timed(lambda: step(t.learning_rate), rt)
@@ -112,8 +112,10 @@ def train_cells(r: dict) -> list[str]:
             f"{r['reserved'] / MIB:,.0f}" if "reserved" in r else "-"]
 
 
-def train_part(config_args: list[str], opts: MemoryOptions, device: torch.device) -> list[dict]:
-    """Each chosen row in a worker process, within the --time-budget."""
+def train_part(config_args: list[str], opts: MemoryOptions, device: torch.device,
+               done=lambda rows: None) -> list[dict]:
+    """Each chosen row in a worker process, within the --time-budget; done(rows so far) after
+    each."""
     rows, left = [], time_left(opts.time_budget)
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for i, label in enumerate(checks.comma_list(opts.rows) or TRAIN_ROWS):
@@ -134,6 +136,7 @@ def train_part(config_args: list[str], opts: MemoryOptions, device: torch.device
             print(f"  train {label}: " + (", ".join(cells) if row["status"] == "ok"
                                           else not_measured(row)), flush=True)
             rows.append(row)
+            done(rows)
     return rows
 
 
@@ -265,8 +268,17 @@ def run(cfg: Config, opts: MemoryOptions, config_args: list[str], command: str) 
     report = {"hardware": machine_line(rt.device), "command": command,
               "config": cfg.to_dict()}
     page = [f"Memory benchmark on {report['hardware']} (`{command}`)", ""]
-    parts = {"train": (lambda: train_part(config_args, opts, rt.device), lambda rows: [
-                 markdown_table(TRAIN_HEADER, [train_cells(r) for r in rows]), ""]),
+    stem = "memory_" + (opts.name or rt.device.type)
+
+    def train_page(rows: list[dict]) -> list[str]:
+        return [markdown_table(TRAIN_HEADER, [train_cells(r) for r in rows]), ""]
+
+    def train_so_far(rows: list[dict]) -> None:  # a run stopped midway keeps its rows
+        write_report({**report, "train": rows}, "\n".join(page + train_page(rows)),
+                     opts.results, stem)
+
+    parts = {"train": (lambda: train_part(config_args, opts, rt.device, train_so_far),
+                       train_page),
              "quant": (lambda: quant_part(opts, config_args), quant_markdown),
              "loader": (lambda: loader_part(cfg, report.get("train")), loader_markdown),
              "decode": (lambda: decode_part(opts, rt), decode.speed_markdown)}
@@ -275,7 +287,6 @@ def run(cfg: Config, opts: MemoryOptions, config_args: list[str], command: str) 
             report[part] = measure_part()
             page += markdown(report[part])
     print("\n" + "\n".join(page))
-    paths = write_report(report, "\n".join(page), opts.results,
-                         "memory_" + (opts.name or rt.device.type))
+    paths = write_report(report, "\n".join(page), opts.results, stem)
     print("wrote " + ", ".join(map(str, paths)))
     return 0

@@ -7,6 +7,13 @@ target sooner beyond the noise (as bench.py's speedup chain), and last the confi
 to. The time from launch, a table and a plot of val loss against time,
 RESULTS/to_loss_NAME.{json,md,png}.
 
+`python bench.py to-loss [TARGET] --configs gpt2_124m,gpt2_124m_speedrun --steps 100
+--args '--dataset=shakespeare'`: whole configs instead, each shortened to --steps (its warmup and
+Muon's momentum warm-up scaled in proportion), the first the reference: without a TARGET its
+best val is the target, and each other config's time to reach it is set against the
+reference's. Both the time from launch and from the end of step 1 (start-up and compile left
+out) are reported.
+
 `python bench.py vs-nanogpt DIR [--rounds=2] [--max-iters=2000] [--threads=N]`: whole runs of
 nanoGPT's CPU recipe, of ours at the same shape and math, and of configs/
 shakespeare_char_speedrun.toml, taking turns (A B C D D C B A): launch to exit, the median step
@@ -18,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,7 +37,7 @@ from typing import ClassVar
 
 import torch
 
-from config import ConfigError, gpt2_recipe_flags, opt
+from config import ConfigError, gpt2_recipe_flags, load_config, opt
 from engine.benchmarks import checks
 from engine.benchmarks.report import figure, markdown_table, save_figure, utc_now, write_report
 from engine.benchmarks.timing import REPO_ROOT
@@ -88,6 +96,13 @@ class ToLossOptions:
     eval_every: int = opt(100, "steps between evaluations (the target is checked there)")
     nanogpt: str = opt("", "a nanoGPT checkout (data/shakespeare_char prepared): a row")
     repeat: int = opt(1, "runs of each recipe; the time is their median, their spread the noise")
+    configs: str = opt("", "whole configs instead of the CPU recipes, a comma list; the first "
+                       "is the reference, whose best val is the target when none is given")
+    steps: int = opt(0, "--configs: steps of each run (0: the config's max_iters), warmup "
+                     "scaled in proportion")
+    args: str = opt("", "--configs: train.py arguments for every run, e.g. "
+                    "'--dataset=shakespeare --batch_size=8'")
+    seconds: float = opt(RECIPE_SECONDS, "a run short of the target by then is stopped")
     keep_margin: float = opt(0.05, "chain: a technique is kept only when it reaches the target "
                              "sooner than the best so far by more than this share and twice "
                              "the noise")
@@ -123,7 +138,7 @@ def follow(cwd: Path, args: list[str], target: float = 0.0, limit: float = math.
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    curve, step_ms, tail, reached = [], [], [], None
+    curve, step_ms, tail, reached, first_step = [], [], [], None, None
     for line in proc.stdout:
         tail = (tail + [line.rstrip()])[-20:]
         if m := EVAL.match(line):
@@ -135,6 +150,7 @@ def follow(cwd: Path, args: list[str], target: float = 0.0, limit: float = math.
             reached = curve[-1] if curve[-1][1] <= target else None
         elif m := STEP_MS.match(line):
             step_ms.append(float(m.group(1) or m.group(2)))
+            first_step = first_step or time.perf_counter() - start
         if reached or time.perf_counter() - start > limit:
             proc.terminate()
             break
@@ -142,6 +158,7 @@ def follow(cwd: Path, args: list[str], target: float = 0.0, limit: float = math.
     status = "ok" if reached else ("not reached" if returncode in (0, -15) else "failed")
     return {"status": status, "returncode": 0 if reached else returncode, "curve": curve,
             "reached": reached, "seconds": time.perf_counter() - start,
+            "first_step_s": first_step,  # from launch to the first step line
             "step_ms": statistics.median(step_ms) if step_ms else None,
             "val": curve[-1][1] if curve else None, "tail": tail if status == "failed" else []}
 
@@ -160,16 +177,17 @@ def schedule(opts: ToLossOptions) -> list[str]:
             f"--log_interval={opts.eval_every}"]
 
 
-def measure(name: str, cwd: Path, args: list[str], opts: ToLossOptions) -> dict:
-    """One recipe, opts.repeat runs, each in a fresh process stopped at the target: its row
-    (the first run's curve and step; the median time; the runs' times)."""
+def measure(name: str, cwd: Path, args: list[str], opts: ToLossOptions,
+            target: float | None = None) -> dict:
+    """One recipe, opts.repeat runs, each in a fresh process stopped at the target (default
+    opts.target): its row (the first run's curve and step; the median time; the runs' times)."""
     runs = []
     for _ in range(opts.repeat):
         with tempfile.TemporaryDirectory() as out:  # its own checkpoints: nanoGPT's stay its own
             ours = [f"--out_dir={out}", "--save_checkpoints=false"] * (cwd == REPO_ROOT)
             print(f"to-loss: {name}: python train.py {' '.join(args)} ...", flush=True)
-            runs.append(follow(cwd, args + ours, opts.target, RECIPE_SECONDS,
-                               metric=opts.metric))
+            runs.append(follow(cwd, args + ours, opts.target if target is None else target,
+                               opts.seconds, metric=opts.metric))
     row = {"recipe": name, "args": args, **runs[0], "chain": "",
            "times": [r["reached"][2] for r in runs if r["reached"]]}
     if len(row["times"]) < len(runs):
@@ -221,9 +239,79 @@ def run_chain(opts: ToLossOptions, chosen: list[str]) -> list[dict]:
     return rows
 
 
+def shortened(name: str, opts: ToLossOptions) -> list[str]:
+    """train.py's arguments for config `name` run --steps steps: its warmup and Muon's momentum
+    warm-up scaled in proportion (the schedule's shape kept), HellaSwag off, --args last."""
+    extra = shlex.split(opts.args)
+    cfg, _ = load_config(["--config", name, *extra], prog="bench.py to-loss")
+    t, args = cfg.train, ["--config", name, "--hellaswag_interval=0"]
+    if opts.steps:
+        scale = opts.steps / max(1, t.max_iters)
+        args += [f"--max_iters={opts.steps}", f"--warmup_iters={round(t.warmup_iters * scale)}",
+                 f"--muon_momentum_warmup={round(t.muon_momentum_warmup * scale)}"]
+    return args + extra
+
+
+def run_configs(opts: ToLossOptions, done=lambda rows: None) -> list[dict]:
+    """The reference config (the first) to its end, or to the target when given; then each other
+    config, stopped at the target: the reference's best val when none was given. done(rows so
+    far) after each."""
+    rows, target = [], opts.target or None
+    schedule_args = [f"--eval_interval={opts.eval_every}", f"--eval_iters={EVAL_ITERS}",
+                     "--log_interval=1", "--eval_at_start=false"]
+    for i, name in enumerate(checks.comma_list(opts.configs)):
+        row = measure(name, REPO_ROOT, schedule_args + shortened(name, opts), opts,
+                      target if i else (target or 0.0))
+        if not i and target is None and row["curve"]:  # the reference's best val: the target
+            best = min(row["curve"], key=lambda point: point[1])
+            target = best[1]
+            row.update(status="ok", reached=best, times=[best[2]])
+            print(f"to-loss: the target is {name}'s best val, {target:.4f} at step {best[0]}",
+                  flush=True)
+        rows.append({**row, "target": target, "chain": "reference" if not i else ""})
+        done(rows)
+    return rows
+
+
+def configs_page(report: dict) -> str:
+    """The table of --configs: time to the target from launch and from the end of step 1."""
+    rows, unit = report["rows"], "val loss" if report["metric"] == "loss" else "val bpb"
+    reference = rows[0] if rows and rows[0]["reached"] else None
+
+    def after_step1(r: dict) -> float | None:
+        return r["reached"][2] - r["first_step_s"] if r["reached"] and r["first_step_s"] else None
+
+    cells = []
+    for r in rows:
+        best = min((v for _, v, _ in r["curve"]), default=math.nan)
+        if not r["reached"]:
+            cells.append([r["recipe"], f"{r['status']} ({r['seconds']:.0f} s)", "-", "-", "-",
+                          f"{best:.4f}", "-"])
+            continue
+        mine, ref = after_step1(r), reference and after_step1(reference)
+        vs = f"{ref / mine:.2f}x" if mine and ref else "-"
+        cells.append([r["recipe"], f"step {r['reached'][0]}", f"{r['reached'][2]:.1f}",
+                      f"{mine:.1f}" if mine is not None else "-", vs, f"{best:.4f}",
+                      f"{r['step_ms']:.0f}" if r["step_ms"] else "-"])
+    target = rows[0].get("target") if rows else None
+    source = "given" if report["target"] else "the reference config's best val"
+    about = [f"target: {unit} <= {target:.4f}" if target else "target: none reached",
+             f"({source}), checked "
+             f"every {report['eval_every']} steps; seconds from launch, and from the end of "
+             "step 1 (start-up and compile left out); speedup: the reference's time from step 1 "
+             "over the config's"]
+    return page(report, [" ".join(about)], ["config", "reached", "s from launch",
+                                            "s from step 1", "speedup", f"best {unit}",
+                                            "median step ms"],
+                cells, {r["recipe"]: r["args"] for r in rows})
+
+
 def run(opts: ToLossOptions, command: str) -> int:
-    """The chain to the target; the page to stdout and RESULTS/to_loss_NAME.*."""
-    checks.check(opts, {"eval_every": 1, "repeat": 1, "keep_margin": 0})
+    """The chain to the target (or --configs); the page to stdout and RESULTS/to_loss_NAME.*."""
+    checks.check(opts, {"eval_every": 1, "repeat": 1, "keep_margin": 0, "steps": 0,
+                        "seconds": 1})
+    if opts.configs:
+        return run_configs_report(opts, command)
     if opts.target <= 0:
         raise ConfigError(f"the target loss must be > 0 (got {opts.target}): bench.py to-loss "
                           "1.886")
@@ -254,6 +342,33 @@ def run(opts: ToLossOptions, command: str) -> int:
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 
+def run_configs_report(opts: ToLossOptions, command: str) -> int:
+    if opts.target < 0:
+        raise ConfigError(f"the target loss must be >= 0 (got {opts.target}; 0: the first "
+                          "config's best val)")
+    if len(checks.comma_list(opts.configs)) < 2:
+        raise ConfigError(f"--configs={opts.configs!r}: give two configs or more, the reference "
+                          "first (e.g. gpt2_124m,gpt2_124m_speedrun)")
+    report = {"target": opts.target, "metric": opts.metric, "command": command, "rows": [],
+              "eval_every": opts.eval_every, "date": utc_now(),
+              "hardware": machine_line(torch.device("cuda" if torch.cuda.is_available()
+                                                    else "cpu")), "configs": opts.configs}
+    stem = f"to_loss_{opts.name}"
+
+    def save(rows: list[dict]) -> str:  # after each config: a stopped run keeps its rows
+        report["rows"] = rows
+        text = configs_page(report)
+        write_report(report, f"# bench.py to-loss --configs {opts.configs}\n\n{text}",
+                     opts.results, stem)
+        return text
+
+    rows = run_configs(opts, save)
+    print("\n" + save(rows))
+    plot({**report, "target": rows[0].get("target") or 0.0}, Path(opts.results) / f"{stem}.png")
+    print(f"wrote {Path(opts.results) / stem}.{{json,md,png}}")
+    return 0 if rows and all(r["reached"] for r in rows) else 1
+
+
 def cells(row: dict, rows: list[dict]) -> list[str]:
     """[recipe, chain verdict, steps, time to target, vs nanoGPT, vs reference, best val]."""
     best = f"{min((v for _, v, _ in row['curve']), default=math.nan):.4f}"
@@ -282,8 +397,9 @@ def plot(report: dict, path: Path) -> Path | None:
                 label=r["recipe"], color=colors(i % 20), linestyle="-" if i < 20 else "--")
     ax.axhline(report["target"], color="grey", linestyle="--", linewidth=1)
     unit = "val bits per byte" if report.get("metric") == "bpb" else "val loss"
-    ax.set(xlabel="wall-clock seconds from launch", ylabel=unit,
-           ylim=(None, 3.0 / (math.log(2) if report.get("metric") == "bpb" else 1)))
+    top = None if report.get("configs") else 3.0 / (math.log(2) if report.get("metric") == "bpb"
+                                                    else 1)  # the CPU chain's char-level losses
+    ax.set(xlabel="wall-clock seconds from launch", ylabel=unit, ylim=(None, top))
     ax.set_title(f"time to {unit} {report['target']}\n{report['hardware']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
