@@ -90,6 +90,16 @@ def evaluate_and_save(run: Run, step: int, next_batch: tuple, stop: resume.StopR
     device.release_cached(run.rt.device, run.cfg.system.empty_cache)  # a phase boundary
 
 
+def cuda_peak_memory(device: torch.device) -> tuple[int, int] | None:
+    """CUDA's peak allocated and reserved bytes since the last call (then reset: each log line's
+    own peak); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def log_step(run: Run, step: int, result: StepResult, lr: float,
              since: tuple[int, float]) -> tuple[int, float]:
     """The log line, timed per step since `since` (step, time); returns the next `since`."""
@@ -98,7 +108,7 @@ def log_step(run: Run, step: int, result: StepResult, lr: float,
     dt = (now - since[1]) / max(1, step - since[0])
     flops_per_step = run.raw_model.flops_per_token() * run.tokens_per_step
     mfu = flops_per_step / dt / run.peak_flops if run.peak_flops else None
-    tokens_per_s, memory = run.tokens_per_step / dt, device.cuda_peak_memory(run.rt.device)
+    tokens_per_s, memory = run.tokens_per_step / dt, cuda_peak_memory(run.rt.device)
     print(metrics.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu, memory)
           + run.log.progress(step))
     peaks = {"peak_mib": memory[0] // 2**20, "reserved_mib": memory[1] // 2**20} if memory else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import time
 
 import torch
 
@@ -72,6 +73,22 @@ def compile_model(model: torch.nn.Module, system: SystemConfig,
     if system.compile_mode == "reduce-overhead" and device != "cuda":
         note += " (its CUDA graphs need CUDA: plain inductor here)"
     return torch.compile(model, mode=system.compile_mode), note
+
+
+def warm_up_training(model: torch.nn.Module, raw_model: torch.nn.Module, rt: Runtime,
+                     batch_size: int, evaluates: bool, says: bool) -> float:
+    """warm_up, said before and after (says: the main process) -> its seconds."""
+    steps = "training and eval steps" if evaluates else "training step"
+    if says:
+        print(f"compiling: torch.compile warms up the {batch_size}x{raw_model.config.block_size} "
+              f"{steps} before step 1 ({compile_kernels(rt.device)}); this can take minutes ...",
+              flush=True)
+    start = time.perf_counter()
+    warm_up(model, raw_model, rt, batch_size, evaluates)
+    seconds = time.perf_counter() - start
+    if says:
+        print(f"compiled: the {steps} in {seconds:.1f} s", flush=True)
+    return seconds
 
 
 def warm_up(model: torch.nn.Module, raw_model: torch.nn.Module, rt: Runtime,

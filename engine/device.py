@@ -278,13 +278,3 @@ def release_cached(device: torch.device, enabled: bool) -> bool:
         return False
     torch.cuda.empty_cache()
     return True
-
-
-def cuda_peak_memory(device: torch.device) -> tuple[int, int] | None:
-    """CUDA's peak allocated and reserved bytes since the last call (then reset: each log line's
-    own peak); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    peak = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak

@@ -107,6 +107,7 @@ class Check:
         out = os.environ.get("OUT")
         self.out = Path(out) / "bench_results" if out else None
         self.logs: list = []  # the console log's files, each flushed at every line
+        self.running: subprocess.Popen | None = None  # the part's command now
         self.env_vars = dict(os.environ, PYTHONUNBUFFERED="1")
         cache = Path(os.environ.get("GPU_CHECK_CACHE") or
                      Path(tempfile.gettempdir()) / "gpu_check_cache")
@@ -159,6 +160,7 @@ class Check:
         proc = subprocess.Popen(argv, cwd=cwd, env=env or self.env_vars, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, errors="replace")
+        self.running = proc  # stopped with the check on SIGTERM (main)
         pump = threading.Thread(target=lambda: [self.say(line.rstrip("\n"))
                                                 for line in proc.stdout], daemon=True)
         pump.start()
@@ -176,6 +178,7 @@ class Check:
                     seen = now
                     self.publish()
         pump.join(timeout=5)
+        self.running = None
         return proc.returncode
 
 
@@ -215,8 +218,10 @@ def ablation(check: Check, name: str, limit: float, *mode: str) -> list[str]:
 
 
 def steps(check: Check, warmup: int, measure: int) -> list[str]:
-    """A row's untimed and timed steps; the CPU pass's fewest (it checks the path, not speed)."""
-    warmup, measure = (1, 2) if check.cpu else (warmup, measure)
+    """A row's untimed and timed steps; the CPU pass's fewest, every row in one process (it
+    checks the path, not the speed)."""
+    if check.cpu:
+        return ["--warmup-steps", "1", "--measure-steps", "2", "--in-process"]
     return ["--warmup-steps", str(warmup), "--measure-steps", str(measure)]
 
 
@@ -428,6 +433,12 @@ def main(argv: list[str]) -> int:
 
 
 def run_plan(check: Check, default_results: bool) -> int:
+    def terminated(signum, frame):  # timeout(1) or a user: the part's processes go too
+        if check.running is not None:
+            stop(check.running)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
     if check.out:
         check.out.mkdir(parents=True, exist_ok=True)
         check.logs.append(open(check.out / "gpu_check.log", "w"))

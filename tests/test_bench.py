@@ -246,10 +246,14 @@ def test_unknown_or_repeated_flag_and_bad_value(capsys):
         capsys.readouterr().err
 
 
-def test_bench_runs_end_to_end_and_writes_its_outputs(char_dataset, tmp_path, capsys):
+@pytest.mark.parametrize("in_process", [False, True])
+def test_bench_runs_end_to_end_and_writes_its_outputs(in_process, char_dataset, tmp_path, capsys):
+    """Each row in a fresh process, and (--in-process, the GPU check's CPU pass) in this one:
+    the same rows and, from the same seed, the same losses."""
     code = bench.main(["--config", "tiny", f"--dataset={char_dataset}", "--device=cpu",
                        "--order", "attention,tf32", "--warmup-steps", "1", "--kernels", "off",
-                       "--measure-steps", "2", "--results", str(tmp_path), "--name", "t"])
+                       "--measure-steps", "2", "--results", str(tmp_path), "--name", "t",
+                       *["--in-process"] * in_process])
     out = capsys.readouterr().out
     assert code == 0
     report = json.loads((tmp_path / "t.json").read_text())

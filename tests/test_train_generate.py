@@ -333,10 +333,10 @@ def test_cuda_run_with_its_speedups_learns_like_the_cpu_reference(char_dataset, 
 
 def test_a_gpu_runs_log_records_cuda_peak_memory(char_dataset, tmp_path, capsys, monkeypatch):
     """The CPU half of the CUDA run's memory record: each log line's peak since the line before
-    (what device.cuda_peak_memory reads and resets on a GPU, here answered by a stand-in) goes to
+    (what train.cuda_peak_memory reads and resets on a GPU, here answered by a stand-in) goes to
     the line, metrics.jsonl and .csv; summary.json keeps the highest. A CPU run records none."""
     peaks = iter([(3 * 2**30, 4 * 2**30), (5 * 2**30, 6 * 2**30), (2**30, 6 * 2**30)])
-    monkeypatch.setattr(machine, "cuda_peak_memory", lambda device: next(peaks))
+    monkeypatch.setattr(train, "cuda_peak_memory", lambda device: next(peaks))
     out_dir = tmp_path / "run"
     summary = train.train(tiny_cfg(char_dataset, out_dir, "--max_iters=6", "--log_interval=2",
                                    "--eval_interval=6", "--eval_iters=1"))
@@ -351,20 +351,20 @@ def test_a_gpu_runs_log_records_cuda_peak_memory(char_dataset, tmp_path, capsys,
     assert summary["cuda_peak_mib"] == {"peak_mib": 5120, "reserved_mib": 6144}
     assert json.loads((out_dir / "summary.json").read_text())["cuda_peak_mib"]["peak_mib"] == 5120
     monkeypatch.undo()
-    assert machine.cuda_peak_memory(torch.device("cpu")) is None
+    assert train.cuda_peak_memory(torch.device("cpu")) is None
     assert "cuda_peak_mib" not in train.train(tiny_cfg(char_dataset, tmp_path / "cpu",
                                                        "--max_iters=2", "--eval_interval=2",
                                                        "--eval_iters=1"))
 
 
 def test_cuda_peak_memory_reads_then_resets(monkeypatch):
-    """device.cuda_peak_memory on a GPU (torch.cuda's answers stood in): the peaks allocated
+    """train.cuda_peak_memory on a GPU (torch.cuda's answers stood in): the peaks allocated
     and reserved, then a reset, so the next log line has its own peak."""
     calls = []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append("a") or 7)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: calls.append("r") or 9)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append("reset"))
-    assert machine.cuda_peak_memory(torch.device("cuda")) == (7, 9)
+    assert train.cuda_peak_memory(torch.device("cuda")) == (7, 9)
     assert calls == ["a", "r", "reset"]
 
 

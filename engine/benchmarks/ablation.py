@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import difflib
 import math
 import os
@@ -62,6 +63,8 @@ class AblationOptions:
     cumulative: bool = opt(False, "the chain keeps every flag, whatever it measured (no "
                            "side-by-side rerun): each row the total of the flags so far")
     ceiling: bool = opt(True, "measure the device's matmul ceiling first (MFU (meas.))")
+    in_process: bool = opt(False, "every row in this process, not a fresh one each: a quick dry "
+                           "run (memory peaks and compile state carry over between rows)")
     warmup_steps: int = opt(2, "untimed steps per row")
     measure_steps: int = opt(5, "timed steps per row")
     repeat: int = opt(1, "runs of each row, fresh processes, their timed steps pooled")
@@ -203,6 +206,10 @@ class Measurer:
             why = f"the --time-budget of {self.opts.time_budget:g} s ran out"
             print(f"    skipped: {why}", flush=True)
             return {"status": "skipped", "reason": why + " before this row"}
+        if self.opts.in_process:
+            from engine.benchmarks.worker import run_spec
+
+            return json.loads(json.dumps(run_spec(spec)))  # as a worker's file would hand it
         return run_worker(spec, self.workdir, name, self.left())
 
     def train(self, config: Config, previous: dict | None, name: str, clock: str = "") -> dict:
@@ -347,9 +354,9 @@ def run_all(rows: list[dict], cfg: Config, opts: AblationOptions, mode: str,
         measurer = Measurer(opts, Path(tmp))
         if opts.ceiling:
             print(f"measuring the matmul ceiling on {cfg.system.device} ...", flush=True)
-            report["ceiling"] = run_worker({"kind": "ceiling", "config": cfg.to_dict(),
-                                            "clock": opts.clock, "matmul_n": opts.ceiling_size},
-                                           Path(tmp), "ceiling", measurer.left())
+            report["ceiling"] = measurer.once({"kind": "ceiling", "config": cfg.to_dict(),
+                                               "clock": opts.clock,
+                                               "matmul_n": opts.ceiling_size}, "ceiling")
             save(report)
         results, head = run_chain(rows, mode, measurer, done)
         wanted = opts.kernels == "on" or (opts.kernels == "auto" and cfg.system.device == "cpu")

@@ -154,7 +154,8 @@ def markdown(report: dict) -> str:
     for name in ROWS:
         r = report["rows"].get(name)
         if r is None or r.get("status") != "ok":
-            why = "not in --rows" if r is None else f"{r['status']}: {r.get('reason') or r.get('error')}"
+            why = "not in --rows" if r is None else (
+                f"{r['status']}: {r.get('reason') or r.get('error')}")
             cells.append([name, why, "", "", ""])
             continue
         per_stream = f"{r['per_stream_tok_per_s']:,.1f}" if "streams" in r else "-"

@@ -14,15 +14,20 @@ KINDS = {"train_row": measure.time_row, "decode": measure.decode_row,
          "finetune_step": finetune.step_row}
 
 
-def measure_in_worker(spec_path: str) -> int:
-    """Run the spec's kind; a failure is written as the row's result, the others go on."""
-    spec = json.loads(Path(spec_path).read_text())
+def run_spec(spec: dict) -> dict:
+    """The spec's kind run here -> its result; a failure is the row's result, not an error."""
     try:
-        result = {"status": "ok", **KINDS[spec["kind"]](spec)}
+        return {"status": "ok", **KINDS[spec["kind"]](spec)}
     except Exception as e:  # noqa: BLE001 - the row is reported failed, the others go on
         traceback.print_exc()
         first_line = (str(e).strip().splitlines() or [""])[0]
-        result = {"status": "failed", "error": f"{type(e).__name__}: {first_line}"[:300]}
+        return {"status": "failed", "error": f"{type(e).__name__}: {first_line}"[:300]}
+
+
+def measure_in_worker(spec_path: str) -> int:
+    """Run the spec's kind and write its result where the spec says."""
+    spec = json.loads(Path(spec_path).read_text())
+    result = run_spec(spec)
     Path(spec["result"]).write_text(json.dumps(result))
     return 0 if result["status"] != "failed" else 1
 

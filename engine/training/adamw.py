@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16}  # a float's bits as an integer of its width
+INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16}  # a float's bits, by its width
 
 
 class AdamW(torch.optim.AdamW):

@@ -108,8 +108,7 @@ def make_loaders(cfg: Config, meta: dict, rt: device.Runtime, dist: Dist
 
 def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
     """The model (from train.init_from as given) with its speedups, optimizer, scaler and
-    loaders; out_dir is neither read nor written. evaluates=False: a run that never evaluates
-    (a benchmark's timed steps) leaves the eval step uncompiled."""
+    loaders; out_dir is neither read nor written. evaluates=False: no eval step is compiled."""
     rt, t = device.setup(cfg.system, device=dist.device), cfg.train
     with dist.main_first():  # rank 0 prepares the data and downloads GPT-2 first
         if cfg.data.mixture:  # several datasets, each row's drawn by weight

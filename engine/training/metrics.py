@@ -1,8 +1,7 @@
 """What a run shows: the log line, and in out_dir metrics.jsonl / metrics.csv (one row per event:
-kind=train every log_interval steps, with CUDA's peak memory since the last one on a GPU; eval,
-skip for a non-finite step, hellaswag), loss_curve.png
-(redrawn at every evaluation) and summary.json (also printed); optionally Weights & Biases too.
-A resumed run first drops the rows written after its checkpoint: the files read as one run."""
+kind=train every log_interval steps, on CUDA with its peak memory; eval, skip for a non-finite
+step, hellaswag), loss_curve.png (redrawn at every evaluation), summary.json (also printed), and
+Weights & Biases if asked. A resumed run drops the rows after its checkpoint: one run's files."""
 from __future__ import annotations
 
 import collections
@@ -17,8 +16,8 @@ from pathlib import Path
 from config import Config
 from engine.training.resume import Counters
 
-CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu",
-               "peak_mib", "reserved_mib", "train", "val", "val_bpb")
+CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu", "peak_mib",
+               "reserved_mib", "train", "val", "val_bpb")
 ETA_WINDOW = 20  # progress marks the ETA is averaged over
 PLOT_EVERY_S = 60.0  # the loss curve is redrawn at most this often, and at the end
 
@@ -76,7 +75,6 @@ class RunLog:
         self.clock_start = time.perf_counter()
         self.seconds_before = train_seconds  # spent by the earlier parts of a resumed run
         self.marks = collections.deque([(self.clock_start, start_step)], maxlen=ETA_WINDOW)
-        self.peak_mib = {}  # CUDA's peak allocated and reserved MiB over the logged steps
         self.plot_note = ""
         self.plotted = time.perf_counter()  # the loss curve's last redraw (none yet: the start)
         self.unplotted = False  # evaluations since then
@@ -118,9 +116,6 @@ class RunLog:
     def write(self, **record) -> None:
         """Append one event (it must have `kind` and `step`) to every sink."""
         record.setdefault("time_s", round(self.train_seconds, 3))
-        for key in ("peak_mib", "reserved_mib"):
-            if key in record:
-                self.peak_mib[key] = max(self.peak_mib.get(key, 0), record[key])
         self._append([record])
         if self.wandb is not None:  # only where files are written
             values = {f"{record['kind']}/{k}": v for k, v in record.items()
@@ -165,6 +160,7 @@ class RunLog:
         done | stop_after_iters | SIGINT | SIGTERM | nonfinite)."""
         if self.unplotted:
             self.plot()
+        peaks = [r for r in self.records if "peak_mib" in r]  # on CUDA, each log line's
         summary = {"stop_reason": reason, "step": counters.step,
                    "steps": counters.step - start_step,
                    "seconds": time.perf_counter() - self.clock_start,
@@ -172,7 +168,8 @@ class RunLog:
                    "best_val": counters.best_val, "tokens_seen": counters.tokens_seen,
                    "skipped_steps": counters.skipped_steps,
                    "checkpoint": str(ckpt) if ckpt is not None else None,
-                   **({"cuda_peak_mib": self.peak_mib} if self.peak_mib else {})}
+                   **({"cuda_peak_mib": {k: max(r[k] for r in peaks) for k in (
+                       "peak_mib", "reserved_mib")}} if peaks else {})}
         label = "done" if reason == "done" else f"stopped ({reason})"
         print(f"{label}: step {counters.step} of {self.max_iters} | "
               f"{summary['steps']} steps in {format_duration(summary['seconds'])} "
@@ -211,7 +208,6 @@ def _strict_json(value):
 
 def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: float,
              mfu: float | None, memory: tuple[int, int] | None = None) -> str:
-    """The step's line; memory: CUDA's peak (allocated, reserved) bytes since the last line."""
     line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.1e} | norm {norm:.2f} | {ms:.0f} ms | "
             f"{tok_s:,.0f} tok/s")
     line += f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""

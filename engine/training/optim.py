@@ -1,8 +1,8 @@
 """The optimizer and the learning-rate schedule.
 
     make_optimizer   AdamW over the model's decay / no-decay groups: fused where the device has
-                     it (train.fused_adamw; else off a CPU adamw.py's foreach update, which
-                     skips a NaN/inf step on the device), over float32 master weights when the model holds
+                     it (train.fused_adamw; else off a CPU adamw.py's foreach update, skipping a
+                     NaN/inf step on the device), over float32 masters when the model holds
                      bf16 weights (system.weights_dtype=bfloat16: master_weights.py); with
                      train.optimizer=muon, Muon on the blocks' Linear weights and AdamW on
                      embeddings, the tied head, biases and norms (muon.py)

@@ -17,7 +17,6 @@ AdamW), data/loader.py (pin_memory, prefetch), build.py (loader_workers).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -79,16 +78,8 @@ def apply(raw_model: GPT, cfg: Config, rt: Runtime, dist: Dist,
         from engine import compiling
 
         model, notes.compile = compiling.compile_model(model, cfg.system, rt)
-        steps = "training and eval steps" if evaluates else "training step"
-        if dist.is_main:
-            print(f"compiling: torch.compile warms up the {t.batch_size}x{cfg.model.block_size} "
-                  f"{steps} before step 1 ({compiling.compile_kernels(rt.device)}); this can take "
-                  "minutes ...", flush=True)
-        start = time.perf_counter()
-        compiling.warm_up(model, raw_model, rt, t.batch_size, evaluates)
-        notes.compile_s = time.perf_counter() - start
-        if dist.is_main:
-            print(f"compiled: the {steps} in {notes.compile_s:.1f} s", flush=True)
+        notes.compile_s = compiling.warm_up_training(model, raw_model, rt, t.batch_size,
+                                                     evaluates, dist.is_main)
     return model, notes
 
 
