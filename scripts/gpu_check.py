@@ -53,6 +53,10 @@ RECIPE = ("dtype,tf32,compile,attention,causal_mask,norm_gelu,fused_adamw,vocab_
 # optimizer and loader flags), then the rows that compile a graph of their own
 WITHOUT = ("compile,fused_adamw,muon,pin_memory,dtype,attention,vocab_pad,chunked_loss,tf32,"
            "causal_mask,norm_gelu")
+# the cumulative chain: GPT-2's reference path, then a flag at a time, compile last (one row
+# compiles)
+CHAIN = ("causal_mask,norm_gelu,attention,fused_adamw,pin_memory,vocab_pad,chunked_loss,tf32,dtype,"
+         "compile")
 GPU_SHAPE = ["--dataset=shakespeare", "--batch_size=16", "--grad_accum_steps=1",
              "--tokens_per_step=0"]  # 16 x 1,024 GPT-2 tokens a step, on data the machine has
 CPU_SHAPE = ["--device=cpu", "--threads=1", "--vocab_size=0", "--n_layer=1", "--n_head=2",
@@ -83,7 +87,7 @@ PLAN = [
          f"{TO_LOSS_STEPS} steps each on tiny Shakespeare in GPT-2 tokens; the target is "
          "gpt2_124m's best val"),
     Part("decode", 55, "batch-1 bf16 decoding eager and compiled, and 16 streams at once through "
-         "serve.py's engine", needs=("pydantic",)),
+         "serve.py's engine; pruned Linears (2:4, CSR) against dense", needs=("pydantic",)),
     Part("memory", 45, "the memory strategies on the headline's config: peak memory and tok/s "
          "beside the estimate"),
     Part("tests", 35, "python -m pytest -m cuda tests/: the CUDA variants of the tests",
@@ -205,14 +209,14 @@ def bench(check: Check, *args: str) -> list[str]:
     return [check.python, "bench.py", *args]
 
 
-def recipe(check: Check) -> str:
-    """The headline's flags; on the CPU pass with compile off."""
-    return RECIPE.replace("compile", "compile=false") if check.cpu else RECIPE
+def cpu_flags(check: Check, flags: str) -> str:
+    """A list of flags as this pass runs them: the CPU pass's with compile off."""
+    return flags.replace("compile", "compile=false") if check.cpu else flags
 
 
 def ablation(check: Check, name: str, limit: float, *mode: str) -> list[str]:
     return bench(check, "ablation", "--config", "gpt2_124m", "--optimizer=muon", *sizes(check),
-                 "--order", recipe(check), *mode, "--kernels", "off",
+                 "--order", cpu_flags(check, RECIPE), *mode, "--kernels", "off",
                  "--time-budget", f"{max(1, limit - 10):.0f}", "--results", str(check.results),
                  "--name", f"gpu_check_{check.slug}_{name}")
 
@@ -245,11 +249,17 @@ def part_to_loss(check: Check, limit: float) -> tuple[list[list[str]], str]:
 
 
 def part_decode(check: Check, limit: float) -> tuple[list[list[str]], str]:
+    """decode-device; on a GPU then pruned Linears: 2:4 semi-structured and CSR against dense."""
     args = ["--device=cpu", "--model=tiny", "--new-tokens=16", "--rounds=2", "--streams=4",
             "--rows=eager,weights,engine"] if check.cpu else ["--device=cuda", "--streams=16"]
-    return [bench(check, "decode-device", "--dtype=bfloat16", *args, "--results",
-                  str(check.results), "--name", f"gpu_check_{check.slug}")], (
-        CPU_COMPILE.replace("compile off", "no compiled row") if check.cpu else "")
+    commands = [bench(check, "decode-device", "--dtype=bfloat16", *args, "--results",
+                      str(check.results), "--name", f"gpu_check_{check.slug}")]
+    if check.cpu:
+        return commands, (CPU_COMPILE.replace("compile off", "no compiled row")
+                          + "; the sparse kernels' CPU rows: python -m engine.inference.sparse")
+    return commands + [[check.python, "-m", "engine.inference.sparse", "--device=cuda",
+                        "--rows=1,16,256,4096", "--repeats=5", "--threads=0",
+                        f"--out={check.results / f'prune_sparse_{check.slug}'}"]], ""
 
 
 def part_memory(check: Check, limit: float) -> tuple[list[list[str]], str]:
@@ -273,10 +283,8 @@ def part_tests(check: Check, limit: float) -> tuple[list[list[str]], str]:
 
 
 def part_chain(check: Check, limit: float) -> tuple[list[list[str]], str]:
-    order = RECIPE.replace("compile", "compile=false") if check.cpu else \
-        "causal_mask,norm_gelu,attention,fused_adamw,pin_memory,vocab_pad,chunked_loss,tf32," \
-        "dtype,compile"
-    return [bench(check, "ablation", "--config", "gpt2_124m", *sizes(check), "--order", order,
+    return [bench(check, "ablation", "--config", "gpt2_124m", *sizes(check), "--order",
+                  cpu_flags(check, CHAIN),
                   "--cumulative", "--ceiling=false", "--kernels", "off", *steps(check, 2, 4),
                   "--time-budget", f"{max(1, limit - 10):.0f}",
                   "--results", str(check.results), "--name", f"gpu_check_{check.slug}_chain")], ""
@@ -420,15 +428,17 @@ def main(argv: list[str]) -> int:
               f"{', '.join(names)})", file=sys.stderr)
         return 2
     budget = int(os.environ.get("GPU_CHECK_BUDGET") or BUDGET)
+    python = os.environ.get("PYTHON") or sys.executable
+    if plan_only:  # nothing made, nothing run
+        check = Check(cpu, Path(results or "RESULTS"), budget, ["env", *chosen], python)
+        check.slug = "<gpu>"  # the env part names it
+        print_plan(check)
+        shutil.rmtree(check.work, ignore_errors=True)
+        return 0
     folder = Path(results) if results else (
         Path(tempfile.mkdtemp(prefix="gpu_check_results.")) if cpu else ROOT / "bench_results")
     folder.mkdir(parents=True, exist_ok=True)
-    check = Check(cpu, folder.resolve(), budget, ["env", *chosen],
-                  os.environ.get("PYTHON") or sys.executable)
-    if plan_only:
-        check.slug = "<gpu>"  # the env part names it
-        print_plan(check)
-        return 0
+    check = Check(cpu, folder.resolve(), budget, ["env", *chosen], python)
     return run_plan(check, default_results=not results)
 
 

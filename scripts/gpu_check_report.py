@@ -58,6 +58,7 @@ SECTIONS = [  # (heading, the part that writes it, its file: {slug} filled in)
     ("Time to a target val loss: gpt2_124m against gpt2_124m_speedrun", "to_loss",
      "to_loss_gpu_check_{slug}"),
     ("Decoding", "decode", "decode_device_gpu_check_{slug}"),
+    ("Pruned Linears: 2:4 semi-structured and CSR against dense", "sparse", "prune_sparse_{slug}"),
     ("Memory strategies on the headline's config", "memory", "memory_gpu_check_{slug}"),
 ]
 
