@@ -111,6 +111,7 @@ class Check:
         out = os.environ.get("OUT")
         self.out = Path(out) / "bench_results" if out else None
         self.logs: list = []  # the console log's files, each flushed at every line
+        self.saying = threading.Lock()  # a part's output and the check's own lines, whole
         self.running: subprocess.Popen | None = None  # the part's command now
         self.env_vars = dict(os.environ, PYTHONUNBUFFERED="1")
         cache = Path(os.environ.get("GPU_CHECK_CACHE") or
@@ -124,10 +125,16 @@ class Check:
         return time.monotonic() - self.start
 
     def say(self, text: str) -> None:
-        print(text, flush=True)
-        for f in self.logs:
-            f.write(text + "\n")
-            f.flush()
+        with self.saying:
+            print(text, flush=True)
+            for f in self.logs:
+                f.write(text + "\n")
+                f.flush()
+
+    def pass_on(self, stream) -> None:
+        """A command's output, line by line, into the console and the log."""
+        for line in stream:
+            self.say(line.rstrip("\n"))
 
     def limit(self, i: int) -> float:
         """Part i's seconds: at least its cap (or what is left), and any time the parts before
@@ -156,17 +163,15 @@ class Check:
         if self.out and self.slug_known:
             report.archive(self.results, self.slug, self.out / "gpu_check_all.tar.gz")
 
-    def run(self, argv: list[str], limit: float, env: dict | None = None,
-            cwd: Path = ROOT) -> int:
+    def run(self, argv: list[str], limit: float) -> int:
         """argv in its own process group, its output passed on into the log, stopped at limit
         seconds (124); the summary rewritten every REFRESH_S while result files change."""
         self.say("$ " + shlex.join(argv))
-        proc = subprocess.Popen(argv, cwd=cwd, env=env or self.env_vars, text=True,
+        proc = subprocess.Popen(argv, cwd=ROOT, env=self.env_vars, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, errors="replace")
-        self.running = proc  # stopped with the check on SIGTERM (main)
-        pump = threading.Thread(target=lambda: [self.say(line.rstrip("\n"))
-                                                for line in proc.stdout], daemon=True)
+        self.running = proc  # stopped with the check on SIGTERM (run_plan)
+        pump = threading.Thread(target=self.pass_on, args=(proc.stdout,), daemon=True)
         pump.start()
         deadline, seen = time.monotonic() + limit, report.result_times(self.results)
         while True:
