@@ -95,7 +95,7 @@ OUTSIDE_ENGINES = {"llama_cpp": "scripts/llama_decode.py"}
 def distributions_of(paths: list[Path]) -> dict[str, str]:
     """{distribution: the module imported} for every third-party import in these files."""
     local = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
-    local |= {p.stem for p in (ROOT / "tests").glob("*.py")}
+    local |= {p.stem for p in [*(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*.py")]}
     by_module = importlib.metadata.packages_distributions()
     found = {}
     for module, worker in OUTSIDE_ENGINES.items():

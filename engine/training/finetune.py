@@ -52,12 +52,13 @@ def instruction_data(cfg: Config) -> dict:
 
 
 def counted_positions_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           cap: float, ignore_index: int) -> torch.Tensor:
+                           cap: float, ignore_index: int, vocab_size: int = 0) -> torch.Tensor:
     """The LM head and its loss at the positions the loss counts (the responses) only: the same
     mean loss and gradients as at every position, without the logits of prompts and padding."""
     keep = (targets != ignore_index).reshape(-1)
     rows = x.reshape(-1, x.size(-1))[keep]  # (counted, C)
-    return chunked_cross_entropy(rows, weight, targets.reshape(-1)[keep], cap, ignore_index)
+    return chunked_cross_entropy(rows, weight, targets.reshape(-1)[keep], cap, ignore_index,
+                                 vocab_size)
 
 
 def head_at_counted_positions(model: GPT) -> str:
