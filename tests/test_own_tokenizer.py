@@ -129,6 +129,16 @@ def test_training_errors(tmp_path, capsys):
     assert "--out FOLDER is required" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("trainer", ["sentencepiece", "RustBPE"])
+def test_an_unknown_trainer_is_refused_with_the_choices(tmp_path, capsys, trainer):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    out = tmp_path / "t"
+    assert tt.main([str(tmp_path / "a.txt"), "--out", str(out), "--trainer", trainer]) == 2
+    assert capsys.readouterr().err == (f"error: invalid options: --trainer={trainer!r}: use "
+                                       "rustbpe or hf\n")
+    assert not out.exists()
+
+
 def test_bits_per_byte_is_loss_over_ln2_times_tokens_over_bytes(tmp_path):
     """Hand-checked: a char vocabulary whose characters take 1, 2 and 3 bytes."""
     from data.loader import Batches
