@@ -34,6 +34,10 @@ PATTERNS = {"gpt2": GPT2_PATTERN,
             "gpt4": (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
                      r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")}
 CHUNK_CHARS = 1 << 16  # a text file is handed to the trainer in pieces of about this size
+# text of every kind a pattern must match all of: letters of several scripts, marks, digits,
+# punctuation, symbols, emoji, spaces, tabs, line ends and control characters
+PROBE = ("Hello, world!  It's 3.14159 -- naïve e\u0301 ½ 東京 Ελλάδα Москва عربى हिन्दी 🙂👍🏽\n"
+         "\tif (x <= 42) { return y_1; }\r\n\n\x00\x07 ~`@#$%^&*_+=|\\/?<>[]  end ")
 
 
 @dataclass
@@ -46,7 +50,7 @@ class TokenizerOptions:
     special: str = opt("", "special tokens besides <|endoftext|> (always the first), "
                        "comma-separated, e.g. '<|user|>,<|assistant|>'")
     pattern: str = opt("gpt4", "the split pattern text is cut by before merging: gpt4, gpt2, or "
-                       "a regex of your own")
+                       "a regex of your own (it must match all of any text)")
     text_field: str = opt("text", ".jsonl files: the field holding a document's text")
     max_mb: float = opt(0.0, "train on the first this many MiB of text; 0 = all of it")
     trainer: str = opt("rustbpe", "rustbpe, or hf (Hugging Face tokenizers' BpeTrainer)",
@@ -122,6 +126,33 @@ def metered(texts: Iterator[str], budget: int, read: list[int], bar) -> Iterator
     bar.set_description("merging (no progress shown)")
 
 
+def check_pattern(pattern: str, given: str) -> None:
+    """The split pattern must compile as tiktoken (which encodes with it) and the regex module
+    (which says where it fails) read it, and match all of any text: tiktoken encodes only what
+    the pattern matches, so text it skips would vanish from every document."""
+    import regex
+    import tiktoken
+
+    try:
+        regex.compile(pattern)
+        bytes_only = tiktoken.Encoding("check", pat_str=pattern, special_tokens={},
+                                       mergeable_ranks={bytes([b]): b for b in range(256)})
+    except (regex.error, ValueError) as e:
+        raise TokenizerError(f"--pattern {given!r} is not a regex tiktoken can use: {e}; fix it, "
+                             "or pass --pattern gpt4 (the default) or gpt2") from None
+    matches = list(regex.finditer(pattern, PROBE))
+    empty = next((m.start() for m in matches if m.start() == m.end()), None)
+    if empty is not None:  # tiktoken cannot step past an empty match
+        raise TokenizerError(f"--pattern {given!r} matches empty text (at {PROBE[empty:][:12]!r}"
+                             "); make every alternative match at least one character")
+    if bytes_only.decode(bytes_only.encode_ordinary(PROBE)) != PROBE:
+        matched = {i for m in matches for i in range(m.start(), m.end())}
+        missed = "".join(sorted({c for i, c in enumerate(PROBE) if i not in matched}))
+        raise TokenizerError(f"--pattern {given!r} leaves text unmatched (here {missed[:24]!r}), "
+                             "and tiktoken drops what the pattern does not match; add an "
+                             "alternative that matches the rest, as gpt4's |\\s+ ends it")
+
+
 def train_rustbpe(texts: Iterator[str], n_ranks: int, pattern: str) -> list[bytes]:
     try:
         import rustbpe
@@ -129,7 +160,13 @@ def train_rustbpe(texts: Iterator[str], n_ranks: int, pattern: str) -> list[byte
         raise TokenizerError("rustbpe is not installed: pip install rustbpe (requirements.txt), "
                              "or pass --trainer hf") from None
     trainer = rustbpe.Tokenizer()
-    trainer.train_from_iterator(texts, n_ranks, pattern=pattern)
+    try:
+        trainer.train_from_iterator(texts, n_ranks, pattern=pattern)
+    except ValueError as e:  # its regex crate is not tiktoken's: some patterns differ
+        if not str(e).startswith("Invalid regex pattern"):
+            raise
+        raise TokenizerError(f"--pattern {pattern!r} is a regex tiktoken can use but rustbpe "
+                             f"cannot ({e}); pass --trainer hf") from None
     return [token for token, _ in sorted(trainer.get_mergeable_ranks(), key=lambda t: t[1])]
 
 
@@ -146,9 +183,14 @@ def train_hf(texts: Iterator[str], n_ranks: int, pattern: str) -> list[bytes]:
     ranks after the 256 bytes (GPT-2's byte-to-character alphabet undone)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
+    try:
+        split = Regex(pattern)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise TokenizerError(f"--pattern {pattern!r} is a regex tiktoken can use but Hugging Face "
+                             f"tokenizers' Oniguruma cannot ({e}); pass --trainer rustbpe") from None
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.Split(split, behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=n_ranks, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -172,7 +214,8 @@ def train(files: list[Path], vocab_size: int, special: list[str], pattern: str,
         raise TokenizerError(f"--vocab_size {vocab_size} is smaller than the 256 byte tokens "
                              f"plus {len(special)} special token(s); use at least "
                              f"{256 + len(special)}")
-    pattern = PATTERNS.get(pattern, pattern)
+    given, pattern = pattern, PATTERNS.get(pattern, pattern)
+    check_pattern(pattern, given)
     started, read = time.perf_counter(), [0]
     with tqdm(total=None if max_bytes else sum(p.stat().st_size for p in files), unit="B",
               unit_scale=True, desc="reading + counting pairs", disable=not progress,

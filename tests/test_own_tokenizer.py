@@ -139,6 +139,46 @@ def test_an_unknown_trainer_is_refused_with_the_choices(tmp_path, capsys, traine
     assert not out.exists()
 
 
+@pytest.mark.parametrize("pattern, says", [
+    ("([unclosed", "unterminated character set at position 10"),
+    ("(?<word>\\w+", "missing ) at position 11"),
+    ("\\p{Klingon}", "unknown property at position")])
+def test_a_bad_pattern_is_one_line_naming_it_and_where(tmp_path, capsys, pattern, says):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    for trainer in ("rustbpe", "hf"):
+        assert tt.main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "t"), "--no_progress",
+                        "--pattern", pattern, "--trainer", trainer]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --pattern {pattern!r} is not a regex tiktoken can use: ")
+        assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("\\w+", "leaves text unmatched (here \"\\x00\\x07\\t\\n\\r !#$"),
+    ("", "matches empty text (at 'Hello, world')"), ("\\w*|\\W", "matches empty text")])
+def test_a_pattern_that_would_lose_text_is_refused(tmp_path, capsys, pattern, says):
+    """tiktoken encodes only the text the pattern matches, and cannot step past an empty match:
+    such a pattern would drop text from every encoded document (or crash the encoder)."""
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    assert tt.main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "t"), "--no_progress",
+                    "--pattern", pattern]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("trainer, pattern, says", [
+    ("rustbpe", "(?<=a+)b|\\S+|\\s+", "rustbpe cannot (Invalid regex pattern: "),
+    ("hf", "\\p{Script=Greek}+|\\S+|\\s+", "Oniguruma cannot (Oniguruma error: invalid ")])
+def test_a_pattern_one_trainer_cannot_compile_names_the_other(tmp_path, capsys, trainer,
+                                                              pattern, says):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    assert tt.main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "t"), "--no_progress",
+                    "--pattern", pattern, "--trainer", trainer]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert err.rstrip().endswith("pass --trainer " + ("hf" if trainer == "rustbpe" else "rustbpe"))
+
+
 def test_bits_per_byte_is_loss_over_ln2_times_tokens_over_bytes(tmp_path):
     """Hand-checked: a char vocabulary whose characters take 1, 2 and 3 bytes."""
     from data.loader import Batches
