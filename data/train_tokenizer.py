@@ -12,7 +12,6 @@ tokenizer.tiktoken (tiktoken's ranks format) + tokenizer.json, loads with load_t
 """
 from __future__ import annotations
 
-import glob
 import json
 import sys
 import time
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
 from data.dataset import write_atomic  # noqa: E402
+from data.text_files import documents, input_files, metered  # noqa: E402
 from data.tokenizer import (EOT_TEXT, GPT2_PATTERN, BPETokenizer, GPT2Tokenizer,  # noqa: E402
                             TokenizerError, ranks_text)
 
@@ -33,7 +33,6 @@ RANKS_FILE, META_FILE = "tokenizer.tiktoken", "tokenizer.json"
 PATTERNS = {"gpt2": GPT2_PATTERN,
             "gpt4": (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
                      r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")}
-CHUNK_CHARS = 1 << 16  # a text file is handed to the trainer in pieces of about this size
 # text of every kind a pattern must match all of: letters of several scripts, marks, digits,
 # punctuation, symbols, emoji, spaces, tabs, line ends and control characters
 PROBE = ("Hello, world!  It's 3.14159 -- naïve e\u0301 ½ 東京 Ελλάδα Москва عربى हिन्दी 🙂👍🏽\n"
@@ -57,73 +56,6 @@ class TokenizerOptions:
                        ("rustbpe", "hf"))
     name: str = opt("", "the tokenizer's name in metadata; '' = the folder's name")
     no_progress: bool = opt(False, "no progress bar")
-
-
-def input_files(spec: str) -> list[Path]:
-    """The files `spec` names: files, folders (every file below, sorted) and globs."""
-    found: list[Path] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        matches = sorted(glob.glob(part, recursive=True)) or [part]
-        for match in map(Path, matches):
-            if match.is_dir():
-                found += sorted(p for p in match.rglob("*") if p.is_file())
-            elif match.is_file():
-                found.append(match)
-            else:
-                raise ConfigError(f"{part}: no such file, folder or match")
-    if not found:
-        raise ConfigError("no input: name text files, e.g. python -m data.train_tokenizer "
-                          "'corpus/*.txt' --out tokenizers/mine")
-    return found
-
-
-def documents(files: list[Path], text_field: str, bar) -> Iterator[str]:
-    """Each file's documents: .jsonl lines' text_field, other files in pieces at line ends; the
-    progress bar counts the files' bytes."""
-    for path in files:
-        with open(path, "rb") as f:
-            piece: list[str] = []
-            size = 0
-            for n, raw in enumerate(f, 1):
-                bar.update(len(raw))
-                line = raw.decode("utf-8", errors="replace")
-                if path.suffix == ".jsonl":
-                    if line.strip():
-                        yield jsonl_text(line, text_field, path, n)
-                    continue
-                piece.append(line)
-                size += len(line)
-                if size >= CHUNK_CHARS:
-                    yield "".join(piece)
-                    piece, size = [], 0
-            if piece:
-                yield "".join(piece)
-
-
-def jsonl_text(line: str, field: str, path: Path, n: int) -> str:
-    try:
-        text = json.loads(line)[field]
-    except (ValueError, KeyError, TypeError):
-        raise TokenizerError(f"{path}:{n}: not a JSON object with a '{field}' string; pass "
-                             "--text_field naming the text's field") from None
-    if not isinstance(text, str):
-        raise TokenizerError(f"{path}:{n}: '{field}' is {type(text).__name__}, not text")
-    return text
-
-
-def metered(texts: Iterator[str], budget: int, read: list[int], bar) -> Iterator[str]:
-    """texts until `budget` bytes of text (0: all), counted in read[0]; then the bar says the
-    trainer has moved on to merging."""
-    for text in texts:
-        size = len(text.encode("utf-8", errors="replace"))
-        if budget and read[0] + size > budget:
-            text = text.encode(errors="replace")[:budget - read[0]].decode(errors="ignore")
-            size = budget - read[0]
-        read[0] += size
-        yield text
-        if budget and read[0] >= budget:
-            break
-    bar.set_description("merging (no progress shown)")
 
 
 def check_pattern(pattern: str, given: str) -> None:
