@@ -5,8 +5,9 @@
     python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
         --tokenizer tokenizers/mine --out-dir data/mine        # then: train.py --dataset=mine
 
-Files: .jsonl (a document per line, its --text_field), anything else as UTF-8 text; a folder is
-read whole, sorted. The trainer is rustbpe (the faster on 100 MB here: bench_results/
+Files: .jsonl (a document per line, its --text_field), anything else as UTF-8 text, .gz/.bz2/.xz
+decompressed; a folder is read whole, sorted, its files that are not UTF-8 text skipped and
+counted (data/text_files.py). The trainer is rustbpe (the faster on 100 MB here: bench_results/
 tokenizer_zen4.md) or Hugging Face tokenizers' BPE trainer (--trainer hf). The folder written,
 tokenizer.tiktoken (tiktoken's ranks format) + tokenizer.json, loads with load_tokenizer().
 """
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
 from data.dataset import write_atomic  # noqa: E402
-from data.text_files import documents, input_files, metered  # noqa: E402
+from data.text_files import (Tally, documents, input_files, metered,  # noqa: E402
+                             skipped_note, text_files)
 from data.tokenizer import (EOT_TEXT, GPT2_PATTERN, BPETokenizer, GPT2Tokenizer,  # noqa: E402
                             TokenizerError, ranks_text)
 
@@ -148,22 +150,32 @@ def train(files: list[Path], vocab_size: int, special: list[str], pattern: str,
                              f"{256 + len(special)}")
     given, pattern = pattern, PATTERNS.get(pattern, pattern)
     check_pattern(pattern, given)
-    started, read = time.perf_counter(), [0]
+    files, skipped = text_files(files)
+    if skipped:
+        note = skipped_note(skipped, len(files) + sum(map(len, skipped.values())))
+        if not files:
+            raise TokenizerError(f"no UTF-8 text to train on: {note}")
+        print(f"note: {note}")
+    started, tally = time.perf_counter(), Tally()
     with tqdm(total=None if max_bytes else sum(p.stat().st_size for p in files), unit="B",
               unit_scale=True, desc="reading + counting pairs", disable=not progress,
               dynamic_ncols=True) as bar:
-        texts = metered(documents(files, text_field, bar), max_bytes, read, bar)
+        texts = metered(documents(files, text_field, bar, tally), max_bytes, tally, bar)
         fit = train_rustbpe if trainer == "rustbpe" else train_hf
         tokens = fit(texts, vocab_size - len(special), pattern)
-    if read[0] == 0:
+    if tally.bytes == 0:
         raise TokenizerError(f"no text in {', '.join(map(str, files[:3]))}: the files are empty")
+    if tally.replaced:
+        print(f"note: U+FFFD replacement characters in the text: {tally.replaced_text()}")
     seconds = time.perf_counter() - started
     tok = BPETokenizer(tokens, pattern, special, name)
     named = [k for k, v in PATTERNS.items() if v == pattern]
     info = {"trainer": trainer, "pattern_name": named[0] if named else "custom",
             "files": [str(p) for p in files[:20]], "n_files": len(files),
-            "bytes": read[0], "seconds": round(seconds, 2),
-            "mb_per_s": round(read[0] / 2**20 / max(seconds, 1e-9), 2)}
+            "skipped": {reason: len(entries) for reason, entries in skipped.items()},
+            "bytes": tally.bytes, "replaced": sum(tally.replaced.values()),
+            "seconds": round(seconds, 2),
+            "mb_per_s": round(tally.bytes / 2**20 / max(seconds, 1e-9), 2)}
     return tok, info
 
 

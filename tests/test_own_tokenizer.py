@@ -129,6 +129,46 @@ def test_training_errors(tmp_path, capsys):
     assert "--out FOLDER is required" in capsys.readouterr().err
 
 
+def test_a_folder_skips_binary_files_and_reads_compressed_text(tmp_path, capsys):
+    """A documentation folder as Debian ships one: text, gzipped text, images, a Latin-1 file. The
+    binary and non-UTF-8 files are skipped and counted; the .gz is read decompressed."""
+    import gzip
+
+    docs = tmp_path / "doc"
+    (docs / "pkg").mkdir(parents=True)
+    (docs / "pkg" / "README").write_text(SHAKESPEARE[:20_000])
+    (docs / "pkg" / "changelog.gz").write_bytes(gzip.compress(b"zyzzyva quokka " * 400))
+    (docs / "pkg" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00" + bytes(range(256)) * 40)
+    (docs / "pkg" / "notes.txt").write_bytes("café naïve ".encode("latin-1") * 100)
+    (docs / "pkg" / "broken.gz").write_bytes(b"not gzip at all")
+    assert tt.main([str(docs), "--out", str(tmp_path / "t"), "--vocab_size", "400",
+                    "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: skipped 3 of 5 files, which are not UTF-8 text: 1 binary ({docs}/pkg/logo.png"
+            f"), 1 not UTF-8 ({docs}/pkg/notes.txt), 1 unreadable ({docs}/pkg/broken.gz: ") in out
+    record = json.loads((tmp_path / "t" / tt.META_FILE).read_text())["trained"]
+    assert record["bytes"] == 20_000 + len("zyzzyva quokka " * 400) and record["n_files"] == 2
+    assert record["skipped"] == {"binary": 1, "not UTF-8": 1, "unreadable": 1}
+    tok = tt.load_tokenizer(tmp_path / "t")
+    assert len(tok.encode_ordinary(" zyzzyva quokka")) <= 2  # learnt from the .gz's text
+    assert not any("\ufffd".encode() in t for t in tok.tokens)
+
+
+def test_text_that_is_mostly_replacement_characters_is_refused(tmp_path, capsys):
+    """Invalid bytes past the part of a file looked at first, and U+FFFD already in documents,
+    both end up as replacement characters in the text the trainer would see."""
+    (tmp_path / "a.txt").write_bytes(b"fine text\n" * 7000 + bytes(range(128, 256)) * 800)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "\ufffd" * 500 + " ok"}) + "\n")
+    assert tt.main([f"{tmp_path}/a.txt,{tmp_path}/b.jsonl", "--out", str(tmp_path / "t"),
+                    "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    replaced, chars = 128 * 800 + 500, 70_000 + 128 * 800 + 503  # a byte >= 0x80 alone: one each
+    assert f"the text read is {replaced / chars:.1%} U+FFFD replacement characters " \
+           f"({replaced:,} of {chars:,} characters; most in {tmp_path}/a.txt: {128 * 800:,})" \
+        in err, err
+    assert not (tmp_path / "t").exists()
+
+
 @pytest.mark.parametrize("trainer", ["sentencepiece", "RustBPE"])
 def test_an_unknown_trainer_is_refused_with_the_choices(tmp_path, capsys, trainer):
     (tmp_path / "a.txt").write_text("some text " * 50)
