@@ -415,7 +415,8 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
     ds = open_stream(source)
     opened = time.perf_counter()
     batches = read_batches(ds, source.text_field, pos["batch_doc"],
-                           pos["doc"] - pos["batch_doc"], docs_per_task, pos["stream_state"])
+                           pos["doc"] - pos["batch_doc"], docs_per_task, pos["stream_state"],
+                           source.describe())
     with (tqdm(total=bar_total or None, initial=writer.written(), unit="tok", unit_scale=True,
                dynamic_ncols=True, desc="tokens", smoothing=0.05, disable=bar_total < 0) as bar,
           graceful_interrupt() as interrupt,

@@ -261,12 +261,38 @@ def test_preparation_errors(corpus, tmp_path):
         run(files, tmp_path / "c", val_tokens=10**7)
     with pytest.raises(DataError, match="--val-tokens 5,000 leaves nothing for train"):
         run(files, tmp_path / "d", val_tokens=5000, max_tokens=5000)
-    with pytest.raises(DataError, match="could not open .*no_such_file.jsonl.*without a network"):
+    with pytest.raises(DataError, match="--data-files .*no_such_file.jsonl: no such file"):
         run([str(tmp_path / "no_such_file.jsonl")], tmp_path / "e")
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "train_000000.bin").write_bytes(b"xx")
     with pytest.raises(DataError, match="holds token files .* but no prepare_state.json"):
         run(files, tmp_path / "f")
+
+
+def test_local_data_files_that_are_missing_empty_or_malformed_are_said_so(corpus, tmp_path,
+                                                                          capsys):
+    """datasets reports an empty local file as StopIteration and a missing one as not found on
+    the hub, and a malformed line surfaces mid-stream: each is one line that names the file."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    defaults = shards.Defaults(dataset="org/hub-corpus", out_dir=tmp_path / "out")
+    common = ["--dataset", "json", "--workers", "1", "--no-progress", "--data-files"]
+    cases = [("empty.jsonl", f"--data-files {tmp_path}/empty.jsonl: the file is empty (0 bytes), "
+                             "so there are no documents to prepare; name files that hold them"),
+             (f"{tmp_path}/empty.jsonl,{tmp_path}/blank.jsonl",
+              f"--data-files {tmp_path}/empty.jsonl, {tmp_path}/blank.jsonl: the 2 files are "
+              "empty (0 and 4 bytes of white space)"),
+             ("nope.jsonl", f"--data-files {tmp_path}/nope.jsonl: no such file"),
+             ("*.parquet", f"--data-files {tmp_path}/*.parquet: no file matches"),
+             ("bad.jsonl", f"could not read json split=train files={tmp_path}/bad.jsonl after 0 "
+                           "documents: ArrowInvalid: JSON parse error")]
+    for files, says in cases:
+        files = ",".join(f if f.startswith("/") else f"{tmp_path}/{f}" for f in files.split(","))
+        assert shards.main(defaults, [*common, files]) == 2
+        err = capsys.readouterr().err.splitlines()  # datasets may log its own line first
+        assert says in err[-1] and err[-1].startswith("error: ") and "Traceback" not in err, err
+        assert not any("without a network" in line for line in err)
 
 
 def test_command_line(corpus, tmp_path, capsys):
