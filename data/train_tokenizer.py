@@ -205,6 +205,16 @@ def load_tokenizer(folder: str | Path) -> BPETokenizer:
                                    "ranks": [token for token, _ in lines]})
 
 
+def checkpoint_tokenizer(recorded: dict, meta_path: Path) -> BPETokenizer:
+    """The trained tokenizer a checkpoint's meta.json records, checked against its sha256. The
+    weights' ids mean that tokenizer's text, so preparing the data again fixes nothing: an
+    edited one is refused with the checkpoint's fix."""
+    return BPETokenizer.from_meta(recorded, (
+        f"{meta_path} was changed after the checkpoint was saved: restore it from a copy of the "
+        "checkpoint, or copy its 'tokenizer' entry back from the meta.json the run took it from "
+        "(its prepared dataset's, or for a finetune its base checkpoint's)"))
+
+
 def named_tokenizer(name: str) -> GPT2Tokenizer:
     """A preparation's --tokenizer: gpt2, or a folder save() wrote."""
     return GPT2Tokenizer() if name == "gpt2" else load_tokenizer(name)

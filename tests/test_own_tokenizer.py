@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -375,6 +376,39 @@ def test_hellaswag_scores_a_model_with_its_own_tokenizer(own_run, tmp_path, caps
     assert hellaswag.main(["--model", str(own_run[1]), "--data", str(data), "--device",
                            "cpu"]) == 0
     assert f"| {len(EXAMPLES)} examples" in capsys.readouterr().out
+
+
+def test_an_edited_tokenizer_names_the_fix_for_where_it_was_found(own_run, tmp_path, capsys):
+    """A dataset's edited tokenizer is fixed by preparing the data again; a checkpoint's is not
+    (its weights were trained on the ids of the recorded one): restore its meta.json."""
+    import shutil
+
+    import generate
+    from config import ConfigError, load_config
+    from data.dataset import load_meta
+    from engine import checkpoint
+    from engine.training.finetune import instruction_data
+
+    run = shutil.copytree(own_run[1], tmp_path / "run")
+    ckpt = checkpoint.latest_checkpoint(run)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["tokenizer"]["pattern"] = tt.PATTERNS["gpt2"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert generate.main([f"--out_dir={run}", "--prompt", "the", "--max_new_tokens=2",
+                          "--device=cpu"]) == 2
+    err = capsys.readouterr().err
+    fix = (f"{ckpt}/meta.json was changed after the checkpoint was saved: restore it from a copy "
+           "of the checkpoint, or copy its 'tokenizer' entry back from the meta.json the run took "
+           "it from (its prepared dataset's, or for a finetune its base checkpoint's)")
+    assert "fails its hash check" in err and err.rstrip().endswith(fix), err
+    assert "prepare the data again" not in err
+    cfg, _ = load_config(["--config", "tiny", f"--init_from={ckpt}", "--dataset=x.jsonl"])
+    with pytest.raises(ConfigError, match="fails its hash check .*" + re.escape(fix)):
+        instruction_data(cfg)
+    data = load_meta(str(own_run[0]))
+    data["tokenizer"]["pattern"] = tt.PATTERNS["gpt2"]
+    with pytest.raises(TokenizerError, match="fails its hash check .*prepare the data again"):
+        from_meta(data["tokenizer"])
 
 
 def test_data_from_another_tokenizer_is_refused(own_run, tmp_path, capsys):
