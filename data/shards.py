@@ -325,10 +325,16 @@ def rename_shard(partial: Path, final: Path) -> None:
 def finish_meta(out_dir: Path, state: dict, source: Source, tok: Tokenizer) -> dict:
     shards, settings = state["shards"], state["settings"]
     counts = {split: sum(s["tokens"] for s in shards[split]) for split in SPLIT_ORDER}
-    if not counts["train"]:
+    if not counts["train"] and settings["val_tokens"]:
         raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens and "
                         f"the val split takes the first {settings['val_tokens']:,}; delete "
                         f"{out_dir} and prepare again with a smaller --val-tokens or more data")
+    if not counts["train"]:  # the default split ends at a document's end: too few of them
+        docs = state["pos"]["doc"]
+        raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens in "
+                        f"{docs:,} document{'s' * (docs != 1)}, and val, {VAL_FRACTION:.0%} of "
+                        "the tokens, runs to the end of a document; prepare the text as more "
+                        f"documents (a .jsonl, a document per line), after deleting {out_dir}")
     return write_meta(out_dir, tok, counts, shards=shards,
                       shard_tokens=settings["shard_tokens"], documents=state["pos"]["doc"],
                       source=source.describe(), settings=settings)

@@ -259,6 +259,14 @@ def test_preparation_errors(corpus, tmp_path):
                 progress=False)
     with pytest.raises(DataError, match="train split is empty: the corpus gave"):
         run(files, tmp_path / "c", val_tokens=10**7)
+    text = "one long document " * 300  # the default val split ends at its end: train is empty
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    tokens = len(GPT2Tokenizer().encode_ordinary(text)) + 1
+    with pytest.raises(DataError, match=f"the train split is empty: the corpus gave {tokens} "
+                                        "tokens in 1 document, and val, 1% of the tokens, runs "
+                                        "to the end of a document; prepare the text as more "
+                                        "documents"):
+        run([str(tmp_path / "one.jsonl")], tmp_path / "one", val_tokens=None)
     with pytest.raises(DataError, match="--val-tokens 5,000 leaves nothing for train"):
         run(files, tmp_path / "d", val_tokens=5000, max_tokens=5000)
     with pytest.raises(DataError, match="--data-files .*no_such_file.jsonl: no such file"):
