@@ -69,6 +69,8 @@ def why_not_text(path: Path) -> tuple[str, str] | None:
             head = f.read(SNIFF_BYTES)
     except (OSError, EOFError, lzma.LZMAError) as e:  # a damaged or mislabelled archive
         return "unreadable", str(e) or type(e).__name__
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # text, in another encoding
+        return "not UTF-8", "a UTF-16 byte-order mark"
     if (nul := head.find(b"\0")) >= 0:
         return "binary", f"a NUL byte at {nul:,}"
     try:  # a character cut at the end of the head is not an error

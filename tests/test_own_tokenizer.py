@@ -142,14 +142,16 @@ def test_a_folder_skips_binary_files_and_reads_compressed_text(tmp_path, capsys)
     (docs / "pkg" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00" + bytes(range(256)) * 40)
     (docs / "pkg" / "notes.txt").write_bytes("café naïve ".encode("latin-1") * 100)
     (docs / "pkg" / "broken.gz").write_bytes(b"not gzip at all")
+    (docs / "pkg" / "utf16.txt").write_text("text in UTF-16 " * 100, encoding="utf-16")
     assert tt.main([str(docs), "--out", str(tmp_path / "t"), "--vocab_size", "400",
                     "--no_progress"]) == 0
     out = capsys.readouterr().out
-    assert (f"note: skipped 3 of 5 files, which are not UTF-8 text: 1 binary ({docs}/pkg/logo.png"
-            f"), 1 not UTF-8 ({docs}/pkg/notes.txt), 1 unreadable ({docs}/pkg/broken.gz: ") in out
+    assert (f"note: skipped 4 of 6 files, which are not UTF-8 text: 1 binary ({docs}/pkg/logo.png"
+            f"), 2 not UTF-8 ({docs}/pkg/notes.txt, {docs}/pkg/utf16.txt), 1 unreadable "
+            f"({docs}/pkg/broken.gz: ") in out
     record = json.loads((tmp_path / "t" / tt.META_FILE).read_text())["trained"]
     assert record["bytes"] == 20_000 + len("zyzzyva quokka " * 400) and record["n_files"] == 2
-    assert record["skipped"] == {"binary": 1, "not UTF-8": 1, "unreadable": 1}
+    assert record["skipped"] == {"binary": 1, "not UTF-8": 2, "unreadable": 1}
     tok = tt.load_tokenizer(tmp_path / "t")
     assert len(tok.encode_ordinary(" zyzzyva quokka")) <= 2  # learnt from the .gz's text
     assert not any("\ufffd".encode() in t for t in tok.tokens)
