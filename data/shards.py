@@ -203,10 +203,10 @@ class ShardWriter:
     def val_head(self) -> int:
         """The stream's tokens val takes while streaming: --val-tokens, or for the default split
         VAL_TOKENS (a fraction of --max-tokens when that is known), trimmed at the end."""
-        given, cap = self.settings["val_tokens"], self.settings["max_tokens"]
+        given, most = self.settings["val_tokens"], self.settings["max_tokens"]
         if given:
             return given
-        return min(VAL_TOKENS, max(1, round(VAL_FRACTION * cap))) if cap else VAL_TOKENS
+        return min(VAL_TOKENS, max(1, round(VAL_FRACTION * most))) if most else VAL_TOKENS
 
     def finish(self, batch: Batch | None) -> None:
         if self.state["current"]["tokens"]:

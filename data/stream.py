@@ -74,7 +74,7 @@ def open_stream(source: Source) -> datasets.IterableDataset:
         hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
                 "or --dataset text) or a folder saved with Dataset.save_to_disk")
         if source.data_files and not any("://" in f for f in source.data_files):
-            hint = f"the files are here: check that they are what --dataset {source.dataset} reads"
+            hint = f"the files are local: check that --dataset {source.dataset} reads their format"
         if "scripts are no longer supported" in str(e):
             hint = ("this hub dataset still ships a loading script, which datasets>=4 refuses; "
                     "pass --revision refs/convert/parquet (the hub's parquet export) or a "
