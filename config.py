@@ -496,6 +496,9 @@ def _script_options(line: CommandLine, script: type, problems: list[str]) -> Any
     options = script()
     for name, value in line.script:
         _set(options, name, value, f"--{name}", problems)
+    problems += [f"--{f.name.replace('_', '-')}={v!r}: use " + " or ".join(f.metadata["choices"])
+                 for f in dataclasses.fields(options) if f.metadata.get("choices")
+                 and (v := getattr(options, f.name)) not in f.metadata["choices"]]
     return options
 
 

@@ -89,11 +89,26 @@ class DocBatches(Batches):
         if len(self.starts) == 0:
             raise DataError(f"the {split} split of {meta['dir']} holds no document of 2 or more "
                             "tokens: drop --doc_aligned")
+        self.refuse_too_few_documents(meta["dir"], split)
         self.buffer_docs = buffer_docs
         self.epoch, self.cursor, self.buffer = 0, 0, []
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, its document order)
         self.packed = self.cropped = 0  # tokens placed in rows / dropped by cropping, so far
         self.note = self.describe(split)
+
+    def refuse_too_few_documents(self, folder: str, split: str) -> None:
+        """Each row opens at a document, so a split of fewer documents than a batch has rows
+        repeats rows in every batch; one document (a text file prepared whole) is one row."""
+        docs, rows = len(self.starts), self.batch_size * self.world_size
+        if docs >= max(2, rows):
+            return
+        repeats = "every row would be the same" if docs == 1 else "every batch would repeat rows"
+        raise DataError(f"the {split} split of {folder} holds {docs:,} document{'s' * (docs > 1)} "
+                        f"({int(self.lengths.sum()):,} tokens) but a batch has {rows:,} "
+                        f"row{'s' * (rows > 1)}, and each row opens at a document: {repeats}; "
+                        "drop --doc_aligned (random windows read all of it), or prepare the text "
+                        "as many documents (data/fineweb_edu/prepare.py --dataset json "
+                        "--data-files FILE.jsonl: a document per line)")
 
     def describe(self, split: str) -> str:
         row = self.block_size + 1

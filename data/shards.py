@@ -4,9 +4,12 @@ tokenized in worker processes, resumable:
     python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
         --out-dir data/mycorpus --max-tokens 5M --shard-tokens 1M [--tokenizer tokenizers/mine]
 
-The first val_tokens of the stream (to the end of that document) are val, the rest train. A shard
-grows as `.NAME.partial`; prepare_state.json, committed after an fsync, holds the matching stream
-position, so a resumed run truncates there and writes the same bytes as an uninterrupted one.
+The first val_tokens of the stream (to the end of that document) are val, the rest train; by
+default val is VAL_FRACTION of the tokens prepared, at most VAL_TOKENS: the stream's first
+VAL_TOKENS go to val, and at the end the documents past the fraction move to new train shards.
+A shard grows as `.NAME.partial`; prepare_state.json, committed after an fsync, holds the
+matching stream position, so a resumed run truncates there and writes the same bytes as an
+uninterrupted one.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from data.train_tokenizer import named_tokenizer
 
 STATE_FILE = "prepare_state.json"
 SPLIT_ORDER = ("val", "train")
-VAL_TOKENS = 10_000_000
+VAL_FRACTION, VAL_TOKENS = 0.01, 10_000_000  # the default val split: 1% of the tokens, <= 10M
+TRAIN_SHARE_WARNING = 0.9  # a split that leaves train less than this share of the tokens is said
 
 
 def new_shard(split: str, index: int = 0) -> dict:
@@ -64,8 +68,9 @@ def graceful_interrupt() -> Iterator[threading.Event]:
 class ShardWriter:
     """Appends the token stream to shards and keeps prepare_state.json in step with them."""
 
-    def __init__(self, out_dir: Path, settings: dict, commit_tokens: int):
+    def __init__(self, out_dir: Path, settings: dict, commit_tokens: int, eot: int):
         self.out, self.settings, self.commit_tokens = out_dir, settings, commit_tokens
+        self.eot = eot  # the end-of-text id that closes each document
         self.shard_tokens, self.max_tokens = settings["shard_tokens"], settings["max_tokens"]
         self.dtype = np.dtype(settings["dtype"])
         self.file, self.uncommitted = None, 0
@@ -111,7 +116,7 @@ class ShardWriter:
             self._check_size(final, cur["tokens"])
             self._advance()
             self.commit(None)
-        elif final.exists():
+        elif final.exists() and "trim" not in self.state:  # trim_val may have written it
             raise DataError(f"{final} exists but {STATE_FILE} records it as unfinished; "
                             f"delete {self.out} and prepare again")
         elif cur["tokens"] or partial.exists():  # drop whatever was written after the commit
@@ -151,7 +156,7 @@ class ShardWriter:
             if self.max_tokens and self.written() >= self.max_tokens:
                 return False
         cur = self.state["current"]
-        if cur["split"] == "val" and self.written("val") >= self.settings["val_tokens"]:
+        if cur["split"] == "val" and self.written("val") >= self.val_head():
             # checked before pos moves past the document, so a run resumed from the commit in
             # close_shard reaches this same switch
             if cur["tokens"]:
@@ -195,17 +200,117 @@ class ShardWriter:
         self.closed[cur["split"]] += cur["tokens"]
         self.state["current"] = new_shard(cur["split"], cur["index"] + 1)
 
+    def val_head(self) -> int:
+        """The stream's tokens val takes while streaming: --val-tokens, or for the default split
+        VAL_TOKENS (a fraction of --max-tokens when that is known), trimmed at the end."""
+        given, most = self.settings["val_tokens"], self.settings["max_tokens"]
+        if given:
+            return given
+        return min(VAL_TOKENS, max(1, round(VAL_FRACTION * most))) if most else VAL_TOKENS
+
     def finish(self, batch: Batch | None) -> None:
         if self.state["current"]["tokens"]:
             self.close_shard(batch)
+        if self.settings["val_tokens"] is None:
+            self.trim_val()
         self.state["finished"] = True
         self.commit(None)
+        self.drop_trimmed()
+
+    def val_shards(self) -> Iterator[tuple[int, dict, np.ndarray]]:
+        """(first token's offset in val, its record, its tokens) for each val shard."""
+        start = 0
+        for shard in self.state["shards"]["val"]:
+            tokens = np.memmap(self.out / shard["file"], dtype=self.dtype, mode="r",
+                               shape=(shard["tokens"],)) if shard["tokens"] else np.empty(0)
+            yield start, shard, tokens
+            start += shard["tokens"]
+
+    def val_cut(self) -> int | None:
+        """Where the default val split ends: the end of the document that reaches VAL_FRACTION
+        of every token written (at most VAL_TOKENS); None if val ends there already."""
+        val = self.closed["val"]
+        target = min(VAL_TOKENS, max(1, round(VAL_FRACTION * self.written())))
+        for start, _, tokens in self.val_shards():
+            if start + len(tokens) >= target:
+                ends = np.flatnonzero(tokens[max(0, target - 1 - start):] == self.eot)
+                if ends.size:
+                    cut = start + max(0, target - 1 - start) + int(ends[0]) + 1
+                    return cut if cut < val else None
+        return None
+
+    def trim_val(self) -> None:
+        """The default split: val's documents past val_cut() are copied to new train shards.
+        The cut is committed first and the val shards change only after the finished state is
+        (drop_trimmed), so an interrupted trim is redone from the same files."""
+        if "trim" not in self.state:
+            if (cut := self.val_cut()) is None:
+                return
+            self.state["trim"] = cut
+            self.commit(None)
+        cut, kept, moved = self.state["trim"], [], Moved(self)
+        for start, shard, tokens in self.val_shards():
+            if start < cut:
+                kept.append({**shard, "tokens": min(shard["tokens"], cut - start)})
+            moved.write(tokens[max(0, cut - start):])
+        self.state["shards"]["val"] = kept
+        self.state["shards"]["train"] += moved.close()
+        self.closed = {split: sum(s["tokens"] for s in self.state["shards"][split])
+                       for split in SPLIT_ORDER}
+
+    def drop_trimmed(self) -> None:
+        """Val shard files cut to the tokens the state records for them, and those it no longer
+        lists deleted (nothing to do unless the default split moved documents)."""
+        listed = {s["file"]: s["tokens"] * self.dtype.itemsize for s in self.state["shards"]["val"]}
+        for path in self.out.glob("val_*.bin"):
+            if path.name not in listed:
+                path.unlink()
+            elif path.stat().st_size > listed[path.name]:
+                os.truncate(path, listed[path.name])
 
     def close(self) -> None:
         """Release the partial file without committing (used on errors and interrupts)."""
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+class Moved:
+    """Tokens the default split moves from val, written as the next train shards (each of
+    shard_tokens but the last), each under its partial name, then renamed in place."""
+
+    def __init__(self, writer: ShardWriter):
+        self.out, self.size = writer.out, writer.shard_tokens
+        self.index, self.dtype = len(writer.state["shards"]["train"]), writer.dtype
+        self.shards: list[dict] = []
+        self.file, self.tokens = None, 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            if self.file is None:
+                self.file = open(self.out / f".{self.name()}.partial", "wb")
+            take = tokens[:self.size - self.tokens]
+            self.file.write(np.asarray(take, dtype=self.dtype).tobytes())
+            self.tokens, tokens = self.tokens + take.size, tokens[take.size:]
+            if self.tokens == self.size:
+                self.end_shard()
+
+    def name(self) -> str:
+        return f"train_{self.index + len(self.shards):06d}.bin"
+
+    def end_shard(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        rename_shard(self.out / f".{self.name()}.partial", self.out / self.name())
+        self.shards.append({"file": self.name(), "tokens": self.tokens})
+        self.file, self.tokens = None, 0
+
+    def close(self) -> list[dict]:
+        """The shards written, the last one ended."""
+        if self.file is not None:
+            self.end_shard()
+        return self.shards
 
 
 def rename_shard(partial: Path, final: Path) -> None:
@@ -220,10 +325,16 @@ def rename_shard(partial: Path, final: Path) -> None:
 def finish_meta(out_dir: Path, state: dict, source: Source, tok: Tokenizer) -> dict:
     shards, settings = state["shards"], state["settings"]
     counts = {split: sum(s["tokens"] for s in shards[split]) for split in SPLIT_ORDER}
-    if not counts["train"]:
+    if not counts["train"] and settings["val_tokens"]:
         raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens and "
                         f"the val split takes the first {settings['val_tokens']:,}; delete "
                         f"{out_dir} and prepare again with a smaller --val-tokens or more data")
+    if not counts["train"]:  # the default split ends at a document's end: too few of them
+        docs = state["pos"]["doc"]
+        raise DataError(f"the train split is empty: the corpus gave {counts['val']:,} tokens in "
+                        f"{docs:,} document{'s' * (docs != 1)}, and val, {VAL_FRACTION:.0%} of "
+                        "the tokens, runs to the end of a document; prepare the text as more "
+                        f"documents (a .jsonl, a document per line), after deleting {out_dir}")
     return write_meta(out_dir, tok, counts, shards=shards,
                       shard_tokens=settings["shard_tokens"], documents=state["pos"]["doc"],
                       source=source.describe(), settings=settings)
@@ -236,12 +347,12 @@ def cpu_seconds() -> dict[str, float]:
 
 
 def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000,
-            val_tokens: int = VAL_TOKENS, max_tokens: int = 0, workers: int = 1,
+            val_tokens: int | None = None, max_tokens: int = 0, workers: int = 1,
             docs_per_task: int = 256, commit_tokens: int = 16_000_000,
             expected_tokens: int = 0, progress: bool = True,
             tok: Tokenizer | None = None) -> dict:
     """Stream `source` into token shards in out_dir (resuming), tokenized by `tok` (GPT-2's by
-    default); meta.json's content + `run`."""
+    default), the first val_tokens val (None: the default split); meta.json's content + `run`."""
     check_sizes(shard_tokens, val_tokens, max_tokens, workers, docs_per_task)
     tok = tok or GPT2Tokenizer()
     out = Path(out_dir)
@@ -249,8 +360,9 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
     settings = {**asdict(source), "shard_tokens": shard_tokens, "val_tokens": val_tokens,
                 "max_tokens": max_tokens, "tokenizer": "gpt2" if tok.kind == "gpt2" else
                 f"{tok.kind}:{tok.name}:{tok.sha256}", "dtype": token_dtype(tok.vocab_size).name}
-    writer = ShardWriter(out, settings, commit_tokens)
+    writer = ShardWriter(out, settings, commit_tokens, tok.eot_id)
     if writer.state["finished"]:
+        writer.drop_trimmed()  # in case it was interrupted
         print(f"{out}: already prepared ({writer.written():,} tokens); nothing to do")
         return {**finish_meta(out, writer.state, source, tok), "run": {"tokens": 0}}
     writer.recover()
@@ -281,7 +393,19 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
           f"main {cpu['main']}s" + (f", workers {cpu['workers']}s" if both else "")
           + f" | peak memory: main {run['peak_mib']['main']} MiB"
           + (f", largest worker {run['peak_mib']['worker']} MiB" if both else ""))
+    warn_small_train(meta["splits"], val_tokens, out)
     return {**meta, "run": run}
+
+
+def warn_small_train(splits: dict[str, int], val_tokens: int | None, out: Path) -> None:
+    """Say so when val leaves train under TRAIN_SHARE_WARNING of the tokens."""
+    total = sum(splits.values())
+    if splits["train"] < TRAIN_SHARE_WARNING * total:
+        given = (f"--val-tokens {val_tokens:,}" if val_tokens else
+                 f"the default ({VAL_FRACTION:.0%} of the tokens, to the end of a document)")
+        print(f"warning: train holds {splits['train'] / total:.1%} of the {total:,} tokens: "
+              f"{given} gave val {splits['val']:,}; for more training data, delete {out} and "
+              "prepare again with a smaller --val-tokens", file=sys.stderr)
 
 
 def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
@@ -291,13 +415,14 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
     from tqdm import tqdm
 
     pos, worker_peak, batch = writer.state["pos"], 0.0, None
-    if writer.max_tokens and writer.written() >= writer.max_tokens:
-        writer.finish(None)
+    if "trim" in writer.state or writer.max_tokens and writer.written() >= writer.max_tokens:
+        writer.finish(None)  # the stream is done: only the end is left
         return worker_peak, 0.0
     ds = open_stream(source)
     opened = time.perf_counter()
     batches = read_batches(ds, source.text_field, pos["batch_doc"],
-                           pos["doc"] - pos["batch_doc"], docs_per_task, pos["stream_state"])
+                           pos["doc"] - pos["batch_doc"], docs_per_task, pos["stream_state"],
+                           source.describe())
     with (tqdm(total=bar_total or None, initial=writer.written(), unit="tok", unit_scale=True,
                dynamic_ncols=True, desc="tokens", smoothing=0.05, disable=bar_total < 0) as bar,
           graceful_interrupt() as interrupt,
@@ -320,14 +445,15 @@ def _run(writer: ShardWriter, source: Source, workers: int, docs_per_task: int,
     return worker_peak, time.perf_counter() - opened
 
 
-def check_sizes(shard_tokens: int, val_tokens: int, max_tokens: int, workers: int,
+def check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int, workers: int,
                 docs_per_task: int) -> None:
     problems = [f"{name} must be >= 1, got {value}" for name, value in
                 (("--shard-tokens", shard_tokens), ("--val-tokens", val_tokens),
-                 ("--workers", workers), ("--docs-per-task", docs_per_task)) if value < 1]
+                 ("--workers", workers), ("--docs-per-task", docs_per_task))
+                if value is not None and value < 1]
     if max_tokens < 0:
         problems.append(f"--max-tokens must be >= 0 (0 = no cap), got {max_tokens}")
-    if max_tokens and val_tokens >= max_tokens:
+    if max_tokens and val_tokens and val_tokens >= max_tokens:
         problems.append(f"--val-tokens {val_tokens:,} leaves nothing for train under "
                         f"--max-tokens {max_tokens:,}; use a smaller --val-tokens")
     if problems:
@@ -372,8 +498,8 @@ class PrepareOptions:
     out_dir: str = opt("", "where the shards go (default: the script's folder); a bare name in "
                        "train.py's --dataset is a folder under data/")
     shard_tokens: str = opt("100M", "tokens per shard")
-    val_tokens: str = opt("", "tokens held out as val, from the start of the stream (default "
-                          "10M, or a tenth of --max-tokens when that is smaller)")
+    val_tokens: str = opt("", "tokens held out as val, from the start of the stream to the end "
+                          "of a document; '' = 1% of the tokens prepared, at most 10M")
     max_tokens: str = opt("0", "stop after this many tokens (0: the whole dataset), e.g. 20M")
     tokenizer: str = opt("gpt2", "gpt2, or a folder written by python -m data.train_tokenizer")
     workers: int = opt(0, "tokenizer processes; 0 = CPU cores - 1")
@@ -389,8 +515,7 @@ def main(defaults: Defaults, argv: list[str] | None = None, description: str = "
                          prog=sys.argv[0], about=description)
         out_dir = o.out_dir or out_dir
         max_tokens = parse_count(o.max_tokens)
-        val_tokens = parse_count(o.val_tokens) if o.val_tokens else (
-            max(1, min(VAL_TOKENS, max_tokens // 10)) if max_tokens else VAL_TOKENS)
+        val_tokens = parse_count(o.val_tokens) if o.val_tokens else None
         dataset = o.dataset or defaults.dataset
         own = dataset == defaults.dataset  # the script's config and size apply to its dataset
         source = Source(dataset, o.name or (defaults.name if own else None), o.split,

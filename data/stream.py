@@ -4,6 +4,7 @@ processes in order.
 """
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import resource
 import signal
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 TASK_CHARS = 2**20  # text per tokenizer task at most: long documents make smaller tasks
+BLANK_BYTES = 2**16  # a local data file this small is read to see whether it is all white space
 
 
 @dataclass
@@ -61,6 +63,7 @@ def open_stream(source: Source) -> datasets.IterableDataset:
         raise DataError("preparing sharded datasets needs Hugging Face datasets: pip install "
                         "datasets (pyproject.toml's data group)") from None
 
+    check_local_files(source.data_files or [])
     path = Path(source.dataset)
     saved = path.is_dir() and any((path / m).is_file() for m in SAVED_DATASET_MARKERS)
     try:
@@ -70,6 +73,8 @@ def open_stream(source: Source) -> datasets.IterableDataset:
     except Exception as e:  # hub, network, file and script errors all land here
         hint = ("without a network, use local files (--dataset json --data-files 'docs/*.jsonl', "
                 "or --dataset text) or a folder saved with Dataset.save_to_disk")
+        if source.data_files and not any("://" in f for f in source.data_files):
+            hint = f"the files are local: check that --dataset {source.dataset} reads their format"
         if "scripts are no longer supported" in str(e):
             hint = ("this hub dataset still ships a loading script, which datasets>=4 refuses; "
                     "pass --revision refs/convert/parquet (the hub's parquet export) or a "
@@ -93,14 +98,39 @@ def open_stream(source: Source) -> datasets.IterableDataset:
     return ds
 
 
+def check_local_files(patterns: list[str]) -> None:
+    """Local --data-files must match files that hold something: datasets reports a missing one as
+    not found on the hub, and files with no documents as a bare StopIteration."""
+    local = [p for p in patterns if "://" not in p]
+    files: list[Path] = []
+    for pattern in local:
+        found = sorted(glob.glob(pattern, recursive=True))
+        if not found:
+            missing = "no file matches" if glob.has_magic(pattern) else "no such file"
+            raise DataError(f"--data-files {pattern}: {missing}")
+        files += [Path(f) for f in found if Path(f).is_file()]
+    if not files or len(local) < len(patterns):
+        return
+    sizes = [f.stat().st_size for f in files]
+    if any(size > BLANK_BYTES or f.read_bytes().strip() for f, size in zip(files, sizes)):
+        return
+    spaces = " of white space" if any(sizes) else ""
+    what = (f"the file is empty ({sizes[0]:,} bytes{spaces})" if len(files) == 1 else
+            f"the {len(files):,} files are empty ("
+            + (" and ".join(f"{n:,}" for n in sizes) if len(files) <= 3 else f"{sum(sizes):,}")
+            + f" bytes{spaces})")
+    raise DataError(f"--data-files {', '.join(local)}: {what}, so there are no documents to "
+                    "prepare; name files that hold them")
+
+
 def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, skip: int,
-                 docs_per_task: int, stream_state: dict | None
+                 docs_per_task: int, stream_state: dict | None, what: str = "the dataset"
                  ) -> Iterator[tuple[Batch, list[str]]]:
     """Documents in batches from document start_doc + skip, resuming from `stream_state` (saved
-    at start_doc; None: start_doc is 0)."""
+    at start_doc; None: start_doc is 0); `what` names the source in errors."""
     if stream_state is not None:
         ds.load_state_dict(stream_state)
-    rows = iter(ds)
+    rows = _rows(ds, start_doc, what)
     next(islice(rows, skip, skip), None)  # skip documents: itertools' consume recipe
     doc = start_doc + skip
     while True:
@@ -115,6 +145,25 @@ def read_batches(ds: datasets.IterableDataset, text_field: str, start_doc: int, 
             return
         yield Batch(doc, state), texts
         doc += len(texts)
+
+
+def _rows(ds: datasets.IterableDataset, index: int, what: str) -> Iterator[dict]:
+    """ds's rows, the first being document `index`; rows that cannot be read (a malformed line
+    of a local file, found only when the builder gets there) end in a DataError that says
+    how many documents came before (builders read blocks of rows: the bad one is further on)."""
+    rows = iter(ds)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow, json, fsspec ...: whatever the builder raises
+            text = str(e).strip()
+            raise DataError(f"could not read {what} after {index:,} documents: "
+                            f"{type(e).__name__}: {text.splitlines()[0] if text else ''}; fix "
+                            "the file or leave it out") from None
+        yield row
+        index += 1
 
 
 def _text(row: dict, field: str, index: int) -> str:

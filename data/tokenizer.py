@@ -15,6 +15,7 @@ GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838
 GPT2_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 GPT2_EOT = 50256
 EOT_TEXT = "<|endoftext|>"
+DATA_FIX = "prepare the data again from the tokenizer's folder"  # an edited dataset's tokenizer
 
 
 class TokenizerError(ValueError):
@@ -138,18 +139,18 @@ class BPETokenizer(GPT2Tokenizer):
                 "ranks": [base64.b64encode(t).decode() for t in self.tokens]}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "BPETokenizer":
-        """The tokenizer a meta.json carries, checked against the sha256 recorded with it."""
+    def from_meta(cls, meta: dict, fix: str = DATA_FIX) -> "BPETokenizer":
+        """The tokenizer a meta.json carries, checked against its sha256 (`fix` ends the error)."""
         try:
             tok = cls([base64.b64decode(t) for t in meta["ranks"]], meta["pattern"],
                       list(meta["special"]), meta.get("name", ""))
         except (KeyError, TypeError, ValueError) as e:
             raise TokenizerError(f"the BPE tokenizer in this metadata is malformed ({e!r}); "
-                                 "prepare the data again from the tokenizer's folder") from None
+                                 f"{fix}") from None
         if tok.sha256 != meta.get("sha256"):
             raise TokenizerError(f"the BPE tokenizer '{tok.name}' fails its hash check (sha256 "
                                  f"{tok.sha256[:12]}, recorded {str(meta.get('sha256'))[:12]}): "
-                                 "its metadata was edited; prepare the data again")
+                                 f"its metadata was edited; {fix}")
         return tok
 
 

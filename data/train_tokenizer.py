@@ -5,14 +5,14 @@
     python data/fineweb_edu/prepare.py --dataset json --data-files 'corpus/*.jsonl' \\
         --tokenizer tokenizers/mine --out-dir data/mine        # then: train.py --dataset=mine
 
-Files: .jsonl (a document per line, its --text_field), anything else as UTF-8 text; a folder is
-read whole, sorted. The trainer is rustbpe (the faster on 100 MB here: bench_results/
+Files: .jsonl (a document per line, its --text_field), anything else as UTF-8 text, .gz/.bz2/.xz
+decompressed; a folder is read whole, sorted, its files that are not UTF-8 text skipped and
+counted (data/text_files.py). The trainer is rustbpe (the faster on 100 MB here: bench_results/
 tokenizer_zen4.md) or Hugging Face tokenizers' BPE trainer (--trainer hf). The folder written,
 tokenizer.tiktoken (tiktoken's ranks format) + tokenizer.json, loads with load_tokenizer().
 """
 from __future__ import annotations
 
-import glob
 import json
 import sys
 import time
@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
 from data.dataset import write_atomic  # noqa: E402
+from data.text_files import (Tally, documents, input_files, metered,  # noqa: E402
+                             skipped_note, text_files)
 from data.tokenizer import (EOT_TEXT, GPT2_PATTERN, BPETokenizer, GPT2Tokenizer,  # noqa: E402
                             TokenizerError, ranks_text)
 
@@ -33,7 +35,10 @@ RANKS_FILE, META_FILE = "tokenizer.tiktoken", "tokenizer.json"
 PATTERNS = {"gpt2": GPT2_PATTERN,
             "gpt4": (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
                      r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")}
-CHUNK_CHARS = 1 << 16  # a text file is handed to the trainer in pieces of about this size
+# text of every kind a pattern must match all of: letters of several scripts, marks, digits,
+# punctuation, symbols, emoji, spaces, tabs, line ends and control characters
+PROBE = ("Hello, world!  It's 3.14159 -- naïve e\u0301 ½ 東京 Ελλάδα Москва عربى हिन्दी 🙂👍🏽\n"
+         "\tif (x <= 42) { return y_1; }\r\n\n\x00\x07 ~`@#$%^&*_+=|\\/?<>[]  end ")
 
 
 @dataclass
@@ -46,7 +51,7 @@ class TokenizerOptions:
     special: str = opt("", "special tokens besides <|endoftext|> (always the first), "
                        "comma-separated, e.g. '<|user|>,<|assistant|>'")
     pattern: str = opt("gpt4", "the split pattern text is cut by before merging: gpt4, gpt2, or "
-                       "a regex of your own")
+                       "a regex of your own (it must match all of any text)")
     text_field: str = opt("text", ".jsonl files: the field holding a document's text")
     max_mb: float = opt(0.0, "train on the first this many MiB of text; 0 = all of it")
     trainer: str = opt("rustbpe", "rustbpe, or hf (Hugging Face tokenizers' BpeTrainer)",
@@ -55,71 +60,31 @@ class TokenizerOptions:
     no_progress: bool = opt(False, "no progress bar")
 
 
-def input_files(spec: str) -> list[Path]:
-    """The files `spec` names: files, folders (every file below, sorted) and globs."""
-    found: list[Path] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        matches = sorted(glob.glob(part, recursive=True)) or [part]
-        for match in map(Path, matches):
-            if match.is_dir():
-                found += sorted(p for p in match.rglob("*") if p.is_file())
-            elif match.is_file():
-                found.append(match)
-            else:
-                raise ConfigError(f"{part}: no such file, folder or match")
-    if not found:
-        raise ConfigError("no input: name text files, e.g. python -m data.train_tokenizer "
-                          "'corpus/*.txt' --out tokenizers/mine")
-    return found
+def check_pattern(pattern: str, given: str) -> None:
+    """The split pattern must compile as tiktoken (which encodes with it) and the regex module
+    (which says where it fails) read it, and match all of any text: tiktoken encodes only what
+    the pattern matches, so text it skips would vanish from every document."""
+    import regex
+    import tiktoken
 
-
-def documents(files: list[Path], text_field: str, bar) -> Iterator[str]:
-    """Each file's documents: .jsonl lines' text_field, other files in pieces at line ends; the
-    progress bar counts the files' bytes."""
-    for path in files:
-        with open(path, "rb") as f:
-            piece: list[str] = []
-            size = 0
-            for n, raw in enumerate(f, 1):
-                bar.update(len(raw))
-                line = raw.decode("utf-8", errors="replace")
-                if path.suffix == ".jsonl":
-                    if line.strip():
-                        yield jsonl_text(line, text_field, path, n)
-                    continue
-                piece.append(line)
-                size += len(line)
-                if size >= CHUNK_CHARS:
-                    yield "".join(piece)
-                    piece, size = [], 0
-            if piece:
-                yield "".join(piece)
-
-
-def jsonl_text(line: str, field: str, path: Path, n: int) -> str:
     try:
-        text = json.loads(line)[field]
-    except (ValueError, KeyError, TypeError):
-        raise TokenizerError(f"{path}:{n}: not a JSON object with a '{field}' string; pass "
-                             "--text_field naming the text's field") from None
-    if not isinstance(text, str):
-        raise TokenizerError(f"{path}:{n}: '{field}' is {type(text).__name__}, not text")
-    return text
-
-
-def metered(texts: Iterator[str], budget: int, read: list[int], bar) -> Iterator[str]:
-    """texts until `budget` bytes of text (0: all), counted in read[0]; then the bar says the
-    trainer has moved on to merging."""
-    for text in texts:
-        size = len(text.encode("utf-8", errors="replace"))
-        if budget and read[0] + size > budget:
-            text = text.encode(errors="replace")[:budget - read[0]].decode(errors="ignore")
-            size = budget - read[0]
-        read[0] += size
-        yield text
-        if budget and read[0] >= budget:
-            break
-    bar.set_description("merging (no progress shown)")
+        regex.compile(pattern)
+        bytes_only = tiktoken.Encoding("check", pat_str=pattern, special_tokens={},
+                                       mergeable_ranks={bytes([b]): b for b in range(256)})
+    except (regex.error, ValueError) as e:
+        raise TokenizerError(f"--pattern {given!r} is not a regex tiktoken can use: {e}; fix it, "
+                             "or pass --pattern gpt4 (the default) or gpt2") from None
+    matches = list(regex.finditer(pattern, PROBE))
+    empty = next((m.start() for m in matches if m.start() == m.end()), None)
+    if empty is not None:  # tiktoken cannot step past an empty match
+        raise TokenizerError(f"--pattern {given!r} matches empty text (at {PROBE[empty:][:12]!r}"
+                             "); make every alternative match at least one character")
+    if bytes_only.decode(bytes_only.encode_ordinary(PROBE)) != PROBE:
+        matched = {i for m in matches for i in range(m.start(), m.end())}
+        missed = "".join(sorted({c for i, c in enumerate(PROBE) if i not in matched}))
+        raise TokenizerError(f"--pattern {given!r} leaves text unmatched (here {missed[:24]!r}), "
+                             "and tiktoken drops what the pattern does not match; add an "
+                             "alternative that matches the rest, as gpt4's |\\s+ ends it")
 
 
 def train_rustbpe(texts: Iterator[str], n_ranks: int, pattern: str) -> list[bytes]:
@@ -129,7 +94,13 @@ def train_rustbpe(texts: Iterator[str], n_ranks: int, pattern: str) -> list[byte
         raise TokenizerError("rustbpe is not installed: pip install rustbpe (requirements.txt), "
                              "or pass --trainer hf") from None
     trainer = rustbpe.Tokenizer()
-    trainer.train_from_iterator(texts, n_ranks, pattern=pattern)
+    try:
+        trainer.train_from_iterator(texts, n_ranks, pattern=pattern)
+    except ValueError as e:  # its regex crate is not tiktoken's: some patterns differ
+        if not str(e).startswith("Invalid regex pattern"):
+            raise
+        raise TokenizerError(f"--pattern {pattern!r} is a regex tiktoken can use but rustbpe "
+                             f"cannot ({e}); pass --trainer hf") from None
     return [token for token, _ in sorted(trainer.get_mergeable_ranks(), key=lambda t: t[1])]
 
 
@@ -146,9 +117,14 @@ def train_hf(texts: Iterator[str], n_ranks: int, pattern: str) -> list[bytes]:
     ranks after the 256 bytes (GPT-2's byte-to-character alphabet undone)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
+    try:
+        split = Regex(pattern)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise TokenizerError(f"--pattern {pattern!r} is a regex tiktoken can use but Hugging Face "
+                             f"tokenizers' Oniguruma cannot ({e}); pass --trainer rustbpe") from None
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.Split(split, behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=n_ranks, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -172,23 +148,34 @@ def train(files: list[Path], vocab_size: int, special: list[str], pattern: str,
         raise TokenizerError(f"--vocab_size {vocab_size} is smaller than the 256 byte tokens "
                              f"plus {len(special)} special token(s); use at least "
                              f"{256 + len(special)}")
-    pattern = PATTERNS.get(pattern, pattern)
-    started, read = time.perf_counter(), [0]
+    given, pattern = pattern, PATTERNS.get(pattern, pattern)
+    check_pattern(pattern, given)
+    files, skipped = text_files(files)
+    if skipped:
+        note = skipped_note(skipped, len(files) + sum(map(len, skipped.values())))
+        if not files:
+            raise TokenizerError(f"no UTF-8 text to train on: {note}")
+        print(f"note: {note}")
+    started, tally = time.perf_counter(), Tally()
     with tqdm(total=None if max_bytes else sum(p.stat().st_size for p in files), unit="B",
               unit_scale=True, desc="reading + counting pairs", disable=not progress,
               dynamic_ncols=True) as bar:
-        texts = metered(documents(files, text_field, bar), max_bytes, read, bar)
+        texts = metered(documents(files, text_field, bar, tally), max_bytes, tally, bar)
         fit = train_rustbpe if trainer == "rustbpe" else train_hf
         tokens = fit(texts, vocab_size - len(special), pattern)
-    if read[0] == 0:
+    if tally.bytes == 0:
         raise TokenizerError(f"no text in {', '.join(map(str, files[:3]))}: the files are empty")
+    if tally.replaced:
+        print(f"note: U+FFFD replacement characters in the text: {tally.replaced_text()}")
     seconds = time.perf_counter() - started
     tok = BPETokenizer(tokens, pattern, special, name)
     named = [k for k, v in PATTERNS.items() if v == pattern]
     info = {"trainer": trainer, "pattern_name": named[0] if named else "custom",
             "files": [str(p) for p in files[:20]], "n_files": len(files),
-            "bytes": read[0], "seconds": round(seconds, 2),
-            "mb_per_s": round(read[0] / 2**20 / max(seconds, 1e-9), 2)}
+            "skipped": {reason: len(entries) for reason, entries in skipped.items()},
+            "bytes": tally.bytes, "replaced": sum(tally.replaced.values()),
+            "seconds": round(seconds, 2),
+            "mb_per_s": round(tally.bytes / 2**20 / max(seconds, 1e-9), 2)}
     return tok, info
 
 
@@ -216,6 +203,16 @@ def load_tokenizer(folder: str | Path) -> BPETokenizer:
         raise TokenizerError(f"{folder / RANKS_FILE}: the ranks must run 0, 1, 2, ... in order")
     return BPETokenizer.from_meta({**record, "special": list(record["special"]),
                                    "ranks": [token for token, _ in lines]})
+
+
+def checkpoint_tokenizer(recorded: dict, meta_path: Path) -> BPETokenizer:
+    """The trained tokenizer a checkpoint's meta.json records, checked against its sha256. The
+    weights' ids mean that tokenizer's text, so preparing the data again fixes nothing: an
+    edited one is refused with the checkpoint's fix."""
+    return BPETokenizer.from_meta(recorded, (
+        f"{meta_path} was changed after the checkpoint was saved: restore it from a copy of the "
+        "checkpoint, or copy its 'tokenizer' entry back from the meta.json the run took it from "
+        "(its prepared dataset's, or for a finetune its base checkpoint's)"))
 
 
 def named_tokenizer(name: str) -> GPT2Tokenizer:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import config
-from engine.checkpoint import ADAPTER_FILE, latest_checkpoint, resolve
+from engine.checkpoint import ADAPTER_FILE, latest_checkpoint, read_meta, resolve
 from engine.loading import load_model
 from model import GPT
 
@@ -32,6 +32,10 @@ def load_source(source: str, cfg: config.Config, device: torch.device | str = "c
     run's checkpoint comes with its adapters merged, or apart (merge_adapters=False: to resume)."""
     if is_ours(source):
         path = resolve(source)
+        recorded = read_meta(path).get("tokenizer") or {}
+        if recorded.get("kind") == "bpe":  # an edited one is refused before the weights are read
+            from data.train_tokenizer import checkpoint_tokenizer
+            checkpoint_tokenizer(recorded, path / "meta.json")
         if (path / ADAPTER_FILE).is_file():  # a LoRA run's: its base, then its adapters
             from engine.lora import load_adapter_checkpoint
 

@@ -19,6 +19,7 @@ from data.tokenizer import CharTokenizer
 from engine import checkpoint
 
 TOKENIZER = CharTokenizer(list("abcdefghijklmnopqrstuvwxyz .,\n"), eot=True)
+SHAKESPEARE_START = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
 EOT = TOKENIZER.eot_id
 
 
@@ -159,6 +160,42 @@ def test_what_it_cannot_read_is_refused_in_one_line(tmp_path):
         with pytest.raises(DataError, match="not for document-aligned batches; resume with the "
                                             "data.doc_aligned the run started with"):
             docs.load_state_dict(loader.state_dict())
+
+
+def test_a_split_of_fewer_documents_than_a_batch_has_rows_is_refused(tmp_path, capsys):
+    """One document (what data/shakespeare/prepare.py --source FILE makes) would give one row, its
+    first T+1 tokens, again and again; any split with fewer documents than a global batch has
+    rows repeats rows in every batch. train.py refuses it in one line before training."""
+    import train
+    from data.shakespeare.prepare import main as prepare_text
+
+    rng = np.random.default_rng(0)
+    one = write_files(tmp_path / "one", [documents([5000], rng)], documents([30] * 20, rng))
+    with pytest.raises(DataError, match=f"the train split of {tmp_path / 'one'} holds 1 document "
+                                        r"\(5,000 tokens\) but a batch has 2 rows, and each row "
+                                        "opens at a document"):
+        DocBatches(one, "train", 2, 8, seed=0)
+    with pytest.raises(DataError, match="holds 1 document .* but a batch has 1 row, and"):
+        DocBatches(one, "train", 1, 8, seed=0)  # one row, the same at every step
+    three = write_files(tmp_path / "three", [documents([900, 40, 700], rng)],
+                        documents([30] * 20, rng))
+    with pytest.raises(DataError, match="holds 3 documents \\(1,640 tokens\\) but a batch has 4"):
+        DocBatches(three, "train", 4, 8, seed=0)
+    with pytest.raises(DataError, match="holds 3 documents .* but a batch has 4 rows"):
+        DocBatches(three, "train", 1, 8, seed=0, world_size=4)  # 1 row each on 4 ranks
+    assert DocBatches(three, "train", 3, 8, seed=0).next()[0].shape == (3, 8)
+    book = tmp_path / "book.txt"
+    book.write_text(SHAKESPEARE_START * 40)
+    assert prepare_text(["--source", str(book), "--out_dir", str(tmp_path / "book")]) == 0
+    assert train.main(["--config", "tiny", f"--dataset={tmp_path / 'book'}", "--doc_aligned=true",
+                       f"--out_dir={tmp_path / 'run'}", "--max_iters=2", "--device=cpu"]) != 0
+    err = capsys.readouterr().err
+    assert f"the train split of {tmp_path / 'book'} holds 1 document" in err
+    assert err.rstrip().endswith("every row would be the same; drop --doc_aligned (random "
+                                 "windows read all of it), or prepare the text as many documents "
+                                 "(data/fineweb_edu/prepare.py --dataset json --data-files "
+                                 "FILE.jsonl: a document per line)")
+    assert not (tmp_path / "run").exists() or not checkpoint.latest_checkpoint(tmp_path / "run")
 
 
 def test_a_doc_aligned_training_run_resumes_exactly(tmp_path, capsys):

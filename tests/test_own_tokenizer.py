@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,98 @@ def test_training_errors(tmp_path, capsys):
     assert f"{bad}:2: not a JSON object with a 'text' string" in capsys.readouterr().err
     assert tt.main([str(tmp_path / "a.txt")]) == 2
     assert "--out FOLDER is required" in capsys.readouterr().err
+
+
+def test_a_folder_skips_binary_files_and_reads_compressed_text(tmp_path, capsys):
+    """A documentation folder as Debian ships one: text, gzipped text, images, a Latin-1 file. The
+    binary and non-UTF-8 files are skipped and counted; the .gz is read decompressed."""
+    import gzip
+
+    docs = tmp_path / "doc"
+    (docs / "pkg").mkdir(parents=True)
+    (docs / "pkg" / "README").write_text(SHAKESPEARE[:20_000])
+    (docs / "pkg" / "changelog.gz").write_bytes(gzip.compress(b"zyzzyva quokka " * 400))
+    (docs / "pkg" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00" + bytes(range(256)) * 40)
+    (docs / "pkg" / "notes.txt").write_bytes("café naïve ".encode("latin-1") * 100)
+    (docs / "pkg" / "broken.gz").write_bytes(b"not gzip at all")
+    (docs / "pkg" / "utf16.txt").write_text("text in UTF-16 " * 100, encoding="utf-16")
+    assert tt.main([str(docs), "--out", str(tmp_path / "t"), "--vocab_size", "400",
+                    "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert (f"note: skipped 4 of 6 files, which are not UTF-8 text: 1 binary ({docs}/pkg/logo.png"
+            f"), 2 not UTF-8 ({docs}/pkg/notes.txt, {docs}/pkg/utf16.txt), 1 unreadable "
+            f"({docs}/pkg/broken.gz: ") in out
+    record = json.loads((tmp_path / "t" / tt.META_FILE).read_text())["trained"]
+    assert record["bytes"] == 20_000 + len("zyzzyva quokka " * 400) and record["n_files"] == 2
+    assert record["skipped"] == {"binary": 1, "not UTF-8": 2, "unreadable": 1}
+    tok = tt.load_tokenizer(tmp_path / "t")
+    assert len(tok.encode_ordinary(" zyzzyva quokka")) <= 2  # learnt from the .gz's text
+    assert not any("\ufffd".encode() in t for t in tok.tokens)
+
+
+def test_text_that_is_mostly_replacement_characters_is_refused(tmp_path, capsys):
+    """Invalid bytes past the part of a file looked at first, and U+FFFD already in documents,
+    both end up as replacement characters in the text the trainer would see."""
+    (tmp_path / "a.txt").write_bytes(b"fine text\n" * 7000 + bytes(range(128, 256)) * 800)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "\ufffd" * 500 + " ok"}) + "\n")
+    assert tt.main([f"{tmp_path}/a.txt,{tmp_path}/b.jsonl", "--out", str(tmp_path / "t"),
+                    "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    replaced, chars = 128 * 800 + 500, 70_000 + 128 * 800 + 503  # a byte >= 0x80 alone: one each
+    assert f"the text read is {replaced / chars:.1%} U+FFFD replacement characters " \
+           f"({replaced:,} of {chars:,} characters; most in {tmp_path}/a.txt: {128 * 800:,})" \
+        in err, err
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("trainer", ["sentencepiece", "RustBPE"])
+def test_an_unknown_trainer_is_refused_with_the_choices(tmp_path, capsys, trainer):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    out = tmp_path / "t"
+    assert tt.main([str(tmp_path / "a.txt"), "--out", str(out), "--trainer", trainer]) == 2
+    assert capsys.readouterr().err == (f"error: invalid options: --trainer={trainer!r}: use "
+                                       "rustbpe or hf\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("([unclosed", "unterminated character set at position 10"),
+    ("(?<word>\\w+", "missing ) at position 11"),
+    ("\\p{Klingon}", "unknown property at position")])
+def test_a_bad_pattern_is_one_line_naming_it_and_where(tmp_path, capsys, pattern, says):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    for trainer in ("rustbpe", "hf"):
+        assert tt.main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "t"), "--no_progress",
+                        "--pattern", pattern, "--trainer", trainer]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --pattern {pattern!r} is not a regex tiktoken can use: ")
+        assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("\\w+", "leaves text unmatched (here \"\\x00\\x07\\t\\n\\r !#$"),
+    ("", "matches empty text (at 'Hello, world')"), ("\\w*|\\W", "matches empty text")])
+def test_a_pattern_that_would_lose_text_is_refused(tmp_path, capsys, pattern, says):
+    """tiktoken encodes only the text the pattern matches, and cannot step past an empty match:
+    such a pattern would drop text from every encoded document (or crash the encoder)."""
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    assert tt.main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "t"), "--no_progress",
+                    "--pattern", pattern]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("trainer, pattern, says", [
+    ("rustbpe", "(?<=a+)b|\\S+|\\s+", "rustbpe cannot (Invalid regex pattern: "),
+    ("hf", "\\p{Script=Greek}+|\\S+|\\s+", "Oniguruma cannot (Oniguruma error: invalid ")])
+def test_a_pattern_one_trainer_cannot_compile_names_the_other(tmp_path, capsys, trainer,
+                                                              pattern, says):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    assert tt.main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "t"), "--no_progress",
+                    "--pattern", pattern, "--trainer", trainer]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert err.rstrip().endswith("pass --trainer " + ("hf" if trainer == "rustbpe" else "rustbpe"))
 
 
 def test_bits_per_byte_is_loss_over_ln2_times_tokens_over_bytes(tmp_path):
@@ -285,6 +378,39 @@ def test_hellaswag_scores_a_model_with_its_own_tokenizer(own_run, tmp_path, caps
     assert hellaswag.main(["--model", str(own_run[1]), "--data", str(data), "--device",
                            "cpu"]) == 0
     assert f"| {len(EXAMPLES)} examples" in capsys.readouterr().out
+
+
+def test_an_edited_tokenizer_names_the_fix_for_where_it_was_found(own_run, tmp_path, capsys):
+    """A dataset's edited tokenizer is fixed by preparing the data again; a checkpoint's is not
+    (its weights were trained on the ids of the recorded one): restore its meta.json."""
+    import shutil
+
+    import generate
+    from config import ConfigError, load_config
+    from data.dataset import load_meta
+    from engine import checkpoint
+    from engine.training.finetune import instruction_data
+
+    run = shutil.copytree(own_run[1], tmp_path / "run")
+    ckpt = checkpoint.latest_checkpoint(run)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["tokenizer"]["pattern"] = tt.PATTERNS["gpt2"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert generate.main([f"--out_dir={run}", "--prompt", "the", "--max_new_tokens=2",
+                          "--device=cpu"]) == 2
+    err = capsys.readouterr().err
+    fix = (f"{ckpt}/meta.json was changed after the checkpoint was saved: restore it from a copy "
+           "of the checkpoint, or copy its 'tokenizer' entry back from the meta.json the run took "
+           "it from (its prepared dataset's, or for a finetune its base checkpoint's)")
+    assert "fails its hash check" in err and err.rstrip().endswith(fix), err
+    assert "prepare the data again" not in err
+    cfg, _ = load_config(["--config", "tiny", f"--init_from={ckpt}", "--dataset=x.jsonl"])
+    with pytest.raises(ConfigError, match="fails its hash check .*" + re.escape(fix)):
+        instruction_data(cfg)
+    data = load_meta(str(own_run[0]))
+    data["tokenizer"]["pattern"] = tt.PATTERNS["gpt2"]
+    with pytest.raises(TokenizerError, match="fails its hash check .*prepare the data again"):
+        from_meta(data["tokenizer"])
 
 
 def test_data_from_another_tokenizer_is_refused(own_run, tmp_path, capsys):

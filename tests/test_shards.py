@@ -155,6 +155,66 @@ def test_interrupted_run_resumes_to_identical_shards(corpus, reference, tmp_path
     assert run(corpus[1], tmp_path, workers=1)["run"]["tokens"] == 0  # done: nothing to redo
 
 
+def split_of(folder: Path) -> dict[str, np.ndarray]:
+    meta = load_meta(str(folder))
+    return {split: np.concatenate([np.fromfile(folder / s["file"], dtype=np.uint16)
+                                   for s in meta["shards"][split]]) for split in ("val", "train")}
+
+
+def test_default_val_split_scales_with_the_corpus(corpus, tmp_path, capsys):
+    """No --val-tokens: val is 1% of the tokens prepared (at most 10M), to the end of a document,
+    however small the corpus; the documents after it are train. A --val-tokens that leaves train
+    under 90% of the tokens is said."""
+    docs, files = corpus
+    tok = GPT2Tokenizer()
+    stream = np.concatenate([tok.encode_ordinary(d) + [tok.eot_id] for d in docs])
+    target = round(len(stream) * 0.01)
+    cut = int(np.flatnonzero(stream[target - 1:] == tok.eot_id)[0]) + target
+    common = ["--data-files", ",".join(files), "--shard-tokens", str(SHARD), "--workers", "1",
+              "--no-progress"]
+    assert shards.main(shards.Defaults("json", tmp_path / "d"), common) == 0
+    split = split_of(tmp_path / "d")
+    assert len(split["val"]) == cut and len(split["train"]) == len(stream) - cut
+    assert np.array_equal(split["val"], stream[:cut])
+    texts = tok.decode(np.concatenate([split["val"], split["train"]]).tolist()).split(EOT)
+    assert sorted(texts[:-1]) == sorted(docs)  # every document once, in one split
+    assert "warning" not in capsys.readouterr().err
+    assert shards.main(shards.Defaults("json", tmp_path / "e"), [*common, "--val-tokens",
+                                                                  "3000"]) == 0
+    val = len(split_of(tmp_path / "e")["val"])
+    assert f"warning: train holds {1 - val / len(stream):.1%} of the {len(stream):,} tokens: " \
+           f"--val-tokens 3,000 gave val {val:,}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["moving", "renamed", "deleting"])
+def test_an_interrupted_default_split_resumes_to_the_same_shards(corpus, tmp_path, monkeypatch,
+                                                                  where):
+    """The default split moves val's later documents into train shards at the end: interrupted
+    while moving them, just after one is renamed into place, or before the val shards they came
+    from are cut, it ends the same."""
+    # the corpus's 12,406 tokens: all streamed to val (no --max-tokens, so val takes up to 10M
+    # at first), or under --max-tokens 100k the first 1,000 (1,182: two documents) then train
+    kwargs = {"val_tokens": None, "workers": 1, "max_tokens": 0 if where == "moving" else 10**5}
+    run(corpus[1], tmp_path / "whole", **kwargs)
+    if where == "moving":  # renames 1-9 close the val shards, 10-17 write the moved tokens
+        monkeypatch.setattr(shards, "rename_shard", crash_on_call(12, shards.rename_shard))
+    elif where == "renamed":  # 1 closes val, 2-9 train; 10 puts the moved document in place
+        monkeypatch.setattr(shards, "rename_shard", crash_on_call(10, shards.rename_shard, True))
+    else:
+        monkeypatch.setattr(shards.ShardWriter, "drop_trimmed",
+                            crash_on_call(1, shards.ShardWriter.drop_trimmed))
+    with pytest.raises(Crash):
+        run(corpus[1], tmp_path / "cut", **kwargs)
+    monkeypatch.undo()
+    run(corpus[1], tmp_path / "cut", **kwargs)
+    assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
+    assert (tmp_path / "cut" / "meta.json").read_bytes() == \
+        (tmp_path / "whole" / "meta.json").read_bytes()
+    assert not list((tmp_path / "cut").glob(".*.partial"))
+    meta = load_meta(str(tmp_path / "whole"))
+    assert meta["splits"]["val"] == 625 and len(meta["shards"]["val"]) == 1  # the first document
+
+
 def test_ctrl_c_commits_the_batch_then_stops(corpus, reference, tmp_path, monkeypatch):
     encode = stream.encode_batch
     calls = []
@@ -199,14 +259,48 @@ def test_preparation_errors(corpus, tmp_path):
                 progress=False)
     with pytest.raises(DataError, match="train split is empty: the corpus gave"):
         run(files, tmp_path / "c", val_tokens=10**7)
+    text = "one long document " * 300  # the default val split ends at its end: train is empty
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    tokens = len(GPT2Tokenizer().encode_ordinary(text)) + 1
+    with pytest.raises(DataError, match=f"the train split is empty: the corpus gave {tokens} "
+                                        "tokens in 1 document, and val, 1% of the tokens, runs "
+                                        "to the end of a document; prepare the text as more "
+                                        "documents"):
+        run([str(tmp_path / "one.jsonl")], tmp_path / "one", val_tokens=None)
     with pytest.raises(DataError, match="--val-tokens 5,000 leaves nothing for train"):
         run(files, tmp_path / "d", val_tokens=5000, max_tokens=5000)
-    with pytest.raises(DataError, match="could not open .*no_such_file.jsonl.*without a network"):
+    with pytest.raises(DataError, match="--data-files .*no_such_file.jsonl: no such file"):
         run([str(tmp_path / "no_such_file.jsonl")], tmp_path / "e")
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "train_000000.bin").write_bytes(b"xx")
     with pytest.raises(DataError, match="holds token files .* but no prepare_state.json"):
         run(files, tmp_path / "f")
+
+
+def test_local_data_files_that_are_missing_empty_or_malformed_are_said_so(corpus, tmp_path,
+                                                                          capsys):
+    """datasets reports an empty local file as StopIteration and a missing one as not found on
+    the hub, and a malformed line surfaces mid-stream: each is one line that names the file."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    defaults = shards.Defaults(dataset="org/hub-corpus", out_dir=tmp_path / "out")
+    common = ["--dataset", "json", "--workers", "1", "--no-progress", "--data-files"]
+    cases = [("empty.jsonl", f"--data-files {tmp_path}/empty.jsonl: the file is empty (0 bytes), "
+                             "so there are no documents to prepare; name files that hold them"),
+             (f"{tmp_path}/empty.jsonl,{tmp_path}/blank.jsonl",
+              f"--data-files {tmp_path}/empty.jsonl, {tmp_path}/blank.jsonl: the 2 files are "
+              "empty (0 and 4 bytes of white space)"),
+             ("nope.jsonl", f"--data-files {tmp_path}/nope.jsonl: no such file"),
+             ("*.parquet", f"--data-files {tmp_path}/*.parquet: no file matches"),
+             ("bad.jsonl", f"could not read json split=train files={tmp_path}/bad.jsonl after 0 "
+                           "documents: ArrowInvalid: JSON parse error")]
+    for files, says in cases:
+        files = ",".join(f if f.startswith("/") else f"{tmp_path}/{f}" for f in files.split(","))
+        assert shards.main(defaults, [*common, files]) == 2
+        err = capsys.readouterr().err.splitlines()  # datasets may log its own line first
+        assert says in err[-1] and err[-1].startswith("error: ") and "Traceback" not in err, err
+        assert not any("without a network" in line for line in err)
 
 
 def test_command_line(corpus, tmp_path, capsys):
@@ -220,9 +314,12 @@ def test_command_line(corpus, tmp_path, capsys):
     assert code == 0
     meta = load_meta(str(out))
     assert sum(meta["splits"].values()) == 6000 and meta["shard_tokens"] == 2000
-    assert meta["splits"]["val"] >= 600  # a tenth of --max-tokens by default
+    assert meta["splits"]["val"] == 625  # 1% of --max-tokens, to the end of the first document
     assert meta["settings"]["name"] is None  # the script's hub config is not applied to json
-    assert "done: 6,000 tokens" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "done: 6,000 tokens" in said.out
+    assert "warning: train holds 89.6% of the 6,000 tokens: the default (1% of the tokens, to " \
+           "the end of a document) gave val 625" in said.err
     assert shards.parse_count("2.5B") == 2_500_000_000 and shards.parse_count("1e6") == 10**6
     assert shards.main(defaults, ["--max-tokens", "lots"]) == 2
     assert "'lots' is not a token count" in capsys.readouterr().err

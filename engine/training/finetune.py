@@ -26,7 +26,12 @@ def source_tokenizer(init_from: str, out_dir: str) -> dict:
                           "checkpoint> or --init_from=gpt2 (or another Hugging Face GPT-2)")
     path = checkpoint.latest_checkpoint(out_dir) if init_from == "resume" else init_from
     if path is not None and sources.is_ours(path):
-        return checkpoint.read_meta(checkpoint.resolve(path)).get("tokenizer") or {}
+        ckpt = checkpoint.resolve(path)
+        recorded = checkpoint.read_meta(ckpt).get("tokenizer") or {}
+        if recorded.get("kind") == "bpe":  # an edited one gets the checkpoint's fix
+            from data.train_tokenizer import checkpoint_tokenizer
+            checkpoint_tokenizer(recorded, ckpt / "meta.json")
+        return recorded
     return {"kind": "gpt2"}  # a Hugging Face GPT-2 (init_from.py checks its vocabulary)
 
 
