@@ -109,7 +109,9 @@ def log_step(run: Run, step: int, result: StepResult, lr: float,
     flops_per_step = run.raw_model.flops_per_token() * run.tokens_per_step
     mfu = flops_per_step / dt / run.peak_flops if run.peak_flops else None
     tokens_per_s, memory = run.tokens_per_step / dt, cuda_peak_memory(run.rt.device)
-    print(metrics.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu, memory)
+    peak = (f" | peak {memory[0] / 2**30:.2f} GiB (reserved {memory[1] / 2**30:.2f})"
+            if memory else "")
+    print(metrics.log_line(step, loss, lr, norm, 1000 * dt, tokens_per_s, mfu, peak)
           + run.log.progress(step))
     peaks = {"peak_mib": memory[0] // 2**20, "reserved_mib": memory[1] // 2**20} if memory else {}
     run.log.write(kind="train", step=step, loss=loss, lr=lr, norm=norm, ms=1000 * dt,

@@ -207,9 +207,7 @@ def _strict_json(value):
 
 
 def log_line(step: int, loss: float, lr: float, norm: float, ms: float, tok_s: float,
-             mfu: float | None, memory: tuple[int, int] | None = None) -> str:
+             mfu: float | None, tail: str = "") -> str:
     line = (f"step {step:5d} | loss {loss:.4f} | lr {lr:.1e} | norm {norm:.2f} | {ms:.0f} ms | "
             f"{tok_s:,.0f} tok/s")
-    line += f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
-    return line + (f" | peak {memory[0] / 2**30:.2f} GiB (reserved {memory[1] / 2**30:.2f})"
-                   if memory else "")
+    return line + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + tail

@@ -168,10 +168,8 @@ def probe_attention(model: GPT, rt: Runtime, micro_batch: int) -> list[str]:
 
 
 def sdpa_failure(e: RuntimeError, rt: Runtime) -> str:
-    """What to say when torch's attention kernel fails at the training shape. One case seen:
-    on a CPU with AMX, torch 2.13's CPU Flash kernel takes its AMX path where oneDNN may use
-    AMX, but that code is built only into its AVX-512 kernels, so under ATEN_CPU_CAPABILITY=avx2
-    or default a bf16 step raises 'pack_vnni2 is only supported when avx512 is supported'."""
+    """What to say when torch's attention kernel fails at the training shape (the case seen on
+    a CPU with AMX, under a narrowed ATEN_CPU_CAPABILITY: docs/speedups.md)."""
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
     hint, capability = "", kernel_overrides().get("ATEN_CPU_CAPABILITY")
     if rt.device.type == "cpu" and capability:
