@@ -39,8 +39,8 @@ def test_chain_adds_flags_one_by_one_from_the_reference_path():
             last.system.compile, last.train.fused_adamw, last.data.pin_memory,
             last.train.batch_size_auto) == ("sdpa", "on_the_fly", "native", "native", 64,
                                             "auto", True, True, True, True, True)
-    sdpa = kept[[r["flag"] for r in rows].index("attention")]
-    assert sdpa.model.norm == "native" and not sdpa.system.compile  # earlier flags only
+    padded = kept[[r["flag"] for r in rows].index("vocab_pad")]  # config.py's order of fields
+    assert padded.model.norm == "native" and not padded.system.compile  # earlier flags only
     assert cfg.model.attention == "sdpa"  # planning leaves the given config alone
 
 
@@ -506,7 +506,7 @@ def test_ablation_row_trains_on_a_sharded_dataset(tmp_path):
                        "--name", "t"]) == 0
     base, tf32 = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert base["status"] == "ok" and len(base["step_s"]) == 2 and math.isfinite(base["loss"])
-    assert base["tokens_per_step"] == 4 * 16 and str(base["settings"]["vocab"]) == "50257"
+    assert base["tokens_per_step"] == 4 * 16 and str(base["settings"]["vocab_pad_multiple"]) == "1"
     assert tf32["status"] == "skipped"  # built on the shards too, then found to change nothing
 
 

@@ -38,8 +38,8 @@ def test_every_technique_is_off_by_default():
     model = GPT(tiny_model_config())
     assert model.lm_head.weight is model.transformer.wte.weight and "wpe" in model.transformer
     assert departures(ModelConfig(**EVERY)) == [
-        "position=rotary", "qk_norm=True", "attn_scale=0.3", "value_embeds=1",
-        "tie_embeddings=False", "zero_init_head=True", "zero_init_proj=True",
+        "activation=relu2", "position=rotary", "qk_norm=True", "attn_scale=0.3",
+        "value_embeds=1", "tie_embeddings=False", "zero_init_head=True", "zero_init_proj=True",
         "logit_softcap=15.0", "unet_skips=True", "smear=True"]
 
 
@@ -381,7 +381,7 @@ def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset
     for (name, p), q in zip(model_a.state_dict().items(), model_b.state_dict().values()):
         assert torch.equal(p, q), name
     assert "lm_head.weight" in checkpoint.model_state(model_a)  # untied: stored
-    assert "recipe=position=rotary,qk_norm=True" in capsys.readouterr().out
+    assert "recipe=activation=relu2,position=rotary,qk_norm=True" in capsys.readouterr().out
     # generate.py reads the checkpoint with no flags, and sampling with the cache is the
     # whole forward's
     assert generate.main(["--checkpoint", str(a), "--max_new_tokens=20", "--device=cpu",
