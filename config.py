@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.fields import FRACTION, NON_NEGATIVE, POSITIVE, Flag, facts, flags_from, opt
+from engine.fields import FRACTION, NON_NEGATIVE, POSITIVE, Flag, Range, facts, flags_from, opt
 
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -75,7 +75,7 @@ class ModelConfig:
                         "position)", ("learned", "rotary"), departure=True,
                         gpt2="learned positions", speedrun="rotary")
     rope_base: float = opt(10000.0, "position=rotary: the base of the rotation frequencies",
-                           departure=True, check=("> 1", lambda v, _: v > 1))
+                           departure=True, check=Range(gt=1))
     qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention (no "
                         "weights): attention logits stay bounded at high learning rates",
                         departure=True, gpt2="no query/key norm", speedrun=True)
@@ -119,7 +119,7 @@ class DataConfig:
                         "hold out val_fraction of the dataset's")
     val_fraction: float = opt(0.05, "instruction data: the share of examples held out for "
                               "validation (the same ones whatever the seed)",
-                              check=("in (0, 1)", lambda v, _: 0 < v < 1))
+                              check=Range(gt=0, lt=1))
     template: str = opt("chat", "instruction data: the chat template (data/chat_template.py); "
                         "the checkpoint keeps it for generate.py --chat and serve.py",
                         ("chat",))
@@ -171,14 +171,14 @@ class TrainConfig:
     max_iters: int = opt(2000, "optimizer steps", check=NON_NEGATIVE, resume=True)
     learning_rate: float = opt(1e-3, "peak learning rate", check=POSITIVE)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak",
-                              check=("in [0, 1]", lambda v, _: 0 <= v <= 1))
+                              check=Range(ge=0, le=1))
     warmup_iters: int = opt(100, "linear warmup steps", check=NON_NEGATIVE)
     lr_schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio, constant, or wsd "
                            "(warmup-stable-decay: the peak until the last cooldown_frac of the "
                            "steps, then linear to min_lr_ratio)", ("cosine", "constant", "wsd"),
                            departure=True, speedrun="wsd")
     cooldown_frac: float = opt(0.4, "lr_schedule=wsd: the fraction of max_iters spent decaying",
-                               check=("in (0, 1]", lambda v, _: 0 < v <= 1))
+                               check=Range(gt=0, le=1))
     weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only",
                               check=NON_NEGATIVE)
     beta1: float = opt(0.9, "AdamW beta1", check=FRACTION)
@@ -267,11 +267,11 @@ class SampleConfig:
     prompt: str = opt("\n", "text to continue")
     checkpoint: str = opt("", "checkpoint directory (or run directory); '' = latest in out_dir")
     max_new_tokens: int = opt(500, "tokens to generate per sample", check=NON_NEGATIVE)
-    num_samples: int = opt(1, "independent samples", check=(">= 1", lambda v, _: v >= 1))
-    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", check=NON_NEGATIVE)
+    num_samples: int = opt(1, "independent samples", check=Range(ge=1))
+    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", check=Range(ge=0, le=2))
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = off", check=NON_NEGATIVE)
     top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off",
-                       check=("in (0, 1]", lambda v, _: 0 < v <= 1))
+                       check=Range(gt=0, le=1))
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
     prompt_bucket: int = opt(64, "with --compile: prompts padded to a multiple of this, so "
                              "decoding sees a few fixed shapes (no recompiles)", check=POSITIVE)
@@ -314,7 +314,7 @@ class SystemConfig:
     compile: bool = opt(False, "torch.compile the model", fast=True)
     compile_mode: str = opt("default", "torch.compile mode", ("default", "reduce-overhead",
                             "max-autotune", "max-autotune-no-cudagraphs"))
-    seed: int = opt(1337, "seed for weights, data order and sampling")
+    seed: int = opt(1337, "seed for weights, data order and sampling", check=Range(ge=0, lt=2**63))
     empty_cache: bool = opt(True, "free cached CUDA memory after evaluations, samples, saves",
                             resume=True)
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default", check=NON_NEGATIVE)
@@ -466,18 +466,26 @@ def gpt2_recipe_flags() -> list[str]:
             for name in facts(section, "departure")]
 
 
+def field_problems(values: Any, named: Callable[[str], str]) -> list[str]:
+    """Each field of a config section or a script's options whose value is outside its choices
+    or fails its check=, as named(field) says it (section.key, or --key)."""
+    problems = []
+    for f in dataclasses.fields(values):
+        value, choices = getattr(values, f.name), f.metadata.get("choices")
+        text, holds = f.metadata.get("check") or ("", lambda v, section: True)
+        if choices and value not in choices and named(f.name).startswith("--"):
+            problems.append(f"{named(f.name)}={value!r}: use " + " or ".join(choices))
+        elif choices and value not in choices:
+            problems.append(f"{named(f.name)}={value!r} is not one of {', '.join(choices)}")
+        elif not holds(value, values):
+            problems.append(f"{named(f.name)} must be {text}, got {value}")
+    return problems
+
+
 def validate(cfg: Config) -> list[str]:
     """Every problem with the values, as a list of messages (empty when the config is usable)."""
-    problems = [f"{section}.{f.name}={getattr(getattr(cfg, section), f.name)!r} is not one of "
-                f"{', '.join(f.metadata['choices'])}"
-                for section in SECTIONS for f in dataclasses.fields(SECTIONS[section])
-                if f.metadata.get("choices")
-                and getattr(getattr(cfg, section), f.name) not in f.metadata["choices"]]
-    for section in SECTIONS:
-        values = getattr(cfg, section)
-        for name, (text, ok) in facts(SECTIONS[section], "check").items():
-            if not ok(value := getattr(values, name), values):
-                problems.append(f"{section}.{name} must be {text}, got {value}")
+    problems = [p for section in SECTIONS
+                for p in field_problems(getattr(cfg, section), lambda name: f"{section}.{name}")]
     m, t = cfg.model, cfg.train
     if cfg.sample.quantize != "none" and cfg.sample.weights != "torch":
         problems.append(f"sample.quantize={cfg.sample.quantize} (torchao) and "
@@ -597,9 +605,7 @@ def _script_options(line: CommandLine, script: type, problems: list[str]) -> Any
     options = script()
     for name, value in line.script:
         _set(options, name, value, f"--{name}", problems)
-    problems += [f"--{f.name.replace('_', '-')}={v!r}: use " + " or ".join(f.metadata["choices"])
-                 for f in dataclasses.fields(options) if f.metadata.get("choices")
-                 and (v := getattr(options, f.name)) not in f.metadata["choices"]]
+    problems += field_problems(options, lambda name: f"--{name.replace('_', '-')}")
     return options
 
 

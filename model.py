@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from config import ModelConfig  # the model's section of the one config (torch-free: config.py)
 
 IGNORE_INDEX = -1  # a target that counts in no loss
+# each block's Linears, in the order forward runs them: the one list every other module reads
+# (the packed kernels, LoRA, int8, the Hugging Face export, the sparse benchmark)
+BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class LayerNorm(nn.Module):

@@ -31,8 +31,32 @@ import collections
 import dataclasses
 from typing import Any
 
-POSITIVE, NON_NEGATIVE = ("> 0", lambda v, _: v > 0), (">= 0", lambda v, _: v >= 0)
-FRACTION = ("in [0, 1)", lambda v, _: 0 <= v < 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """check= for a number within bounds: what config.validate tests (it unpacks as (text,
+    test), as any check= does) and, through bounds(), a pydantic Field's ge/gt/le/lt."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def __iter__(self):
+        low = f"[{self.ge}" if self.ge is not None else f"({self.gt}"
+        high = f"{self.le}]" if self.le is not None else f"{self.lt})"
+        one = [f"{op} {v}" for op, v in ((">=", self.ge), (">", self.gt), ("<=", self.le),
+                                          ("<", self.lt)) if v is not None]
+        yield f"in {low}, {high}" if len(one) == 2 else one[0]
+        yield lambda value, _: self.holds(value)
+
+    def holds(self, x: float) -> bool:
+        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
+
+
+POSITIVE, NON_NEGATIVE, FRACTION = Range(gt=0), Range(ge=0), Range(ge=0, lt=1)
 # a speedup flag of bench.py ablation: the config keys it sets (section.name), their reference
 # (default) and fast values as the command line writes them, whether it needs CUDA
 Flag = collections.namedtuple("Flag", "keys reference fast cuda")
@@ -57,6 +81,13 @@ def departures(section: Any) -> list[str]:
     default = type(section)()
     return [f"{name}={getattr(section, name)}" for name in facts(type(section), "departure")
             if getattr(section, name) != getattr(default, name)]
+
+
+def bounds(section: type, name: str) -> dict[str, float]:
+    """A field's Range as pydantic's Field keywords (ge, gt, le, lt): one definition of the
+    limits that the config and the server's requests both hold."""
+    check = facts(section, "check")[name]
+    return {k: v for k, v in dataclasses.asdict(check).items() if v is not None}
 
 
 def as_flag(value: Any) -> str:

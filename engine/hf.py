@@ -21,7 +21,7 @@ from data.tokenizer import (GPT2_EOT, GPT2_RANKS, BPETokenizer, GPT2Tokenizer, f
 from engine import checkpoint, loading
 from engine.checkpoint import first_line
 from engine.fields import facts
-from model import ACTIVATIONS, GPT
+from model import ACTIVATIONS, BLOCK_LINEARS, GPT
 
 GPT2_MODEL_IDS = {name: f"openai-community/{name}"
                   for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -29,8 +29,9 @@ HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json",
              "model-*.safetensors"]
 GPT2_VOCAB = 50257
 SHAPE = facts(ModelConfig, "hf")  # our shape keys -> their GPT2Config keys
-BLOCK_PARTS = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+BLOCK_PARTS = ("ln_1", *(n for n in BLOCK_LINEARS if n.startswith("attn.")), "ln_2",
+               *(n for n in BLOCK_LINEARS if n.startswith("mlp.")))
+CONV1D = tuple(f"{name}.weight" for name in BLOCK_LINEARS)  # HF's Conv1D: transposed
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 VERIFY_TEXT = ("Hello, I'm a language model, and I can tell you that the weights were mapped "
                "correctly when the logits agree to the last few digits.")
@@ -226,10 +227,10 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
     for ours, theirs in SHAPE.items():
         setattr(model_cfg, ours, hf[theirs])
     model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
-    model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))
     model_cfg.bias = True  # GPT-2 has biases everywhere
     for name in facts(ModelConfig, "departure"):  # GPT-2's architecture, whatever was asked
         setattr(model_cfg, name, getattr(ModelConfig(), name))
+    model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))  # its own
     model_cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
     model = GPT(model_cfg)
     state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))

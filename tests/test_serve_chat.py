@@ -262,7 +262,8 @@ def test_logprobs_are_the_models_own_in_the_chat_shape(chat_server):
      "the conversation is 218 tokens with the chat template but this server takes at most 128"),
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"messages": HI, "top_logprobs": 6, "logprobs": True}, "top_logprobs: Input should be"),
-    ({"messages": HI, "echo": True}, "unknown field 'echo'; the fields are: model, messages"),
+    ({"messages": HI, "echo": True}, "unknown field 'echo'; the fields are: temperature, top_p, "
+     "top_k, seed, stop, model, messages"),
     ({"messages": HI, "presence_penalty": 1.0}, "presence_penalty is not supported"),
     ({"messages": HI, "max_tokens": 30000}, "over this server's limit"),
     ({"messages": HI, "n": 9}, "server holds at most 8"),
@@ -292,3 +293,24 @@ def test_a_model_without_a_template_refuses_chat(tmp_path):
         "a prompt to POST /v1/completions")
     assert client.get("/v1/models").json()["data"][0]["chat_template"] is False
     assert 'data-chat="false"' in client.get("/").text
+
+
+@pytest.mark.parametrize("name, beyond", [("temperature", 2.5), ("top_p", 1.5), ("top_k", -1),
+                                          ("seed", -1)])
+def test_each_sampling_limit_is_one_definition_for_generate_and_both_requests(name, beyond):
+    """The limits of a sampling field are its config field's check (config.py): generate.py's
+    options, a completion request and a chat request refuse the same value."""
+    from pydantic import ValidationError
+
+    from config import validate
+    from engine.serving.chat import ChatRequest
+
+    cfg = Config()
+    setattr(cfg.system if name == "seed" else cfg.sample, name, beyond)
+    assert [p for p in validate(cfg) if p.split(".", 1)[1].startswith(f"{name} must be")]
+    with pytest.raises(ValidationError):
+        SamplingParams(**{name: beyond})
+    with pytest.raises(ValidationError):
+        ChatRequest(messages=[], **{name: beyond})
+    within = {"temperature": 2.0, "top_p": 1.0, "top_k": 0, "seed": 0}[name]
+    assert getattr(ChatRequest(messages=[], **{name: within}), name) == within

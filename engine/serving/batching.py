@@ -37,7 +37,9 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, Field
 
+from config import SampleConfig, SystemConfig
 from engine.device import release_cached
+from engine.fields import bounds
 from engine.inference.kv_cache import new_kv_cache
 from engine.inference.sampling import prefill, sample_next
 from engine.serving import logprobs
@@ -53,18 +55,26 @@ class QueueFull(RuntimeError):
     """More sequences than the free slots and the queue can hold; retry later (HTTP 503)."""
 
 
-class SamplingParams(BaseModel):
-    """How one completion is sampled and when it ends: the fields of a completion request that
-    the engine reads, with OpenAI's defaults and bounds. app.CompletionRequest extends this
-    class, so a field declared here is a request field too, validated, and reaches the engine
-    as it was sent (each choice's seed offset: app.make_sequences)."""
+class Sampling(BaseModel):
+    """How a reply is sampled: the fields every request shares (completions and chat), with
+    OpenAI's defaults and the limits generate.py's own options hold (config.py's fields: one
+    definition of each limit)."""
 
-    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored, nothing generated
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension: 0 = off
-    seed: int | None = Field(None, ge=0, lt=2**63)  # None: a fresh random seed
+    temperature: float = Field(1.0, **bounds(SampleConfig, "temperature"))  # 0: greedy
+    top_p: float = Field(1.0, **bounds(SampleConfig, "top_p"))
+    top_k: int = Field(0, **bounds(SampleConfig, "top_k"))  # extension: 0 = off
+    seed: int | None = Field(None, **bounds(SystemConfig, "seed"))  # None: a fresh seed
     stop: str | list[str] | None = None  # end before this text (not in it); up to 4 strings
+
+
+class SamplingParams(Sampling):
+    """How one completion is sampled and when it ends: the fields of a completion request that
+    the engine reads. app.CompletionRequest extends this class, so a field declared here is a
+    request field too, validated, and reaches the engine as it was sent (each choice's seed
+    offset: app.make_sequences)."""
+
+    # 0: with echo, the prompt scored, nothing generated
+    max_tokens: int = Field(16, **bounds(SampleConfig, "max_new_tokens"))
     ignore_eos: bool = False  # extension: GPT-2 goes on past <|endoftext|> (its stop token)
     logprobs: int | None = Field(None, ge=0)  # score each generated token, with this many
     # alternatives (at most logprobs.MAX_LOGPROBS: app.check_request)
