@@ -7,8 +7,8 @@
 
 engine/training/build.py builds the run (data, the model with its speedups applied, optimizer, a
 resumed run's state, the run log); train(cfg): build_run, then the loop (evaluate and checkpoint
-every eval_interval steps, one train_step per step: engine/training/step.py) until max_iters or a
-stop request.
+every eval_interval steps; each step, one_step: the schedule, the micro-batches and the update of
+engine/training/step.py) until max_iters or a stop request.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from data.dataset import DataError, load_or_prepare
 from engine import checkpoint, device
 from engine.training import launch, memory_estimate, metrics, processes, resume, speedups
 from engine.training.build import Run, build_run
-from engine.training.optim import lr_at, momentum_at, set_momentum
-from engine.training.step import NonFiniteGuard, StepResult, evaluate, train_step
+from engine.training.optim import lr_at, momentum_at, set_schedule
+from engine.training.step import (NonFiniteGuard, StepResult, Trainer, evaluate,
+                                  forward_backward, update)
 
 
 @dataclass
@@ -100,6 +101,19 @@ def cuda_peak_memory(device: torch.device) -> tuple[int, int] | None:
     return peak
 
 
+def one_step(run: Run, trainer: Trainer, batch: tuple, step: int,
+             stop: resume.StopRequest) -> tuple[StepResult, float]:
+    """Step `step` (0-based): its learning rate and Muon momentum, the micro-batches' forward
+    and backward, their loss averaged over the ranks (a stop any rank received reaches every
+    one), then the update, skipped on every rank alike when that loss or the gradients are
+    non-finite -> (the step's result, its lr)."""
+    lr = lr_at(step, run.cfg)
+    set_schedule(trainer.optimizer, lr, momentum_at(step, run.cfg))
+    loss_sum, next_batch = forward_backward(trainer, batch)
+    loss_sum = run.dist.sync_step(loss_sum, stop)  # one process: as it is
+    return StepResult(loss_sum, *update(trainer, loss_sum), next_batch), lr
+
+
 def log_step(run: Run, step: int, result: StepResult, lr: float,
              since: tuple[int, float]) -> tuple[int, float]:
     """The log line, timed per step since `since` (step, time); returns the next `since`."""
@@ -143,10 +157,7 @@ def train(cfg: Config) -> dict:
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     last_log = (step, time.perf_counter())  # (step, time) of the last log line
     with resume.StopRequest(synced=dist.enabled) as stop, run.log:
-        def sync(loss_sum: torch.Tensor) -> torch.Tensor:  # the mean over ranks; shares stops
-            return dist.sync_step(loss_sum, stop)
-
-        trainer = run.trainer(sync)
+        trainer = run.trainer()
         while True:
             due = step % t.eval_interval == 0 and (step or t.eval_at_start)
             if (due or step == t.max_iters) and counters.eval_step != step:
@@ -159,9 +170,7 @@ def train(cfg: Config) -> dict:
                 last_log = (step, time.perf_counter())
             if step >= t.max_iters or stop:
                 break
-            lr = lr_at(step, cfg)
-            set_momentum(trainer.optimizer, momentum_at(step, cfg))
-            result = train_step(trainer, (x, y), lr)
+            result, lr = one_step(run, trainer, (x, y), step, stop)
             x, y = result.next_batch
             step += 1
             counters.step, counters.tokens_seen = step, counters.tokens_seen + run.tokens_per_step

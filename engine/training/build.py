@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -61,12 +60,11 @@ class Run:
         weights = adapter_state(self.raw_model) if self.dist.is_main else None
         return weights, {"lora": self.raw_model.lora_record}
 
-    def trainer(self, sync: Callable | None = None) -> Trainer:
-        """What train_step works on; sync(loss_sum): the mean over ranks (train.py's loop)."""
+    def trainer(self) -> Trainer:
+        """What a step works on (engine/training/step.py)."""
         t = self.cfg.train
         return Trainer(self.model, self.raw_model, self.optimizer, self.scaler, self.batches,
-                       self.rt, t.grad_accum_steps, t.grad_clip,
-                       grad_sync(self.model), sync)
+                       self.rt, t.grad_accum_steps, t.grad_clip, grad_sync(self.model))
 
     @property
     def tokens_per_step(self) -> int:

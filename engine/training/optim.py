@@ -8,7 +8,8 @@
                      embeddings, the tied head, biases and norms (muon.py)
     lr_at            linear warmup, then cosine decay to min_lr_ratio x peak, constant, or
                      warmup-stable-decay (wsd: linear over the last cooldown_frac of the steps)
-    momentum_at      Muon's momentum, warmed up from muon_momentum_start (set_momentum applies it)
+    momentum_at      Muon's momentum, warmed up from muon_momentum_start
+    set_schedule     a step's lr on every group, and Muon's momentum on its groups
 """
 from __future__ import annotations
 
@@ -50,10 +51,13 @@ def momentum_at(step: int, cfg: Config) -> float:
         t.muon_momentum - t.muon_momentum_start)
 
 
-def set_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> None:
-    """Every Muon group's momentum (AdamW's betas stay)."""
+def set_schedule(optimizer: torch.optim.Optimizer, lr: float,
+                 momentum: float | None = None) -> None:
+    """A step's lr on every group (Muon scales its own by muon_lr / learning_rate), and Muon's
+    momentum on its groups when given (AdamW's betas stay)."""
     for group in optimizer.param_groups:
-        if group.get("muon"):
+        group["lr"] = lr
+        if momentum is not None and group.get("muon"):
             group["momentum"] = momentum
 
 
