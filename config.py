@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -635,9 +636,11 @@ def resolve_command_line(line: CommandLine, script: type | None = None
 def load_options(argv: list[str], script: type, prog: str, about: str = "") -> Any:
     """Only a script's own options (data preparation: no config); -h/--help lists them."""
     line = parse_command_line(argv, script)
-    if line.wants_help:
+    if line.wants_help:  # the help's words live apart: a run never loads them
+        from engine.config_help import script_help
+
         print("\n".join([f"usage: python {prog} [options]", "", about.strip(), "",
-                         *_script_help(prog, script())]))
+                         *script_help(prog, script())]))
         raise SystemExit(0)
     names = [f.name for f in dataclasses.fields(script)]
     problems = line.problems + [_unknown(key, "command line", names) for key, _ in line.overrides]
@@ -648,59 +651,41 @@ def load_options(argv: list[str], script: type, prog: str, about: str = "") -> A
     return options
 
 
-def _fields_help(title: str, current: Any, flag: Callable[[str], str], default: Any = None,
-                 from_file: Any = None, config: str = "") -> list[str]:
-    """[title], then per field `flag=value`, its help and choices; given `default`, a value that
-    differs says where it was set (the config, as in `from_file`, or the command line)."""
-    lines = [f"[{title}]"]
-    for f in dataclasses.fields(current):
-        value, choices, note = getattr(current, f.name), f.metadata.get("choices"), ""
-        setting = f"{flag(f.name)}={value!r}"
-        if default is not None:
-            if value != (initial := getattr(default, f.name)):
-                came_from = (f"config {config}" if value == getattr(from_file, f.name)
-                             else "command line")
-                setting += f" ({came_from}; default {initial!r})"
-            note = " (use the section prefix)" if len(_owners(f.name)) > 1 else ""
-        text = f.metadata.get("help", "") + (f" [{' | '.join(choices)}]" if choices else "")
-        lines.append(f"  {setting:<32}  {text}{note}")
-    return lines + [""]
-
-
-def _script_help(prog: str, options: Any) -> list[str]:
-    positional = getattr(options, "positional", None)
-    return _fields_help(f"{prog} options", options, lambda name: (
-        f"[{name.upper()} | --{name.replace('_', '-')}]" if name == positional
-        else f"--{name.replace('_', '-')}"))
-
-
 def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | None = None,
               lead: tuple[str, ...] = ()) -> str:
-    """The script's options, then every config key as this command line resolves it (marked
-    where not the default), `lead` sections first; ConfigError as a run would raise it."""
-    unknown = [s for s in lead if s not in SECTIONS]
-    if unknown:
+    """--help: the script's options, then every config key as argv resolves it (engine/
+    config_help.py words it); ConfigError as a run would raise it."""
+    from engine.config_help import render  # its words live apart: a run never loads them
+
+    if unknown := [s for s in lead if s not in SECTIONS]:
         raise ValueError(f"lead names unknown sections {unknown}; sections are {list(SECTIONS)}")
     line = parse_command_line(list(argv), script)
-    from_file, cfg, options = resolve_command_line(line, script)
-    count = len(line.overrides)
-    overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
     path = resolve_config_path(line.config_name).resolve()
     label = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    lines = [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
-             "--key=value ...]", "",
-             f"config: {line.config_name} ({label}){overrides}",
-             "Each key shows the value this command line resolves to; one not the built-in default",
-             f"says where it was set: (config {Path(line.config_name).stem}; default ...) or "
-             "(command line; default ...).", "",
-             f"  {'--config NAME':<13}  configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
-             f"  {'-h, --help':<13}  this list, for the config and overrides given with it", ""]
-    lines += _script_help(prog, options) if options is not None else []
-    for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
-        lines += _fields_help(section, getattr(cfg, section), lambda name: f"--{section}.{name}",
-                              SECTIONS[section](), getattr(from_file, section),
-                              Path(line.config_name).stem)
-    return "\n".join(lines)
+    shared = frozenset(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+                       if len(_owners(f.name)) > 1)
+    return render(prog, line, label, resolve_command_line(line, script), SECTIONS, lead,
+                  DEFAULT_CONFIG, shared)
+
+
+def exit_with_help(prog: str, argv: list[str], script: type | None = None,
+                   lead: tuple[str, ...] = ()) -> None:
+    print(help_text(prog, argv, script, lead))
+    raise SystemExit(0)
+
+
+def help_first(prog: str, script: type | None = None, lead: tuple[str, ...] = (),
+               main: str = "") -> None:
+    """A script's --help answered from the config alone, before the script imports what its run
+    needs (torch, the model): called from the script's top, under `__name__ == "__main__"`
+    (main: that name, so an import of the script does nothing here)."""
+    argv = sys.argv[1:]
+    if main == "__main__" and parse_command_line(argv, script).wants_help:
+        try:
+            exit_with_help(prog, argv, script, lead)
+        except ConfigError as e:  # what a run would say of the config asked about
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def command_line_keys(argv: list[str], section: str, script: type | None = None) -> list[str]:
@@ -715,10 +700,9 @@ def command_line_keys(argv: list[str], section: str, script: type | None = None)
 
 def load_config(argv: list[str], prog: str = "train.py", script: type | None = None,
                 lead: tuple[str, ...] = ()) -> tuple[Config, Any]:
-    """(validated Config, the script's options or None); -h/--help prints help_text and exits."""
+    """(validated Config, the script's options or None); -h/--help prints the help and exits."""
     line = parse_command_line(argv, script)
     if line.wants_help:
-        print(help_text(prog, argv, script, lead))
-        raise SystemExit(0)
+        exit_with_help(prog, argv, script, lead)
     _, cfg, options = resolve_command_line(line, script)
     return cfg, options

@@ -17,16 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-
-from config import Config, ConfigError, load_config, opt
-from data.dataset import DataError, load_or_prepare
-from engine import checkpoint, device
-from engine.training import launch, memory_estimate, metrics, processes, resume, speedups
-from engine.training.build import Run, build_run
-from engine.training.optim import lr_at, momentum_at, set_schedule
-from engine.training.step import (NonFiniteGuard, StepResult, Trainer, evaluate,
-                                  forward_backward, update)
+from config import Config, ConfigError, help_first, load_config, opt
 
 
 @dataclass
@@ -35,6 +26,20 @@ class TrainOptions:
 
     estimate_memory: bool = opt(False, "print the memory estimate for this config and exit "
                                 "without training")
+
+
+# --help needs nothing more: it is answered here, before the imports of a run (torch, the model)
+help_first("train.py", TrainOptions, main=__name__)
+
+import torch  # noqa: E402 (this and what follows: after --help)
+
+from data.dataset import DataError, load_or_prepare
+from engine import checkpoint, device, saving
+from engine.training import launch, metrics, processes, resume, speedups
+from engine.training.build import Run, build_run
+from engine.training.optim import lr_at, momentum_at, set_schedule
+from engine.training.step import (NonFiniteGuard, StepResult, Trainer, evaluate,
+                                  forward_backward, update)
 
 
 def print_banner(run: Run) -> None:
@@ -49,7 +54,11 @@ def print_banner(run: Run) -> None:
           f"activation_checkpointing={cfg.model.activation_checkpointing} "
           f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
           f"prefetch={run.batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
-    print(memory_estimate.format_estimate(memory_estimate.estimate(cfg, run.dist.world_size), cfg))
+    if run.rt.device.type == "cuda" or m.num_params(False) * 16 > 2**30:  # memory may run short
+        from engine.training import memory_estimate  # (weights, grads, AdamW: 16 B a parameter)
+
+        print(memory_estimate.format_estimate(memory_estimate.estimate(cfg, run.dist.world_size),
+                                              cfg))
     for line in notes.lines:
         print(f"note: {line}")
 
@@ -77,7 +86,7 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
         return
     weights, extra = run.checkpoint_weights()  # a LoRA run: its adapters and their base
     if dist.is_main:
-        checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, {**extra, **info}, state,
+        saving.save(t.out_dir, step, run.raw_model, run.cfg, {**extra, **info}, state,
                         t.keep_checkpoints, weights=weights)
 
 
@@ -146,7 +155,7 @@ def report_skips(run: Run, guard: NonFiniteGuard, stop: resume.StopRequest) -> N
 
 def train(cfg: Config) -> dict:
     """Train as configured (one process, or one rank of a launcher's job); returns the summary."""
-    checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
+    saving.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
     dist = launch.init(cfg)
     run = build_run(cfg, dist)
     print_banner(run)
@@ -205,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
                                    script=TrainOptions)
         if options.estimate_memory:  # without building the model: vocab_size from the data
+            from engine.training import memory_estimate
+
             meta = {} if cfg.model.vocab_size else load_or_prepare(cfg.data.dataset)
             cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
             print(memory_estimate.describe(cfg, processes.launch_env()[2]))
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return fail("interrupted: nothing saved since the last checkpoint", 130)
     except OSError as e:  # a full disk outside a checkpoint save (those say more): metrics, data
-        if (cause := checkpoint.disk_full_cause(e)) is None:
+        if (cause := saving.disk_full_cause(e)) is None:
             raise
         return fail(f"{where}error: {cause} writing {e.filename or 'out_dir'}; free some "
                     "space there, or pass --out_dir=<a directory on a disk with room>", 2)

@@ -16,9 +16,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from config import Config, ModelConfig
-from data.tokenizer import (GPT2_EOT, GPT2_RANKS, BPETokenizer, GPT2Tokenizer, from_meta,
-                            load_ranks)
-from engine import checkpoint, loading
+from data import GPT2_EOT
+from data.bpe import GPT2_RANKS, BPETokenizer, GPT2Tokenizer, load_ranks
+from data.tokenizer import from_meta
+from engine import checkpoint, loading, saving
 from engine.checkpoint import first_line
 from engine.fields import facts
 from model import ACTIVATIONS, BLOCK_LINEARS, GPT
@@ -363,7 +364,7 @@ def write_hf_dir(model: GPT, out: Path, tokenizer: dict | None = None) -> list[s
     and moved into place once complete, so a failure leaves `out` as it was."""
     out = Path(out)
     check_gpt2_can_hold(model.config, f"export to {out}")
-    checkpoint.check_out_dir(out, "--out")
+    saving.check_out_dir(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_hf(model)
     config = hf_config(model.config)
@@ -372,12 +373,12 @@ def write_hf_dir(model: GPT, out: Path, tokenizer: dict | None = None) -> list[s
     files = {"config.json": json.dumps(config, indent=2).encode()}
     if tokenizer is not None and tokenizer.get("kind") in ("gpt2", "bpe"):
         files.update(hf_tokenizer_files(model.config.block_size, tokenizer))
-    needed = checkpoint.bytes_to_write(tensors, *files.values())
+    needed = saving.bytes_to_write(tensors, *files.values())
     staging = out if out.is_dir() else out.parent  # the same filesystem: renames work
-    with checkpoint.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
+    with saving.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
                                 "--out") as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        checkpoint.write_files(tmp, files)
+        saving.write_files(tmp, files)
         if out.is_dir():
             for f in tmp.iterdir():
                 os.replace(f, out / f.name)
@@ -432,7 +433,7 @@ def import_checkpoint(model: GPT, source: str, hf_dir: Path, out: str | Path) ->
     cfg.train.out_dir, cfg.train.init_from = str(out), source
     meta = {"source": f"{source} ({hf_dir})", "losses": {}, "tokens_seen": 0,
             "tokenizer": tokenizer_meta(model.config.vocab_size, hf_dir)}
-    return checkpoint.save(out, 0, model, cfg, meta, out_flag="--out")
+    return saving.save(out, 0, model, cfg, meta, out_flag="--out")
 
 
 def describe(model: GPT) -> str:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.dataset import DataError, check_vocab, load_meta, write_dataset
+from data.dataset import DataError, check_vocab, load_meta
+from data.writing import write_dataset
 from data.loader import Batches
 from data.shakespeare_char.prepare import SOURCE
 from data.tokenizer import CharTokenizer, TokenizerError

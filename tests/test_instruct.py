@@ -17,8 +17,9 @@ from config import ConfigError, load_config
 from data.chat_template import ChatTemplate, TemplateError, from_meta
 from data.dataset import DataError
 from data.instruct import IGNORE, InstructBatches, InstructionData, read_records, to_messages
-from data.tokenizer import CharTokenizer, GPT2Tokenizer
-from engine import checkpoint
+from data.bpe import GPT2Tokenizer
+from data.tokenizer import CharTokenizer
+from engine import checkpoint, saving
 from engine.loading import load_model
 from model import GPT
 
@@ -270,7 +271,7 @@ def test_gpt2_tokens_need_no_new_row_and_lora_trains_on_them(tmp_path):
     cfg = Config()
     cfg.model = tiny_model_config(vocab_size=50257, block_size=64, vocab_pad_multiple=64)
     torch.manual_seed(0)
-    base = checkpoint.save(tmp_path / "base", 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "gpt2"}})
+    base = saving.save(tmp_path / "base", 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "gpt2"}})
     chat = [{"messages": [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": f"Say {w}"},
                           {"role": "assistant", "content": w}]}

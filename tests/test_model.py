@@ -60,7 +60,9 @@ def test_param_counts():
     cfg = tiny_model_config()
     model = GPT(cfg)
     C, V, L, T = cfg.n_embd, cfg.vocab_size, cfg.n_layer, cfg.block_size
-    per_block = (2 * 2 * C) + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    norms, attention = 2 * 2 * C, (C * 3 * C + 3 * C) + (C * C + C)  # qkv, then the projection
+    mlp = (C * 4 * C + 4 * C) + (4 * C * C + C)
+    per_block = norms + attention + mlp
     non_embedding = L * per_block + 2 * C
     assert model.num_params() == non_embedding
     assert model.num_params(non_embedding=False) == non_embedding + V * C + T * C
@@ -92,7 +94,8 @@ def test_ignore_index_skips_targets():
     {"attention": "sdpa", "causal_mask": "on_the_fly"},
     {"norm": "native"},
     {"activation_impl": "native"},
-    {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native", "activation_impl": "native"},
+    {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native",
+     "activation_impl": "native"},
 ])
 @on_each_device
 def test_fast_paths_match_reference(change, device):

@@ -99,7 +99,8 @@ def test_a_step_is_torch_muon_and_adamw_applied_by_hand_at_each_scheduled_lr(ns_
     """bfloat16 is torch.optim.Muon's update to the bit; float32 equals torch.optim.Muon with
     its Newton-Schulz swapped for the float32 one: the rest of the update is torch's."""
     if ns_dtype == "float32":
-        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", muon_module.orthogonalize)
+        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
+                            muon_module.orthogonalize)
     cfg = muon_config(warmup_iters=2, max_iters=5, muon_ns_dtype=ns_dtype)
     model, reference = tiny_gpt(), tiny_gpt()
     optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))

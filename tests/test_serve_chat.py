@@ -20,7 +20,7 @@ from test_serve import WAIT_S, start_server
 from config import Config
 from data.chat_template import ChatTemplate, TemplateError
 from data.tokenizer import CharTokenizer
-from engine import checkpoint, sources
+from engine import saving, sources
 from engine.inference.sampling import generate_tokens
 from engine.serving import supervisor
 from engine.serving.app import ServedModel, create_app
@@ -74,7 +74,7 @@ def chat_checkpoint(out_dir: Path, steps: int = 150, template: dict | None = Non
         optimizer.step()
     stored = TEMPLATE.meta() if template is None else template
     meta = {"tokenizer": TOKENIZER.meta(), **({"template": stored} if stored else {})}
-    return checkpoint.save(out_dir, steps, model.eval(), cfg, meta)
+    return saving.save(out_dir, steps, model.eval(), cfg, meta)
 
 
 def reference_ids(model: GPT, messages: list[dict], max_tokens: int, temperature: float = 0.0,
@@ -116,7 +116,7 @@ def test_a_bad_template_stops_serve_py_at_load_with_one_line(tmp_path, capsys):
     model = sources.load_source(str(chat_checkpoint(tmp_path / "chat", steps=1)), Config())[0]
     cfg = Config()
     cfg.model = model.config
-    no_eot = checkpoint.save(tmp_path / "no_eot", 1, model, cfg, {  # a char tokenizer, no eot
+    no_eot = saving.save(tmp_path / "no_eot", 1, model, cfg, {  # a char tokenizer, no eot
         "tokenizer": CharTokenizer(CHARS).meta(), "template": TEMPLATE.meta()})
     assert serve.main([f"--checkpoint={no_eot}", "--port=0", "--device=cpu"]) == 2
     assert "tokenizer has no end-of-text token" in capsys.readouterr().err

@@ -6,13 +6,14 @@ with a position per slot. New sequences join at the next step, finished ones lea
     engine.submit([Sequence(prompt_ids, params, on_event)])   # events: text, done, error
 
 Each step, every running sequence does one forward: the ones with a cache row decode together
-(one batched step, each row at its own position; packed weights: each block one compiled call;
-a sequence alone: its own row of the cache, as generate.py decodes), then new or re-windowed ones are prefilled
-alone (the same `sampling.prefill` as generate.py), up to prefill_chunk prompt tokens a step (a
-long prompt is read over several steps, so the running streams wait for one chunk, never for
-the whole prompt), and copied into their row. With packed weights (--weights float32, bfloat16,
-int8, int4) a step is one forward instead: the decoding rows' tokens and the prompt tokens read
-this step, each straight into its slot's row (packed.forward_tokens). Sampling is
+(one batched step, each row at its own position; packed weights: each block one compiled
+call; a sequence alone: its own row of the cache, as generate.py decodes), then new or
+re-windowed ones are prefilled alone (the same `sampling.prefill` as generate.py), up to
+prefill_chunk prompt tokens a step (a long prompt is read over several steps, so the running
+streams wait for one chunk, never for the whole prompt), and copied into their row. With
+packed weights (--weights float32, bfloat16, int8, int4) a step is one forward instead: the
+decoding rows' tokens and the prompt tokens read this step, each straight into its slot's row
+(packed.forward_tokens). Sampling is
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
 

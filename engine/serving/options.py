@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from config import Config, ConfigError, field_problems, opt
 from engine.fields import NON_NEGATIVE, Range
-from engine.inference.load import InferenceOptions
+from engine.inference.options import InferenceOptions
 
 API_KEY_ENV = "GPT2S_API_KEY"  # the key from the environment, so it need not show in `ps`
 

@@ -122,7 +122,7 @@ def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
             meta = load_or_prepare(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
     if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
-        print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
+        print(metrics.estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
     finetuning = meta.pop("notes", [])  # the banner's lines: the mixture, finetuning
@@ -148,7 +148,7 @@ def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
     sizes = None if "instruction" in meta else torch.from_numpy(token_bytes(meta)).to(rt.device)
     return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
                eval_sets, source, notes,
-               device.peak_flops(rt, cfg.system.peak_flops) * dist.world_size, token_bytes=sizes)
+               metrics.peak_flops(rt, cfg.system.peak_flops) * dist.world_size, token_bytes=sizes)
 
 
 def build_run(cfg: Config, dist: Dist) -> Run:
@@ -183,28 +183,6 @@ def build_run(cfg: Config, dist: Dist) -> Run:
     run.next_batch = next_batch or run.batches.next()
     run.shards = shards
     return run
-
-
-def estimate_line(cfg: Config, raw_model: GPT, rt: device.Runtime, world_size: int) -> str:
-    """About the time a step and the whole run take: their FLOPs at this device's matmul rate
-    in the chosen dtype (measured now, in about 0.2 s; bench.py sets it against measured)."""
-    t, block = cfg.train, cfg.model.block_size
-    tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
-    per_token = raw_model.flops_per_token()  # training: forward + backward
-    evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)
-    eval_tokens = evaluations * 2 * t.eval_iters * t.batch_size * block  # both splits
-    rate = device.matmul_rate(rt.device, rt.dtype)
-    est = device.time_estimate(per_token * tokens / world_size, t.max_iters,
-                                per_token / 3 * eval_tokens, rate)
-    line = (f"estimate: ~{device.format_seconds(est['step_s'])} per step, ~"
-            f"{device.format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
-            f"evaluations ({per_token * tokens / world_size / 1e9:,.1f} GFLOP per step at "
-            f"{rate / 1e9:,.1f} GFLOP/s, the {str(rt.dtype).removeprefix('torch.')} matmul rate "
-            "measured here; other work adds to it, a busy machine's probe reads low)")
-    if est["step_s"] > 60:
-        line += "\nnote: this recipe is far too big for this device; on a CPU try --config " \
-                "shakespeare_char, or a smaller model, batch or --max_iters"
-    return line
 
 
 def build_model(cfg: Config, meta: dict, target: torch.device) -> tuple[GPT, Path | None]:
