@@ -42,11 +42,14 @@ def read_records(path: Path) -> list[tuple[str, object]]:
         raise DataError(f"instruction data {path} not found; pass --dataset=<a .json or .jsonl "
                         "file of examples> (docs/finetuning.md; the word-reversal task's files: "
                         "python -m data.instruct_tasks reverse)")
+    raw = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte offset {e.start}); save it as UTF-8") \
-            from None
+        line, start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}, byte "
+                        f"{e.start - start + 1} of line {line}; offset {e.start} in the file); "
+                        "save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8)") from None
     if not text.strip():
         raise DataError(f"{path} is empty: it holds no examples")
     if path.suffix.lower() == ".json":
@@ -60,7 +63,9 @@ def read_records(path: Path) -> list[tuple[str, object]]:
                             "examples; put them in a list, or one per line in a .jsonl file")
         return [(f"{path} example {i}", r) for i, r in enumerate(records)]
     out = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" only: splitlines() also breaks at U+2028 and U+0085, which JSON strings
+    # may hold as they are, and would number lines unlike an editor and the error above
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

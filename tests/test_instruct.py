@@ -179,6 +179,29 @@ def test_over_long_examples_are_cut_dropped_or_refused(tok, tmp_path):
     assert max(len(e.ids) for s in cut.splits.values() for e in s) == 49
 
 
+def test_a_file_that_is_not_utf8_is_reported_by_line_and_byte(tmp_path):
+    """A Latin-1 word on the third line: the error names that line, not only a byte offset."""
+    path = tmp_path / "d.jsonl"
+    lines = ['{"instruction": "a", "output": "b"}', '{"instruction": "c", "output": "d"}',
+             '{"instruction": "Reverse: caf\xe9", "output": "\xe9fac"}']
+    path.write_bytes("\n".join(lines).encode("latin-1"))
+    offset = len(lines[0]) + len(lines[1]) + 2 + lines[2].index("\xe9")
+    with pytest.raises(DataError) as e:
+        read_records(path)
+    assert str(e.value) == (f"{path}:3: not UTF-8 text (byte 0xe9, byte "
+                            f"{lines[2].index(chr(0xe9)) + 1} of line 3; offset {offset} in the "
+                            "file); save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8)")
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """U+2028 and U+0085 may stand unescaped in a JSON string; they do not end a line."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"instruction": "one\u2028two", "output": "x\u0085y"}\n{"a": 1}\n',
+                    encoding="utf-8")
+    assert [(w.rsplit(":", 1)[1], r) for w, r in read_records(path)] == [
+        ("1", {"instruction": "one\u2028two", "output": "x\u0085y"}), ("2", {"a": 1})]
+
+
 def test_read_records_numbers_jsonl_lines_skipping_blank_ones(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"a": 1}\n\n{"b": 2}\n')
