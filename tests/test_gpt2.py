@@ -406,3 +406,67 @@ def test_finetune_config_starts_from_gpt2():
     cfg, _ = load_config(["--config", "finetune_shakespeare"])
     assert cfg.train.init_from == "gpt2" and cfg.data.dataset == "shakespeare"
     assert cfg.model.block_size == 1024 and cfg.train.learning_rate <= 1e-4
+
+
+def reverse_task(folder: Path) -> tuple[Path, Path]:
+    """Short word-reversal examples in GPT-2 tokens, as data/instruct_tasks.py writes them."""
+    words = ["night", "stone", "river", "apple", "green", "light", "sound", "world", "table",
+             "chair", "music", "bread"]
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, part in (("train", words[:9]), ("val", words[9:])):
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"instruction": f"Reverse the word: {w}",
+                                            "output": w[::-1]}) + "\n" for w in part))
+        files.append(path)
+    return files[0], files[1]
+
+
+def export_and_check(source: Path, out: Path, base: torch.Tensor, trained: bool) -> Path:
+    """Export with --verify: config.json has the source's context 64, positions 32-63 are the
+    source's bit for bit, 0-31 the finetune's (trained: changed); transformers runs all 64."""
+    assert load_gpt2_weights.main(["--export", str(source), "--out", str(out), "--verify"]) == 0
+    assert json.loads((out / "config.json").read_text())["n_positions"] == 64
+    wpe = load_file(str(out / "model.safetensors"))["transformer.wpe.weight"]
+    assert wpe.shape == (64, 32) and torch.equal(wpe[32:], base[32:])
+    assert torch.equal(wpe[:32], base[:32]) != trained
+    with torch.no_grad():
+        AutoModelForCausalLM.from_pretrained(str(out)).eval()(ids_for(50257, T=64))
+    return out
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_finetune_at_a_shorter_context_exports_at_its_sources(hf_dirs, tmp_path, lora,
+                                                                capsys):
+    """HF (context 64) -> instruction finetune at block_size 32 (configs/instruct_cpu.toml) ->
+    HF: the export has context 64, positions 32-63 the source's and 0-31 the finetune's, after
+    a resume (full) or a merge (LoRA) too; generate.py samples at block_size 32."""
+    from engine import merge_lora
+
+    path, _ = hf_dirs["gpt2vocab"]
+    base = load_file(str(path / "model.safetensors"))["transformer.wpe.weight"]
+    train_file, val_file = reverse_task(tmp_path / "task")
+    run = ["--config", "instruct_cpu", f"--init_from={path}", f"--dataset={train_file}",
+           f"--val_file={val_file}", "--block_size=32", "--batch_size=4", "--max_iters=4",
+           "--eval_interval=4", "--eval_iters=1", "--device=cpu", "--loss_curve=false",
+           f"--out_dir={tmp_path / 'ft'}"]
+    if lora:
+        assert train.main([*run, "--lora.rank=4", "--learning_rate=1e-2"]) == 0
+        assert merge_lora.main([str(tmp_path / "ft"), str(tmp_path / "merged")]) == 0
+    else:  # the second half resumes from the first's checkpoint
+        assert train.main([*run, "--stop_after_iters=2"]) == 0
+        assert train.main([*run, "--init_from=resume"]) == 0
+    assert "position rows 32-63 stay as the source has them" in capsys.readouterr().out
+    export_and_check(tmp_path / "ft", tmp_path / "hf", base, trained=not lora)
+    assert "context 64 (trained at 32; positions 32-63 are its source's)" in \
+        capsys.readouterr().out
+    ours = loading.load_model(tmp_path / ("merged" if lora else "ft"))[0].eval()
+    assert ours.config.block_size == 32
+    if lora:
+        export_and_check(tmp_path / "merged", tmp_path / "hf_merged", base, trained=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = ids_for(50257, T=32)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ours(ids)[0], rtol=0, atol=1e-5)
+    assert generate.main(["--checkpoint", str(tmp_path / "ft"), "--chat", "--prompt",
+                          "Reverse the word: night", "--max_new_tokens=8", "--device=cpu"]) == 0

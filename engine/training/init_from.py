@@ -13,6 +13,7 @@ import torch
 from config import Config, ConfigError
 from data.dataset import check_vocab
 from engine.checkpoint import CheckpointError, latest_checkpoint
+from engine.context import crop_context
 from engine.fields import facts
 from engine.loading import check_tokenizer
 from engine.sources import load_source
@@ -54,6 +55,7 @@ def load_for_training(cfg: Config, meta: dict, target: torch.device
     for f in dataclasses.fields(cfg.model):  # cfg.model stays the object the run holds
         setattr(cfg.model, f.name, getattr(model.config, f.name))
     model.config = cfg.model
-    if block < model.config.block_size:
-        model.crop_block_size(block)
+    if block < model.config.block_size:  # the source's rows past it kept for the export
+        if note := crop_context(model, block):
+            print(note)
     return model.to(target), source
