@@ -471,3 +471,45 @@ def test_a_finetune_at_a_shorter_context_exports_at_its_sources(hf_dirs, tmp_pat
         torch.testing.assert_close(reloaded(ids).logits, ours(ids)[0], rtol=0, atol=1e-5)
     assert generate.main(["--checkpoint", str(tmp_path / "ft"), "--chat", "--prompt",
                           "Reverse the word: night", "--max_new_tokens=8", "--device=cpu"]) == 0
+    if not lora:  # a later run from the checkpoint at 48: rows 32-47 come back, untrained
+        later = [*run[:-1], f"--init_from={tmp_path / 'ft'}", "--max_iters=1",
+                 f"--out_dir={tmp_path / 'ft48'}"]
+        assert train.main([*later, "--block_size=80"]) == 2
+        assert "error: block_size 80 is larger than the checkpoint's context 32, 64 with the " \
+            "position rows it kept of its source; use a block_size <= 64" in capsys.readouterr().err
+        assert train.main([*later, "--block_size=48"]) == 0
+        assert "positions 32-47 are the rows it kept of its source" in capsys.readouterr().out
+        assert loading.load_model(tmp_path / "ft48")[0].config.block_size == 48
+        assert gpt2.write_hf_dir(loading.load_model(tmp_path / "ft48")[0], tmp_path / "hf48")
+        wpe = load_file(str(tmp_path / "hf48" / "model.safetensors"))["transformer.wpe.weight"]
+        assert wpe.shape == (64, 32) and torch.equal(wpe[48:], base[48:])
+
+
+@pytest.mark.parametrize("mask", ["buffer", "on_the_fly"])
+def test_a_cropped_context_keeps_its_rows_and_gives_them_back(mask):
+    """engine/context.fit_context: 32 -> 16 keeps rows 16-31 apart (the source's context is
+    still 32), 16 -> 24 -> 32 gives them back: the original model, bit for bit."""
+    from engine.context import fit_context, rows_past_block, source_context
+
+    from conftest import tiny_model_config
+    from model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(block_size=32, causal_mask=mask)).eval()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, 37, (2, 32))
+    expected = model(idx)[0]
+    assert "rows 16-31 stay as the source has them" in fit_context(model, 16)
+    assert model.config.block_size == 16 and source_context(model) == 32
+    assert torch.equal(rows_past_block(model), original["transformer.wpe.weight"][16:])
+    assert torch.equal(model(idx[:, :16])[0], expected[:, :16])
+    assert "positions 16-23 are the rows it kept" in fit_context(model, 24)
+    assert rows_past_block(model).shape == (8, 16) and source_context(model) == 32
+    fit_context(model, 32)
+    assert rows_past_block(model) is None and model.config.block_size == 32
+    state = model.state_dict()
+    assert state.keys() == original.keys() and all(torch.equal(state[k], original[k])
+                                                    for k in state)
+    assert torch.equal(model(idx)[0], expected)
+    with pytest.raises(ValueError, match="block_size 40 is past the source's context 32"):
+        fit_context(model, 40)
