@@ -49,8 +49,8 @@ def fit_context(model: GPT, block_size: int) -> str:
         return ""
     full = source_context(model)
     return (f"note: block_size {block_size} is shorter than the source's context {full}: position "
-            f"rows {block_size}-{full - 1} stay as the source has them, untrained, in every "
-            f"checkpoint, so the Hugging Face export has context {full} (docs/gpt2.md)")
+            f"rows {block_size}-{full - 1} stay as the source has them, untrained, and the "
+            f"Hugging Face export has context {full} (docs/gpt2.md)")
 
 
 def extend(model: GPT, block_size: int) -> str:
