@@ -435,6 +435,7 @@ def test_finetune_task_draws_exact_match_against_steps(char_dataset, tmp_path, m
         "on average here, which the time estimate counts" in capfd.readouterr().out
     page = (tmp_path / "finetune_task_t.md").read_text()
     assert "| steps | full: exact match | full: training (s) | LoRA r=8: exact match |" in page
+    first = json.loads((tmp_path / "finetune_task_t.json").read_text())["rows"][0]
     assert bench.main([*command, "--steps=2,1", "--finetuning=full"]) == 0
     assert [("--lora.rank=8" in a, next(x for x in a if x.startswith("--max_iters")))
             for a in runs] == [(False, "--max_iters=1"), (True, "--max_iters=1"),
@@ -447,6 +448,7 @@ def test_finetune_task_draws_exact_match_against_steps(char_dataset, tmp_path, m
     rows = json.loads((tmp_path / "finetune_task_t.json").read_text())["rows"]
     assert [(r["task"], r["finetuning"], r["steps"]) for r in rows] == [
         ("sort", "full", 1), ("sort", "full", 2)]
+    assert rows[0] == first  # what was measured when it trained, not now
     capfd.readouterr()
     assert bench.main([*command, "--tasks=sort,shuffle"]) == 2
     assert capfd.readouterr().err == ("error: --tasks='sort,shuffle': shuffle is not one of "

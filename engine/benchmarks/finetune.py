@@ -2,7 +2,7 @@
 it costs, full or with LoRA, beside peft on transformers' GPT-2.
 
     python bench.py finetune-task [--base out/shakespeare_char]   # exact match on held-out words
-    python bench.py finetune-task --tasks reverse,sort --steps 100,200,300,400,600,900
+    python bench.py finetune-task --tasks reverse,sort --steps 150,300,400,500,600,900
     python bench.py finetune-step [--rounds 2]                     # GPT-2 124M shape, each row in
                                                                    # a fresh process, taking turns
 
@@ -52,7 +52,7 @@ class TaskOptions:
     work: str = opt("out/bench_finetune", "where the task files and the runs go; a run found "
                     "finished there is scored again, not retrained")
     tasks: str = opt("reverse", "data/instruct_tasks.py's tasks, comma-separated: reverse, sort")
-    steps: str = opt("600", "steps of each run (--max_iters, the whole cosine schedule); several, "
+    steps: str = opt("900", "steps of each run (--max_iters, the whole cosine schedule); several, "
                      "comma-separated, draw exact match against steps")
     finetuning: str = opt("full,lora", "full (every weight, the config's lr) and/or lora (rank "
                           "--lora-rank at --lora-lr), comma-separated")
@@ -155,12 +155,13 @@ def train_args(o: TaskOptions, run: TaskRun, files: tuple[Path, Path], out: Path
 
 
 def train_once(o: TaskOptions, run: TaskRun, files: tuple[Path, Path], work: Path
-               ) -> tuple[Path, float | None]:
-    """The run's folder, trained now (and its whole-run seconds) or found finished (None)."""
+               ) -> tuple[Path, dict]:
+    """The run's folder, trained now or found finished, and what was measured when it trained:
+    its whole-run seconds and the 1-minute load average at its end (RUN/bench.json)."""
     out = run.folder(work)
-    summary = out / "summary.json"
+    summary, measured = out / "summary.json", out / "bench.json"
     if summary.is_file() and json.loads(summary.read_text()).get("stop_reason") == "done":
-        return out, None
+        return out, json.loads(measured.read_text()) if measured.is_file() else {}
     shutil.rmtree(out, ignore_errors=True)  # an interrupted run of this bench's own
     t0 = time.perf_counter()
     done = subprocess.run(train_args(o, run, files, out), cwd=REPO_ROOT, capture_output=True,
@@ -169,7 +170,10 @@ def train_once(o: TaskOptions, run: TaskRun, files: tuple[Path, Path], work: Pat
         last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
         raise ConfigError(f"a finetuning run failed ({last}); run it alone to see why: "
                           + shlex.join(["python", *train_args(o, run, files, out)[1:]]))
-    return out, time.perf_counter() - t0
+    record = {"seconds": round(time.perf_counter() - t0, 1),
+              "load_average": round(os.getloadavg()[0], 2)}
+    measured.write_text(json.dumps(record) + "\n")
+    return out, record
 
 
 def run_task(o: TaskOptions, command: str) -> int:
@@ -188,15 +192,15 @@ def run_task(o: TaskOptions, command: str) -> int:
     files = {task: write_task(task, work / "tasks") for task in {r.task for r in plan}}
     rows = []
     for run in plan:
-        out, seconds = train_once(o, run, files[run.task], work)
+        out, measured = train_once(o, run, files[run.task], work)
         model, _, meta, _ = load_source(str(out), None)  # a LoRA run's: merged
         score = exact_match(model.eval(), from_meta(meta["tokenizer"]),
                             template_from(meta["template"]), read_records(files[run.task][1]))
         summary = json.loads((out / "summary.json").read_text())
         rows.append({**dataclasses.asdict(run), "label": run.label(o.lora_rank),
-                     "seconds": None if seconds is None else round(seconds, 1),
+                     "seconds": measured.get("seconds"),
                      "train_seconds": round(summary["train_seconds"], 1),
-                     "load_average": round(os.getloadavg()[0], 2),
+                     "load_average": measured.get("load_average"),
                      "val_loss": summary["final"]["val"], "exact_match": score,
                      "checkpoint_bytes": sum(f.stat().st_size for f in
                                              Path(summary["checkpoint"]).iterdir())})
@@ -257,12 +261,14 @@ def plot_curve(rows: list[dict], path: Path) -> Path | None:
 
 def task_report(rows: list[dict], o: TaskOptions, command: str, final: bool = True) -> None:
     """finetune_task_NAME.{json,md,png}: the curve as tables and a figure."""
-    loads = [r["load_average"] for r in rows]
+    loads = [r["load_average"] for r in rows if r["load_average"] is not None]
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "not recorded"
     status = "" if final else (" **Incomplete: the bench is still running, or was stopped; "
                                "the figure is drawn at the end.**")
     page = "\n".join([
         f"# Instruction finetuning: exact match against steps ({utc_now()})", "",
-        f"{machine_line(torch.device('cpu'))}, torch {torch.__version__}", "",
+        f"{machine_line(torch.device('cpu'))}, torch {torch.__version__}; each run at "
+        + (f"--threads={o.threads}" if o.threads else "train.py's default threads"), "",
         f"`{command}`: the default run's character model ({o.base}) finetuned on "
         "data/instruct_tasks.py's tasks with configs/instruct_cpu.toml, each step count a whole "
         "run (`--max_iters=N`: 30 warm-up steps, then the cosine decay to 0.1x over N), LoRA at "
@@ -270,7 +276,7 @@ def task_report(rows: list[dict], o: TaskOptions, command: str, final: bool = Tr
         "words, stopped at the end-of-text token, scored by exact match. With several seeds "
         "each seed's result is given, ' / '-separated. Training seconds are train.py's own "
         "(start-up and evaluation excluded) on a machine that other jobs shared: the 1-minute "
-        f"load average read after each run was {min(loads):.1f}-{max(loads):.1f} on "
+        f"load average read after each run was {load} on "
         f"{os.cpu_count()} CPUs.{status}", "",
         *curve_tables(rows), f"![exact match against steps](finetune_task_{o.name}.png)"])
     paths = write_report({"rows": rows, "command": command, "complete": final}, page,
