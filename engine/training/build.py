@@ -124,7 +124,7 @@ def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
             meta = load_or_prepare(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
     if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
-        print(estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
+        print(estimate_line(cfg, raw_model, rt, dist.world_size, meta), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
     finetuning = meta.pop("notes", [])  # the banner's lines: the mixture, finetuning
@@ -187,10 +187,11 @@ def build_run(cfg: Config, dist: Dist) -> Run:
     return run
 
 
-def estimate_line(cfg: Config, raw_model: GPT, rt: device.Runtime, world_size: int) -> str:
-    """About the time a step and the whole run take: their FLOPs at this device's matmul rate
-    in the chosen dtype (measured now, in about 0.2 s; bench.py sets it against measured)."""
-    t, block = cfg.train, cfg.model.block_size
+def estimate_line(cfg: Config, raw_model: GPT, rt: device.Runtime, world_size: int,
+                  meta: dict) -> str:
+    """About the time a step and the whole run take: their FLOPs (instruction rows: meta's
+    row_tokens) at the matmul rate measured now (0.2 s; bench.py sets it against measured)."""
+    t, block = cfg.train, meta.get("row_tokens", cfg.model.block_size)
     tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
     per_token = raw_model.flops_per_token()  # training: forward + backward
     evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)
