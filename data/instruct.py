@@ -36,17 +36,26 @@ PAD_MULTIPLE = 16  # rows padded to a multiple of this: few distinct shapes for 
 IGNORE = -1  # model.IGNORE_INDEX: a target no loss counts
 
 
+def row_length(longest: int, block_size: int) -> int:
+    """The length a batch's rows are padded to: its longest example's, rounded up to
+    PAD_MULTIPLE, at most block_size."""
+    return min(block_size, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
 def read_records(path: Path) -> list[tuple[str, object]]:
     """(where, record) for each record of a .json list or a .jsonl file; errors name the line."""
     if not path.is_file():
         raise DataError(f"instruction data {path} not found; pass --dataset=<a .json or .jsonl "
                         "file of examples> (docs/finetuning.md; the word-reversal task's files: "
                         "python -m data.instruct_tasks reverse)")
+    raw = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte offset {e.start}); save it as UTF-8") \
-            from None
+        line, start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}, byte "
+                        f"{e.start - start + 1} of line {line}; offset {e.start} in the file); "
+                        "save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8)") from None
     if not text.strip():
         raise DataError(f"{path} is empty: it holds no examples")
     if path.suffix.lower() == ".json":
@@ -60,7 +69,9 @@ def read_records(path: Path) -> list[tuple[str, object]]:
                             "examples; put them in a list, or one per line in a .jsonl file")
         return [(f"{path} example {i}", r) for i, r in enumerate(records)]
     out = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" only: splitlines() also breaks at U+2028 and U+0085, which JSON strings
+    # may hold as they are, and would number lines unlike an editor and the error above
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -196,6 +207,14 @@ class InstructionData:
                 "examples": {s: len(ex) for s, ex in self.splits.items()},
                 "pad_id": template.end_id(tokenizer), "instruction": self}
 
+    def mean_row_length(self, batch_size: int, block_size: int, batches: int = 64) -> float:
+        """The mean length training rows are padded to, over `batches` seeded draws of
+        batch_size examples: the tokens a step computes per row (the time estimate's)."""
+        lengths = np.array([len(e.targets) for e in self.splits["train"]])
+        rng, size = np.random.default_rng(0), min(batch_size, len(lengths))
+        return float(np.mean([row_length(int(lengths[rng.choice(len(lengths), size, False)]
+                                             .max()), block_size) for _ in range(batches)]))
+
     def summary(self) -> str:
         train, val = self.splits["train"], self.splits["val"]
         counted = sum(int((e.targets != IGNORE).sum()) for e in train)
@@ -244,8 +263,7 @@ class InstructBatches(Batches):
     def windows(self, picked: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The examples `picked` (the global batch) padded to its longest -> this rank's rows."""
         rows = [self.examples[i] for i in picked]
-        T = min(self.block_size, -(-max(len(e.targets) for e in rows) // PAD_MULTIPLE)
-                * PAD_MULTIPLE)
+        T = row_length(max(len(e.targets) for e in rows), self.block_size)
         x = np.full((len(rows), T), self.pad_id, dtype=np.int64)
         y = np.full((len(rows), T), IGNORE, dtype=np.int64)
         for r, e in enumerate(rows):

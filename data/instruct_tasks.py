@@ -3,9 +3,9 @@
 
     python -m data.instruct_tasks reverse --out data/tasks  # reverse_train.jsonl, reverse_val.jsonl
 
-reverse: "Reverse the word: night" -> "thgin", the words drawn from tiny Shakespeare (lower case,
-3 to 7 letters), so a character model trained on it has every character. The validation words
-never appear in the training file.
+reverse: "Reverse the word: night" -> "thgin"; sort: "Sort the letters: night" -> "ghint". The
+words come from tiny Shakespeare (lower case, 3 to 7 letters), so a character model trained on it
+has every character; the validation words never appear in the training file.
 """
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ import numpy as np
 
 from data.dataset import DATA_DIR
 
-TASKS = ("reverse",)
+TASKS = {  # name -> (instruction, answer) of a word
+    "reverse": ("Reverse the word: {}", lambda w: w[::-1]),
+    "sort": ("Sort the letters: {}", lambda w: "".join(sorted(w))),
+}
 
 
 def shakespeare_words(lengths: tuple[int, int] = (3, 7)) -> list[str]:
@@ -28,8 +31,9 @@ def shakespeare_words(lengths: tuple[int, int] = (3, 7)) -> list[str]:
     return sorted({w for w in re.findall(r"[a-z]+", text) if low <= len(w) <= high})
 
 
-def reverse_examples(words: list[str]) -> list[dict]:
-    return [{"instruction": f"Reverse the word: {w}", "output": w[::-1]} for w in words]
+def task_examples(task: str, words: list[str]) -> list[dict]:
+    instruction, answer = TASKS[task]
+    return [{"instruction": instruction.format(w), "output": answer(w)} for w in words]
 
 
 def split_words(seed: int = 0, n_val: int = 200) -> tuple[list[str], list[str]]:
@@ -50,8 +54,8 @@ def write_task(task: str, out: Path, seed: int = 0, n_val: int = 200) -> tuple[P
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; the tasks are {', '.join(TASKS)}")
     train, val = split_words(seed, n_val)
-    return (write_jsonl(out / f"{task}_train.jsonl", reverse_examples(train)),
-            write_jsonl(out / f"{task}_val.jsonl", reverse_examples(val)))
+    return (write_jsonl(out / f"{task}_train.jsonl", task_examples(task, train)),
+            write_jsonl(out / f"{task}_val.jsonl", task_examples(task, val)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from data.bpe import GPT2_RANKS, BPETokenizer, GPT2Tokenizer, load_ranks
 from data.tokenizer import from_meta
 from engine import checkpoint, loading, saving
 from engine.checkpoint import first_line
+from engine.context import rows_past_block, source_context
 from engine.fields import facts
 from model import ACTIVATIONS, BLOCK_LINEARS, GPT
 
@@ -278,18 +279,23 @@ def ours_to_hf(model: GPT) -> dict[str, torch.Tensor]:
             tensor = torch.zeros(owner.shape[0], dtype=owner.dtype)
         if name == "wte.weight":
             tensor = tensor[:model.config.vocab_size]
+        if name == "wpe.weight" and (rows := rows_past_block(model)) is not None:
+            tensor = torch.cat([tensor, rows.detach().cpu().to(tensor.dtype)])  # the source's
         out[ours] = (tensor.t() if name.endswith(CONV1D) else tensor).contiguous().clone()
     if not model.config.tie_embeddings:
         out["lm_head.weight"] = own["lm_head.weight"][:model.config.vocab_size].cpu().clone()
     return out
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """config.json for GPT2LMHeadModel describing our model."""
+def hf_config(cfg: ModelConfig, context: int | None = None) -> dict:
+    """config.json for GPT2LMHeadModel describing our model; `context` (n_positions) when it is
+    not block_size: a finetune at a shorter context exports at its source's."""
     eot = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else None
+    context = context or cfg.block_size
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             **{theirs: getattr(cfg, ours) for ours, theirs in SHAPE.items()}, "n_inner": None,
-            "n_ctx": cfg.block_size,  # as OpenAI's files have it: llama.cpp's converter reads it
+            "n_positions": context,
+            "n_ctx": context,  # as OpenAI's files have it: llama.cpp's converter reads it
             "activation_function": ACTIVATIONS[cfg.activation].hf_names[0],
             "layer_norm_epsilon": cfg.layer_norm_eps,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
@@ -367,12 +373,12 @@ def write_hf_dir(model: GPT, out: Path, tokenizer: dict | None = None) -> list[s
     saving.check_out_dir(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_hf(model)
-    config = hf_config(model.config)
+    config = hf_config(model.config, source_context(model))
     if tokenizer is not None and tokenizer.get("kind") == "bpe":  # its end of text
         config["bos_token_id"] = config["eos_token_id"] = from_meta(tokenizer).eot_id
     files = {"config.json": json.dumps(config, indent=2).encode()}
     if tokenizer is not None and tokenizer.get("kind") in ("gpt2", "bpe"):
-        files.update(hf_tokenizer_files(model.config.block_size, tokenizer))
+        files.update(hf_tokenizer_files(config["n_positions"], tokenizer))
     needed = saving.bytes_to_write(tensors, *files.values())
     staging = out if out.is_dir() else out.parent  # the same filesystem: renames work
     with saving.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
@@ -437,8 +443,11 @@ def import_checkpoint(model: GPT, source: str, hf_dir: Path, out: str | Path) ->
 
 
 def describe(model: GPT) -> str:
-    cfg = model.config
+    cfg, full = model.config, source_context(model)
     padded = f" padded to {model.padded_vocab}" if model.padded_vocab != cfg.vocab_size else ""
-    return (f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context "
-            f"{cfg.block_size}, vocab {cfg.vocab_size}{padded}; "
-            f"{model.num_params(non_embedding=False) / 1e6:.2f}M parameters")
+    context = f"{cfg.block_size}" if full == cfg.block_size else (
+        f"{full} (trained at {cfg.block_size}; positions {cfg.block_size}-{full - 1} are its "
+        "source's)")
+    params = model.num_params(non_embedding=False) + (full - cfg.block_size) * cfg.n_embd
+    return (f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {context}, "
+            f"vocab {cfg.vocab_size}{padded}; {params / 1e6:.2f}M parameters")

@@ -19,6 +19,8 @@ from engine.checkpoint import (MASK_FILE, MASKS, SHARDS, CheckpointError, first_
                                model_state, read_meta, resolve)
 from model import GPT
 
+PAST_BLOCK = "weight_past_block"  # wpe's buffer: a longer source's rows (engine/context.py)
+
 
 def read_config(ckpt: Path) -> config.Config:
     return config.from_dict(read_meta(ckpt, "config.json"))
@@ -67,6 +69,9 @@ def mismatch_parts(missing: list, unexpected: list, shapes: list) -> list[str]:
 
 
 def load_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
+    wpe = getattr(model.transformer, "wpe", None)  # a finetune's kept rows: their buffer first
+    if wpe is not None and (rows := state.get(f"transformer.wpe.{PAST_BLOCK}")) is not None:
+        wpe.register_buffer(PAST_BLOCK, wpe.weight.new_empty(len(rows), wpe.weight.size(1)))
     expected = model_state(model)
     shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
                     for k, v in expected.items() if k in state and state[k].shape != v.shape)

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from config import Config, ConfigError, LoraConfig, ModelConfig
 from engine import checkpoint
 from engine.checkpoint import ADAPTER_FILE, CheckpointError
+from engine.context import fit_context
 from engine.fields import facts
 from engine.loading import read_config
 from engine.vocab import grow_vocab
@@ -238,8 +239,8 @@ def load_adapter_checkpoint(path: Path, device: torch.device | str, overrides: d
                               f"loaded: {e}") from None
     check_base(path, record, Path(base_meta.get("source", base_label)))  # HF: its directory
     grow_vocab(model, stored.model.vocab_size)
-    if stored.model.block_size < model.config.block_size:
-        model.crop_block_size(stored.model.block_size)
+    if stored.model.block_size != model.config.block_size:  # the base's rows past it kept
+        fit_context(model, stored.model.block_size)
     apply_lora(model, stored.lora)
     try:
         state = load_file(str(path / ADAPTER_FILE))

@@ -542,3 +542,70 @@ def test_finetune_step_batch_counts_about_a_third_of_its_targets():
     counted = (y != -1).float().mean().item()
     assert x.shape == y.shape == (4, 256) and 0.15 < counted < 0.6
     assert all((y[r] != -1).any() and y[r, 0] == -1 for r in range(4))
+
+
+
+def test_finetune_task_draws_exact_match_against_steps(char_dataset, tmp_path, monkeypatch,
+                                                       capfd):
+    """bench.py finetune-task --steps 2,1: one whole run per step count and kind of finetuning
+    (train.py's command line, run in this process here), cheapest first; a table and a PNG of
+    the curve; a second call scores the finished runs again instead of retraining them."""
+    import subprocess
+
+    import train
+    from data import instruct_tasks
+    from engine.benchmarks import finetune
+
+    base = tmp_path / "base"
+    assert train.main(["--config", "tiny", f"--dataset={char_dataset}", f"--out_dir={base}",
+                       "--device=cpu", "--threads=1", "--block_size=128", "--max_iters=1",
+                       "--eval_interval=1", "--eval_iters=1", "--loss_curve=false"]) == 0
+    runs = []
+
+    def run_here(args, cwd, capture_output, text):  # python train.py ARGS, in this process
+        runs.append(args[2:])
+        status = train.main([*args[2:], "--device=cpu", "--threads=1", "--eval_iters=1"])
+        return subprocess.CompletedProcess(args, status, "", "")
+
+    monkeypatch.setattr(finetune.subprocess, "run", run_here)
+    words = instruct_tasks.shakespeare_words()[:48]  # a small task: 40 words, 8 held out
+    monkeypatch.setattr(instruct_tasks, "split_words", lambda *a: (words[8:], words[:8]))
+    monkeypatch.setattr(finetune, "exact_match", lambda model, tok, template, records:
+                        0.2 if model.config.block_size == 128 and records else 0.0)
+    command = ["finetune-task", f"--base={base}", f"--work={tmp_path / 'work'}",
+               "--tasks=sort", "--results", str(tmp_path), "--name=t"]
+    assert bench.main([*command, "--steps=1"]) == 0
+    assert "note: rows are padded to their batch's longest example: 64 of block_size 128 tokens " \
+        "on average here, which the time estimate counts" in capfd.readouterr().out
+    page = (tmp_path / "finetune_task_t.md").read_text()
+    assert "| steps | full: exact match | full: training (s) | LoRA r=8: exact match |" in page
+    first = json.loads((tmp_path / "finetune_task_t.json").read_text())["rows"][0]
+    assert bench.main([*command, "--steps=2,1", "--finetuning=full"]) == 0
+    assert [("--lora.rank=8" in a, next(x for x in a if x.startswith("--max_iters")))
+            for a in runs] == [(False, "--max_iters=1"), (True, "--max_iters=1"),
+                               (False, "--max_iters=2")]  # the first found finished: not rerun
+    assert all("--config" in a and "instruct_cpu" in a for a in runs)
+    page = (tmp_path / "finetune_task_t.md").read_text()
+    assert [line.split(" | ")[:2] for line in page.splitlines()
+            if line.startswith(("| 1 |", "| 2 |"))] == [["| 1", "20.0%"], ["| 2", "20.0%"]]
+    assert (tmp_path / "finetune_task_t.png").stat().st_size > 0
+    rows = json.loads((tmp_path / "finetune_task_t.json").read_text())["rows"]
+    assert [(r["task"], r["finetuning"], r["steps"]) for r in rows] == [
+        ("sort", "full", 1), ("sort", "full", 2)]
+    assert rows[0] == first  # what was measured when it trained, not now
+    capfd.readouterr()
+    assert bench.main([*command, "--tasks=sort,shuffle"]) == 2
+    assert capfd.readouterr().err == ("error: --tasks='sort,shuffle': shuffle is not one of "
+                                       "reverse, sort (give them comma-separated)\n")
+
+
+def test_instruct_tasks_hold_out_their_words_and_answer_exactly(tmp_path):
+    from data.instruct import read_records
+    from data.instruct_tasks import write_task
+
+    train_file, val_file = write_task("sort", tmp_path)
+    train, val = ([r for _, r in read_records(f)] for f in (train_file, val_file))
+    assert len(val) == 200 and val[0]["instruction"].startswith("Sort the letters: ")
+    words = [[r["instruction"].rsplit(" ", 1)[1] for r in part] for part in (train, val)]
+    assert not set(words[0]) & set(words[1])
+    assert all(r["output"] == "".join(sorted(w)) for r, w in zip(val, words[1]))

@@ -410,3 +410,110 @@ def test_finetune_config_starts_from_gpt2():
     cfg, _ = load_config(["--config", "finetune_shakespeare"])
     assert cfg.train.init_from == "gpt2" and cfg.data.dataset == "shakespeare"
     assert cfg.model.block_size == 1024 and cfg.train.learning_rate <= 1e-4
+
+
+def reverse_task(folder: Path) -> tuple[Path, Path]:
+    """Short word-reversal examples in GPT-2 tokens, as data/instruct_tasks.py writes them."""
+    words = ["night", "stone", "river", "apple", "green", "light", "sound", "world", "table",
+             "chair", "music", "bread"]
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, part in (("train", words[:9]), ("val", words[9:])):
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"instruction": f"Reverse the word: {w}",
+                                            "output": w[::-1]}) + "\n" for w in part))
+        files.append(path)
+    return files[0], files[1]
+
+
+def export_and_check(source: Path, out: Path, base: torch.Tensor, trained: bool) -> Path:
+    """Export with --verify: config.json has the source's context 64, positions 32-63 are the
+    source's bit for bit, 0-31 the finetune's (trained: changed); transformers runs all 64."""
+    assert load_gpt2_weights.main(["--export", str(source), "--out", str(out), "--verify"]) == 0
+    assert json.loads((out / "config.json").read_text())["n_positions"] == 64
+    wpe = load_file(str(out / "model.safetensors"))["transformer.wpe.weight"]
+    assert wpe.shape == (64, 32) and torch.equal(wpe[32:], base[32:])
+    assert torch.equal(wpe[:32], base[:32]) != trained
+    with torch.no_grad():
+        AutoModelForCausalLM.from_pretrained(str(out)).eval()(ids_for(50257, T=64))
+    return out
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_finetune_at_a_shorter_context_exports_at_its_sources(hf_dirs, tmp_path, lora,
+                                                                capsys):
+    """HF (context 64) -> instruction finetune at block_size 32 (configs/instruct_cpu.toml) ->
+    HF: the export has context 64, positions 32-63 the source's and 0-31 the finetune's, after
+    a resume (full) or a merge (LoRA) too; generate.py samples at block_size 32."""
+    from engine import merge_lora
+
+    path, _ = hf_dirs["gpt2vocab"]
+    base = load_file(str(path / "model.safetensors"))["transformer.wpe.weight"]
+    train_file, val_file = reverse_task(tmp_path / "task")
+    run = ["--config", "instruct_cpu", f"--init_from={path}", f"--dataset={train_file}",
+           f"--val_file={val_file}", "--block_size=32", "--batch_size=4", "--max_iters=4",
+           "--eval_interval=4", "--eval_iters=1", "--device=cpu", "--loss_curve=false",
+           f"--out_dir={tmp_path / 'ft'}"]
+    if lora:
+        assert train.main([*run, "--lora.rank=4", "--learning_rate=1e-2"]) == 0
+        assert merge_lora.main([str(tmp_path / "ft"), str(tmp_path / "merged")]) == 0
+    else:  # the second half resumes from the first's checkpoint
+        assert train.main([*run, "--stop_after_iters=2"]) == 0
+        assert train.main([*run, "--init_from=resume"]) == 0
+    trained = capsys.readouterr().out
+    export_and_check(tmp_path / "ft", tmp_path / "hf", base, trained=not lora)
+    assert "context 64 (trained at 32; positions 32-63 are its source's)" in \
+        capsys.readouterr().out
+    assert "position rows 32-63 stay as the source has them" in trained  # said at start
+    ours = loading.load_model(tmp_path / ("merged" if lora else "ft"))[0].eval()
+    assert ours.config.block_size == 32
+    if lora:
+        export_and_check(tmp_path / "merged", tmp_path / "hf_merged", base, trained=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = ids_for(50257, T=32)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ours(ids)[0], rtol=0, atol=1e-5)
+    assert generate.main(["--checkpoint", str(tmp_path / "ft"), "--chat", "--prompt",
+                          "Reverse the word: night", "--max_new_tokens=8", "--device=cpu"]) == 0
+    if not lora:  # a later run from the checkpoint at 48: rows 32-47 come back, untrained
+        later = [*run[:-1], f"--init_from={tmp_path / 'ft'}", "--max_iters=1",
+                 f"--out_dir={tmp_path / 'ft48'}"]
+        assert train.main([*later, "--block_size=80"]) == 2
+        assert "error: block_size 80 is larger than the checkpoint's context 32, 64 with the " \
+            "position rows it kept of its source; use a block_size <= 64" in capsys.readouterr().err
+        assert train.main([*later, "--block_size=48"]) == 0
+        assert "positions 32-47 are the rows it kept of its source" in capsys.readouterr().out
+        assert loading.load_model(tmp_path / "ft48")[0].config.block_size == 48
+        assert gpt2.write_hf_dir(loading.load_model(tmp_path / "ft48")[0], tmp_path / "hf48")
+        wpe = load_file(str(tmp_path / "hf48" / "model.safetensors"))["transformer.wpe.weight"]
+        assert wpe.shape == (64, 32) and torch.equal(wpe[48:], base[48:])
+
+
+@pytest.mark.parametrize("mask", ["buffer", "on_the_fly"])
+def test_a_cropped_context_keeps_its_rows_and_gives_them_back(mask):
+    """engine/context.fit_context: 32 -> 16 keeps rows 16-31 apart (the source's context is
+    still 32), 16 -> 24 -> 32 gives them back: the original model, bit for bit."""
+    from engine.context import fit_context, rows_past_block, source_context
+
+    from conftest import tiny_model_config
+    from model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(tiny_model_config(block_size=32, causal_mask=mask)).eval()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, 37, (2, 32))
+    expected = model(idx)[0]
+    assert "rows 16-31 stay as the source has them" in fit_context(model, 16)
+    assert model.config.block_size == 16 and source_context(model) == 32
+    assert torch.equal(rows_past_block(model), original["transformer.wpe.weight"][16:])
+    assert torch.equal(model(idx[:, :16])[0], expected[:, :16])
+    assert "positions 16-23 are the rows it kept" in fit_context(model, 24)
+    assert rows_past_block(model).shape == (8, 16) and source_context(model) == 32
+    fit_context(model, 32)
+    assert rows_past_block(model) is None and model.config.block_size == 32
+    state = model.state_dict()
+    assert state.keys() == original.keys() and all(torch.equal(state[k], original[k])
+                                                    for k in state)
+    assert torch.equal(model(idx)[0], expected)
+    with pytest.raises(ValueError, match="block_size 40 is past the source's context 32"):
+        fit_context(model, 40)

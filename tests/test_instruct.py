@@ -5,6 +5,7 @@ template and the grown vocabulary travel with the checkpoint, and a run resumes 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from config import ConfigError, load_config
+from config import ConfigError, ModelConfig, load_config
 from data.chat_template import ChatTemplate, TemplateError, from_meta
 from data.dataset import DataError
 from data.instruct import IGNORE, InstructBatches, InstructionData, read_records, to_messages
@@ -180,6 +181,29 @@ def test_over_long_examples_are_cut_dropped_or_refused(tok, tmp_path):
     assert max(len(e.ids) for s in cut.splits.values() for e in s) == 49
 
 
+def test_a_file_that_is_not_utf8_is_reported_by_line_and_byte(tmp_path):
+    """A Latin-1 word on the third line: the error names that line, not only a byte offset."""
+    path = tmp_path / "d.jsonl"
+    lines = ['{"instruction": "a", "output": "b"}', '{"instruction": "c", "output": "d"}',
+             '{"instruction": "Reverse: caf\xe9", "output": "\xe9fac"}']
+    path.write_bytes("\n".join(lines).encode("latin-1"))
+    offset = len(lines[0]) + len(lines[1]) + 2 + lines[2].index("\xe9")
+    with pytest.raises(DataError) as e:
+        read_records(path)
+    assert str(e.value) == (f"{path}:3: not UTF-8 text (byte 0xe9, byte "
+                            f"{lines[2].index(chr(0xe9)) + 1} of line 3; offset {offset} in the "
+                            "file); save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8)")
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """U+2028 and U+0085 may stand unescaped in a JSON string; they do not end a line."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"instruction": "one\u2028two", "output": "x\u0085y"}\n{"a": 1}\n',
+                    encoding="utf-8")
+    assert [(w.rsplit(":", 1)[1], r) for w, r in read_records(path)] == [
+        ("1", {"instruction": "one\u2028two", "output": "x\u0085y"}), ("2", {"a": 1})]
+
+
 def test_read_records_numbers_jsonl_lines_skipping_blank_ones(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"a": 1}\n\n{"b": 2}\n')
@@ -288,3 +312,67 @@ def test_gpt2_tokens_need_no_new_row_and_lora_trains_on_them(tmp_path):
     assert json.loads((ckpt / "meta.json").read_text())["template"] == ChatTemplate().meta()
     assert generate.main(["--checkpoint", str(ckpt), "--chat", "--prompt", "Say yes",
                           "--max_new_tokens=3", "--device=cpu"]) == 0
+
+
+def test_mean_row_length_follows_the_padding_of_the_batches(tok, tmp_path):
+    """Rows are padded to their batch's longest example, rounded up to 16: the time estimate
+    counts that length, not block_size."""
+    path = write_jsonl(tmp_path / "d.jsonl", reverse_records(40))
+    data = InstructionData.read(str(path), tok, ChatTemplate(), block_size=128,
+                                val_fraction=0.1)
+    batches = InstructBatches(data.meta(tok, ChatTemplate()), "train", 8, 128, seed=0)
+    drawn = [batches.next()[0].size(1) for _ in range(40)]
+    estimate = data.mean_row_length(8, 128)
+    assert 16 < estimate < 128 and min(drawn) <= estimate <= max(drawn)
+    assert data.mean_row_length(8, 16) == 16  # never past block_size
+
+
+def test_the_estimate_counts_padded_rows_and_says_when_the_machine_is_busy(
+        base_run, tmp_path, monkeypatch, capsys):
+    from engine.training import finetune
+
+    monkeypatch.setattr(finetune, "cpus_busy_elsewhere", lambda: float(os.cpu_count()))
+    train.train(finetune_cfg(base_run, tmp_path, tmp_path / "busy", "--max_iters=0"))
+    out = capsys.readouterr().out
+    assert f"note: the machine is busy: other processes kept {os.cpu_count():.1f} of its " in out
+    assert "the time estimate below assumes it has them and may be several times short" in out
+    assert "rows are padded" not in out  # every row fills block_size 32 here
+    monkeypatch.setattr(finetune, "cpus_busy_elsewhere", lambda: 0.0)
+    train.train(finetune_cfg(base_run, tmp_path, tmp_path / "idle", "--max_iters=0"))
+    assert "the machine is busy" not in capsys.readouterr().out
+
+
+def test_estimate_line_counts_the_rows_the_data_gives():
+    from config import Config
+    from engine import device
+    from engine.training.metrics import estimate_line
+
+    cfg = Config()
+    cfg.model = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=128, vocab_size=66)
+    cfg.train.batch_size = 32
+    rt = device.Runtime(device=torch.device("cpu"), dtype=torch.float32, tf32=False, notes=[])
+    model = GPT(cfg.model)
+
+    def gflop(meta: dict) -> float:
+        line = estimate_line(cfg, model, rt, 1, meta)
+        return float(line.split(" GFLOP per step")[0].rsplit("(", 1)[1])
+
+    assert gflop({"row_tokens": 64}) == pytest.approx(gflop({}) / 2, rel=0.05)
+
+
+def test_cpus_busy_elsewhere_sees_another_busy_process():
+    import subprocess
+    import sys
+
+    from engine.training.finetune import cpus_busy_elsewhere
+
+    if not Path("/proc/stat").is_file():
+        assert cpus_busy_elsewhere() is None
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = cpus_busy_elsewhere(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and busy >= 0.4

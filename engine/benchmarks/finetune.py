@@ -2,21 +2,29 @@
 it costs, full or with LoRA, beside peft on transformers' GPT-2.
 
     python bench.py finetune-task [--base out/shakespeare_char]   # exact match on held-out words
+    python bench.py finetune-task --tasks reverse,sort --steps 150,300,400,500,600,900
     python bench.py finetune-step [--rounds 2]                     # GPT-2 124M shape, each row in
                                                                    # a fresh process, taking turns
 
-finetune-task: the word-reversal task (data/instruct_tasks.py) learned by a character model
-trained here (--base; trained with `python train.py` first if missing): full finetuning and LoRA,
-each with the loss on the responses and on every token, then greedy answers to the 200 held-out
-words scored by exact match. finetune-step: one step (forward, backward, AdamW) on one batch of
-GPT-2 124M-shaped random weights and tokens with a third of the targets counted (a prompt, a
-response, padding per row), its median time and the process's peak memory, for our full
-finetuning, our LoRA (r=8, r=16; float32 and bfloat16 base) and peft's LoRA on transformers'
-GPT2LMHeadModel; and each one's checkpoint size.
+finetune-task: data/instruct_tasks.py's tasks (reversing words, sorting their letters) learned by
+a character model trained here (--base; trained with `python train.py` first if missing), every
+weight and with LoRA, the loss on the responses (and/or on every token), each step count a whole
+run of configs/instruct_cpu.toml; then greedy answers to the 200 held-out words scored by exact
+match: the curve of exact match against steps, as tables and a figure.
+
+finetune-step: one step (forward, backward, AdamW) on one batch of GPT-2 124M-shaped random
+weights and tokens with a third of the targets counted (a prompt, a response, padding per row),
+its median time and the process's peak memory, for our full finetuning, our LoRA (r=8, r=16;
+float32 and bfloat16 base) and peft's LoRA on transformers' GPT2LMHeadModel; and each one's
+checkpoint size.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import opt
+from config import ConfigError, opt
 from engine.benchmarks.report import markdown_table, utc_now, write_report
 from engine.benchmarks.timing import REPO_ROOT, peak_memory, reset_peak_memory, run_worker
 from engine.device import machine_line
@@ -41,11 +49,20 @@ TARGETS = "c_attn,c_proj,c_fc"
 class TaskOptions:
     base: str = opt("out/shakespeare_char", "the character model to finetune (trained first with "
                     "python train.py if missing)")
-    work: str = opt("out/bench_finetune", "where the task files and the runs go")
+    work: str = opt("out/bench_finetune", "where the task files and the runs go; a run found "
+                    "finished there is scored again, not retrained")
+    tasks: str = opt("reverse", "data/instruct_tasks.py's tasks, comma-separated: reverse, sort")
+    steps: str = opt("900", "steps of each run (--max_iters, the whole cosine schedule); several, "
+                     "comma-separated, draw exact match against steps")
+    finetuning: str = opt("full,lora", "full (every weight, the config's lr) and/or lora (rank "
+                          "--lora-rank at --lora-lr), comma-separated")
+    loss_on: str = opt("responses", "responses and/or all: the loss on the answers or on every "
+                       "token, comma-separated")
+    seeds: int = opt(1, "runs per point (system.seed 1337, 1338, ...)")
+    threads: int = opt(0, "threads of each training run (0: train.py's default)")
     lora_rank: int = opt(8, "LoRA's rank in the LoRA rows")
     lora_lr: float = opt(1e-2, "LoRA rows' learning rate (the full rows take the config's)")
-    max_iters: int = opt(600, "steps of each finetuning run")
-    results: str = opt("bench_results", "folder for finetune_task_NAME.{json,md}")
+    results: str = opt("bench_results", "folder for finetune_task_NAME.{json,md,png}")
     name: str = opt("cpu", "NAME in the result files")
 
 
@@ -81,63 +98,192 @@ def exact_match(model, tokenizer, template, records: list[tuple[str, dict]],
     return right / len(records)
 
 
-def task_rows(o: TaskOptions) -> list[tuple[str, str, list[str]]]:
-    lora = [f"--lora.rank={o.lora_rank}", f"--learning_rate={o.lora_lr}"]
-    return [("full", "responses", []), ("full", "all", ["--loss_on=all"]),
-            (f"LoRA r={o.lora_rank}", "responses", lora),
-            (f"LoRA r={o.lora_rank}", "all", [*lora, "--loss_on=all"])]
+@dataclass
+class TaskRun:
+    """One finetuning run of the curve and what train.py needs for it."""
+    task: str
+    finetuning: str  # full | lora
+    loss_on: str
+    steps: int
+    seed: int
+
+    def label(self, rank: int) -> str:
+        return "full" if self.finetuning == "full" else f"LoRA r={rank}"
+
+    def folder(self, work: Path) -> Path:
+        return work / f"{self.task}_{self.finetuning}_{self.loss_on}_{self.steps}_{self.seed}"
+
+
+def listed(value: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    """A comma-separated option's values, each checked against `allowed`."""
+    values = [v.strip() for v in value.split(",") if v.strip()]
+    wrong = [v for v in values if v not in allowed]
+    if wrong or not values:
+        raise ConfigError(f"--{option}={value!r}: {', '.join(wrong) or 'nothing'} is not one of "
+                          f"{', '.join(allowed)} (give them comma-separated)")
+    return values
+
+
+def task_plan(o: TaskOptions) -> list[TaskRun]:
+    """Every run, the cheapest step counts first (a curve that is stopped early still shows its
+    start), each step count's runs side by side."""
+    from data.instruct_tasks import TASKS
+
+    try:
+        steps = sorted({int(v) for v in o.steps.split(",") if v.strip()})
+    except ValueError:
+        steps = []
+    if not steps or steps[0] < 1 or o.seeds < 1:
+        raise ConfigError(f"--steps={o.steps!r} --seeds={o.seeds}: give step counts >= 1, "
+                          "comma-separated (100,200,400), and --seeds >= 1")
+    tasks = listed(o.tasks, tuple(TASKS), "tasks")
+    kinds = listed(o.finetuning, ("full", "lora"), "finetuning")
+    losses = listed(o.loss_on, ("responses", "all"), "loss-on")
+    return [TaskRun(task, kind, loss_on, n, 1337 + seed) for n in steps
+            for seed in range(o.seeds) for task in tasks for loss_on in losses for kind in kinds]
+
+
+def train_args(o: TaskOptions, run: TaskRun, files: tuple[Path, Path], out: Path) -> list[str]:
+    """train.py's command line for one run: configs/instruct_cpu.toml with the run's changes."""
+    extra = [f"--lora.rank={o.lora_rank}", f"--learning_rate={o.lora_lr}"] \
+        if run.finetuning == "lora" else []
+    extra += ["--loss_on=all"] if run.loss_on == "all" else []
+    extra += [f"--threads={o.threads}"] if o.threads else []
+    return [sys.executable, "train.py", "--config", "instruct_cpu", f"--init_from={o.base}",
+            f"--out_dir={out}", f"--dataset={files[0]}", f"--val_file={files[1]}",
+            f"--max_iters={run.steps}", f"--seed={run.seed}", "--loss_curve=false", *extra]
+
+
+def train_once(o: TaskOptions, run: TaskRun, files: tuple[Path, Path], work: Path
+               ) -> tuple[Path, dict]:
+    """The run's folder, trained now or found finished, and what was measured when it trained:
+    its whole-run seconds and the 1-minute load average at its end (RUN/bench.json)."""
+    out = run.folder(work)
+    summary, measured = out / "summary.json", out / "bench.json"
+    if summary.is_file() and json.loads(summary.read_text()).get("stop_reason") == "done":
+        return out, json.loads(measured.read_text()) if measured.is_file() else {}
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted run of this bench's own
+    t0 = time.perf_counter()
+    done = subprocess.run(train_args(o, run, files, out), cwd=REPO_ROOT, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        raise ConfigError(f"a finetuning run failed ({last}); run it alone to see why: "
+                          + shlex.join(["python", *train_args(o, run, files, out)[1:]]))
+    record = {"seconds": round(time.perf_counter() - t0, 1),
+              "load_average": round(os.getloadavg()[0], 2)}
+    measured.write_text(json.dumps(record) + "\n")
+    return out, record
 
 
 def run_task(o: TaskOptions, command: str) -> int:
+    """Every run of the plan, then greedy answers to the held-out words; the report is written
+    after each run, so a stopped bench keeps what it measured."""
     from data.chat_template import from_meta as template_from
     from data.instruct import read_records
     from data.instruct_tasks import write_task
     from data.tokenizer import from_meta
     from engine.sources import load_source
 
-    work = Path(o.work)
+    plan, work = task_plan(o), Path(o.work)
     if not Path(o.base).exists():
         subprocess.run([sys.executable, "train.py", f"--out_dir={o.base}"], cwd=REPO_ROOT,
                        check=True)
-    train_file, val_file = write_task("reverse", work / "tasks")
+    files = {task: write_task(task, work / "tasks") for task in {r.task for r in plan}}
     rows = []
-    for label, loss_on, extra in task_rows(o):
-        out = work / f"{label.replace(' ', '').replace('=', '')}_{loss_on}"
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "train.py", "--config", "instruct_cpu",
-                        f"--init_from={o.base}", f"--out_dir={out}", f"--dataset={train_file}",
-                        f"--val_file={val_file}", f"--max_iters={o.max_iters}", *extra],
-                       cwd=REPO_ROOT, check=True, capture_output=True)
-        seconds = time.perf_counter() - t0
+    for run in plan:
+        out, measured = train_once(o, run, files[run.task], work)
         model, _, meta, _ = load_source(str(out), None)  # a LoRA run's: merged
         score = exact_match(model.eval(), from_meta(meta["tokenizer"]),
-                            template_from(meta["template"]), read_records(val_file))
+                            template_from(meta["template"]), read_records(files[run.task][1]))
         summary = json.loads((out / "summary.json").read_text())
-        rows.append({"finetuning": label, "loss_on": loss_on, "seconds": round(seconds, 1),
+        rows.append({**dataclasses.asdict(run), "label": run.label(o.lora_rank),
+                     "seconds": measured.get("seconds"),
+                     "train_seconds": round(summary["train_seconds"], 1),
+                     "load_average": measured.get("load_average"),
                      "val_loss": summary["final"]["val"], "exact_match": score,
                      "checkpoint_bytes": sum(f.stat().st_size for f in
                                              Path(summary["checkpoint"]).iterdir())})
-        print(f"{label} ({loss_on}): exact match {score:.1%} in {seconds:.0f} s")
-    return task_report(rows, o, command)
-
-
-def task_report(rows: list[dict], o: TaskOptions, command: str) -> int:
-    table = markdown_table(
-        ["finetuning", "loss on", "whole run (s)", "val loss (its own targets)",
-         "exact match (200 held-out words)", "checkpoint"],
-        [[r["finetuning"], r["loss_on"], r["seconds"], f"{r['val_loss']:.4f}",
-          f"{r['exact_match']:.1%}", f"{r['checkpoint_bytes'] / 2**20:.2f} MiB"] for r in rows])
-    page = (f"# Instruction finetuning: reversing words ({utc_now()})\n\n"
-            f"{machine_line(torch.device('cpu'))}\n\n"
-            f"`{command}`: the default run's character model ({o.base}) finetuned for "
-            f"{o.max_iters} steps on data/instruct_tasks.py's reverse task (configs/"
-            "instruct_cpu.toml), then greedy replies to 200 held-out words, stopped at the "
-            "end-of-text token, scored by exact match. A val loss counts its own run's "
-            "targets: the responses' and every token's are not comparable.\n\n" + table)
-    for path in write_report({"rows": rows, "command": command}, page, o.results,
-                             f"finetune_task_{o.name}"):
-        print(f"wrote {path}")
+        print(f"{run.task}, {run.label(o.lora_rank)} ({run.loss_on}), {run.steps} steps, seed "
+              f"{run.seed}: exact match {score:.1%}, trained in {summary['train_seconds']:.0f} s")
+        task_report(rows, o, command, final=run is plan[-1])
     return 0
+
+
+def curve_tables(rows: list[dict]) -> list[str]:
+    """One table per task and loss: a row per step count, exact match (each seed's) and the
+    training seconds of each kind of finetuning."""
+    lines = []
+    for task, loss_on in dict.fromkeys((r["task"], r["loss_on"]) for r in rows):
+        mine = [r for r in rows if (r["task"], r["loss_on"]) == (task, loss_on)]
+        labels = list(dict.fromkeys(r["label"] for r in mine))
+        table = []
+        for steps in sorted({r["steps"] for r in mine}):
+            cells = [steps]
+            for label in labels:
+                runs = [r for r in mine if r["steps"] == steps and r["label"] == label]
+                cells += [" / ".join(f"{r['exact_match']:.1%}" for r in runs) or "-",
+                          " / ".join(f"{r['train_seconds']:.0f}" for r in runs) or "-"]
+            table.append(cells)
+        header = ["steps"] + [f"{label}: {what}" for label in labels
+                              for what in ("exact match", "training (s)")]
+        lines += [f"**{task}**, the loss on the {loss_on}:" if loss_on == "responses" else
+                  f"**{task}**, the loss on every token:", "", markdown_table(header, table), ""]
+    return lines
+
+
+def plot_curve(rows: list[dict], path: Path) -> Path | None:
+    """Exact match against steps, one panel per task, a line per finetuning and loss (the mean
+    over seeds, each seed a dot)."""
+    from engine.benchmarks.report import figure, save_figure
+
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    fig = figure(figsize=(5.5 * len(tasks), 4))
+    if fig is None:
+        return None
+    for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
+        mine = [r for r in rows if r["task"] == task]
+        for label, loss_on in dict.fromkeys((r["label"], r["loss_on"]) for r in mine):
+            runs = [r for r in mine if (r["label"], r["loss_on"]) == (label, loss_on)]
+            steps = sorted({r["steps"] for r in runs})
+            mean = [100 * statistics.mean(r["exact_match"] for r in runs if r["steps"] == n)
+                    for n in steps]
+            line, = ax.plot(steps, mean, marker="o", label=f"{label}, loss on {loss_on}",
+                            linestyle="-" if loss_on == "responses" else "--")
+            ax.scatter([r["steps"] for r in runs], [100 * r["exact_match"] for r in runs],
+                       color=line.get_color(), s=10, alpha=0.5)
+        ax.set(title=f"{task}: exact match, 200 held-out words", xlabel="steps (--max_iters)",
+               ylabel="exact match (%)", ylim=(-2, 102))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    return save_figure(fig, path)
+
+
+def task_report(rows: list[dict], o: TaskOptions, command: str, final: bool = True) -> None:
+    """finetune_task_NAME.{json,md,png}: the curve as tables and a figure."""
+    loads = [r["load_average"] for r in rows if r["load_average"] is not None]
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "not recorded"
+    status = "" if final else (" **Incomplete: the bench is still running, or was stopped; "
+                               "the figure is drawn at the end.**")
+    page = "\n".join([
+        f"# Instruction finetuning: exact match against steps ({utc_now()})", "",
+        f"{machine_line(torch.device('cpu'))}, torch {torch.__version__}; each run at "
+        + (f"--threads={o.threads}" if o.threads else "train.py's default threads"), "",
+        f"`{command}`: the default run's character model ({o.base}) finetuned on "
+        "data/instruct_tasks.py's tasks with configs/instruct_cpu.toml, each step count a whole "
+        "run (`--max_iters=N`: 30 warm-up steps, then the cosine decay to 0.1x over N), LoRA at "
+        f"rank {o.lora_rank} and lr {o.lora_lr:g}; then greedy replies to the 200 held-out "
+        "words, stopped at the end-of-text token, scored by exact match. With several seeds "
+        "each seed's result is given, ' / '-separated. Training seconds are train.py's own "
+        "(start-up and evaluation excluded) on a machine that other jobs shared: the 1-minute "
+        f"load average read after each run was {load} on "
+        f"{os.cpu_count()} CPUs.{status}", "",
+        *curve_tables(rows), f"![exact match against steps](finetune_task_{o.name}.png)"])
+    paths = write_report({"rows": rows, "command": command, "complete": final}, page,
+                         o.results, f"finetune_task_{o.name}")
+    png = plot_curve(rows, Path(o.results) / f"finetune_task_{o.name}.png") if final else None
+    for path in paths + ([png] if png else []):
+        print(f"wrote {path}")
 
 
 def step_batch(batch_size: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,7 +122,7 @@ def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
             meta = load_or_prepare(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
     if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
-        print(metrics.estimate_line(cfg, raw_model, rt, dist.world_size), flush=True)
+        print(metrics.estimate_line(cfg, raw_model, rt, dist.world_size, meta), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
     finetuning = meta.pop("notes", [])  # the banner's lines: the mixture, finetuning

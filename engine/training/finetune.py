@@ -8,6 +8,10 @@ engine/training/init_from.py then grows by the end-of-text token if it is new to
 """
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import torch
 
 from config import Config, ConfigError
@@ -15,6 +19,7 @@ from data.chat_template import TEMPLATES
 from data.instruct import InstructionData
 from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, sources
+from engine.device import resolve_device
 from engine.training.chunked_loss import chunked_cross_entropy
 from model import GPT
 
@@ -51,9 +56,47 @@ def instruction_data(cfg: Config) -> dict:
                                 d.val_file, d.val_fraction, d.overlength,
                                 every_token=d.loss_on == "all")
     print(data.summary())
-    for note in data.notes:
-        print(f"note: {note}")
-    return data.meta(tokenizer, template)
+    row = data.mean_row_length(cfg.train.batch_size, cfg.model.block_size)
+    for note in data.notes + [busy_machine_note(cfg)]:
+        if note:
+            print(f"note: {note}")
+    if row < cfg.model.block_size:
+        print(f"note: rows are padded to their batch's longest example: {row:.0f} of block_size "
+              f"{cfg.model.block_size} tokens on average here, which the time estimate counts")
+    return {**data.meta(tokenizer, template), "row_tokens": row}
+
+
+def cpus_busy_elsewhere(seconds: float = 0.25) -> float | None:
+    """How many CPUs other processes kept busy over the next `seconds`: /proc/stat's busy time
+    (a VM's stolen time included) less this process's own; None where there is no /proc/stat."""
+    def busy_and_own() -> tuple[float, float]:
+        cpu = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return (sum(cpu) - cpu[3] - cpu[4]) / os.sysconf("SC_CLK_TCK"), sum(os.times()[:2])
+
+    try:
+        (busy, own), start = busy_and_own(), time.monotonic()
+        time.sleep(seconds)
+        (busy_end, own_end), end = busy_and_own(), time.monotonic()
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, (busy_end - busy - (own_end - own)) / (end - start))
+
+
+def busy_machine_note(cfg: Config) -> str:
+    """A CPU run's warning when other processes hold CPUs its threads want ("" when they do
+    not): the time estimate assumes the threads have their cores to themselves, and on a 2-core
+    machine one more busy process can make steps several times slower."""
+    if resolve_device(cfg.system.device).type != "cpu" or (others := cpus_busy_elsewhere()) \
+            is None:
+        return ""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
+    if others <= cpus - threads + 0.5:
+        return ""
+    return (f"the machine is busy: other processes kept {others:.1f} of its {cpus} CPUs busy "
+            f"just now, and this run wants {threads} for its threads; the time estimate below "
+            "assumes it has them and may be several times short (the log's ms per step and eta "
+            "are measured)")
 
 
 def counted_positions_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -13,6 +13,7 @@ import torch
 from config import Config, ConfigError
 from data.dataset import check_vocab
 from engine.checkpoint import CheckpointError, latest_checkpoint
+from engine.context import fit_context, source_context
 from engine.fields import facts
 from engine.loading import check_tokenizer
 from engine.sources import load_source
@@ -48,12 +49,15 @@ def load_for_training(cfg: Config, meta: dict, target: torch.device
                   "token (its row starts at the mean embedding)")
     kind = source_meta.get("tokenizer", {}).get("kind")
     check_vocab(meta, model.config.vocab_size, kind if kind == "gpt2" else None)
-    if block > context:
-        raise ConfigError(f"block_size {block} is larger than {what} context {context}; "
-                          f"use a block_size <= {context}")
+    if block > (longest := source_context(model)):
+        kept = f", {longest} with the position rows it kept of its source" \
+            if longest > context else ""
+        raise ConfigError(f"block_size {block} is larger than {what} context {context}{kept}; "
+                          f"use a block_size <= {longest}")
     for f in dataclasses.fields(cfg.model):  # cfg.model stays the object the run holds
         setattr(cfg.model, f.name, getattr(model.config, f.name))
     model.config = cfg.model
-    if block < model.config.block_size:
-        model.crop_block_size(block)
+    if block != context:  # shorter: the rows past it kept for the export; longer: given back
+        if note := fit_context(model, block):
+            print(note)
     return model.to(target), source

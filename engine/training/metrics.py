@@ -98,10 +98,10 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 60 else format_duration(seconds)
 
 
-def estimate_line(cfg: Config, raw_model: GPT, rt: Runtime, world_size: int) -> str:
-    """About the time a step and the whole run take: their FLOPs at this device's matmul rate
-    in the chosen dtype (measured now, in about 0.2 s; bench.py sets it against measured)."""
-    t, block = cfg.train, cfg.model.block_size
+def estimate_line(cfg: Config, raw_model: GPT, rt: Runtime, world_size: int, meta: dict) -> str:
+    """About the time a step and the whole run take: their FLOPs (instruction rows: meta's
+    row_tokens) at the matmul rate measured now (0.2 s; bench.py sets it against measured)."""
+    t, block = cfg.train, meta.get("row_tokens", cfg.model.block_size)
     tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
     per_token = raw_model.flops_per_token()  # training: forward + backward
     evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)

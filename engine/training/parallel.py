@@ -233,7 +233,8 @@ def wrap(model: torch.nn.Module, cfg: Config, rt: Runtime, dist: Dist) -> torch.
         return shard(model, cfg.system, rt)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # the only buffer is the constant causal mask: nothing to broadcast each forward
+    # the buffers are constants (the causal mask, a cropped source's position rows): nothing to
+    # broadcast each forward
     no_buffer_sync = ({"forward_sync_buffers": False}
                       if "forward_sync_buffers" in inspect.signature(DDP).parameters
                       else {"broadcast_buffers": False})
