@@ -657,15 +657,9 @@ def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | 
     config_help.py words it); ConfigError as a run would raise it."""
     from engine.config_help import render  # its words live apart: a run never loads them
 
-    if unknown := [s for s in lead if s not in SECTIONS]:
-        raise ValueError(f"lead names unknown sections {unknown}; sections are {list(SECTIONS)}")
     line = parse_command_line(list(argv), script)
-    path = resolve_config_path(line.config_name).resolve()
-    label = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    shared = frozenset(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
-                       if len(_owners(f.name)) > 1)
-    return render(prog, line, label, resolve_command_line(line, script), SECTIONS, lead,
-                  DEFAULT_CONFIG, shared)
+    return render(prog, line, resolve_config_path(line.config_name), DEFAULT_CONFIG,
+                  resolve_command_line(line, script), SECTIONS, lead)
 
 
 def exit_with_help(prog: str, argv: list[str], script: type | None = None,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -63,8 +64,12 @@ def load_or_prepare(name: str) -> dict:
         if not (folder and getattr(importlib.import_module(f"data.{name}"),
                                    "PREPARE_ON_FIRST_USE", False)):
             raise
-    print(f"preparing {name} (from the bundled text) ...")
-    importlib.import_module(f"data.{name}.prepare").prepare()
+    print(f"preparing {name} (from the bundled text) ...", flush=True)
+    # its own script in a process of its own, as a user would run it: a run never loads it
+    done = subprocess.run([sys.executable, str(DATA_DIR / name / "prepare.py")])
+    if done.returncode:
+        raise DataError(f"preparing {name} failed (exit {done.returncode}, its words above); "
+                        f"run {prepare_command(name)} to try again")
     return load_meta(name)
 
 

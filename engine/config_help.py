@@ -4,9 +4,12 @@ hands it what it resolved: this module reads nothing of config.py's itself.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from pathlib import Path
 from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # config paths are shown relative to it
 
 
 def fields_help(title: str, current: Any, flag: Callable[[str], str], default: Any = None,
@@ -37,12 +40,19 @@ def script_help(prog: str, options: Any) -> list[str]:
         else f"--{name.replace('_', '-')}"))
 
 
-def render(prog: str, line: Any, label: Path, resolved: tuple, sections: dict[str, type],
-           lead: tuple[str, ...], default_config: str, shared: frozenset) -> str:
+def render(prog: str, line: Any, config_path: Path, default_config: str, resolved: tuple,
+           sections: dict[str, type], lead: tuple[str, ...]) -> str:
     """The script's options, then every config key as the command line (`line`, its config file
-    at `label`) resolved it, `resolved` = (the config file's, the resolved config, the script's
-    options), marked where not the default; `lead` sections first."""
+    at `config_path`) resolved it, `resolved` = (the config file's, the resolved config, the
+    script's options), marked where not the default; `lead` sections first."""
+    if unknown := [s for s in lead if s not in sections]:
+        raise ValueError(f"lead names unknown sections {unknown}; sections are {list(sections)}")
     from_file, cfg, options = resolved
+    path = config_path.resolve()
+    label = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    names = collections.Counter(f.name for cls in sections.values()
+                                for f in dataclasses.fields(cls))
+    shared = frozenset(name for name, count in names.items() if count > 1)
     count = len(line.overrides)
     overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
     lines = [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
