@@ -277,8 +277,9 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(in_process, char_dataset, 
 def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys):
     """Two recipes of the same math (the reference path, then every speedup) reach the target at
     the same evaluation with close losses; each run is stopped there; table, JSON and plot."""
-    code = bench.main(["to-loss", "3.5", "--recipes", "reference,every speedup,+ rotary",
-                       "--eval-every", "10", "--results", str(tmp_path), "--name", "t"])
+    code = bench.main(["to-loss", "3.5", "--recipes",
+                       "reference,every speedup,+ position=rotary", "--eval-every", "10",
+                       "--results", str(tmp_path), "--name", "t"])
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((tmp_path / "to_loss_t.json").read_text())

@@ -3,11 +3,13 @@ on the CPU and, where there is one, on CUDA (float32 with TF32 off: the same ref
 tolerances differ)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from config import ModelConfig
 from conftest import on_each_device, tiny_model_config
 from engine.inference.kv_cache import new_kv_cache
 from model import ACTIVATIONS, GPT, IGNORE_INDEX, MLP, gelu_tanh
@@ -232,3 +234,10 @@ def test_weight_decay_groups():
     assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
     n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert n == model.num_params(non_embedding=False)
+
+
+def test_every_activation_config_offers_is_in_model_activations():
+    """config.py (torch-free) names the choices; model.ACTIVATIONS holds their code."""
+    offered = next(f.metadata["choices"] for f in dataclasses.fields(ModelConfig)
+                   if f.name == "activation")
+    assert set(offered) == set(ACTIVATIONS)

@@ -314,3 +314,15 @@ def test_each_sampling_limit_is_one_definition_for_generate_and_both_requests(na
         ChatRequest(messages=[], **{name: beyond})
     within = {"temperature": 2.0, "top_p": 1.0, "top_k": 0, "seed": 0}[name]
     assert getattr(ChatRequest(messages=[], **{name: within}), name) == within
+
+
+def test_a_chat_request_relays_every_sampling_field_to_its_completion():
+    """A field added to batching.Sampling reaches the completion a chat request runs as, with
+    the value the request gave (no list of the fields to keep in step)."""
+    from engine.serving.batching import Sampling
+    from engine.serving.chat import ChatRequest
+
+    sent = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "stop": ["\n"]}
+    assert set(sent) == set(Sampling.model_fields)  # a new field: give it a value here
+    fields = ChatRequest(messages=[], **sent).completion_fields(4, 32, 16)
+    assert {name: fields[name] for name in Sampling.model_fields} == sent

@@ -190,7 +190,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
     import torch
     from config import load_config
     from conftest import tiny_model_config
-    from engine import checkpoint, sharded
+    from engine import saving, sharded
     from engine.training.processes import Dist
     from model import GPT
 

@@ -69,8 +69,8 @@ class ChatRequest(Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ChatError("top_logprobs needs logprobs: true", "top_logprobs")
         rest = min(max_tokens_limit, max(1, block_size - prompt_tokens))
-        shared = ("model", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-                  "user", "presence_penalty", "frequency_penalty", "logit_bias")
+        shared = (*Sampling.model_fields, "model", "n", "stream", "user", "presence_penalty",
+                  "frequency_penalty", "logit_bias")  # the sampling fields: all, whatever they are
         return {**{name: getattr(self, name) for name in shared},
                 "max_tokens": self.max_completion_tokens or self.max_tokens or rest,
                 "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
