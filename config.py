@@ -10,16 +10,15 @@ import copy
 import dataclasses
 import difflib
 import json
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.fields import FRACTION, NON_NEGATIVE, POSITIVE, facts, opt
+from engine.fields import FRACTION, NON_NEGATIVE, POSITIVE, Flag, Range, facts, flags_from, opt
 
-# the model's own section lives with the model (model.py imports nothing from here)
-from model import ModelConfig  # noqa: F401  (re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parent
 CONFIGS_DIR = REPO_ROOT / "configs"
@@ -29,6 +28,85 @@ BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message lists every problem found."""
+
+
+@dataclass
+class ModelConfig:
+    """The GPT's shape, its departures from GPT-2 and how each part is computed: the section
+    model.py's GPT is given (nothing else of the config). Here, not in model.py, so that reading
+    options imports no torch."""
+
+    block_size: int = opt(256, "context length in tokens", fixed=True, hf="n_positions",
+                          check=POSITIVE)
+    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the dataset's meta.json",
+                          fixed=True, hf="vocab_size", check=NON_NEGATIVE)
+    n_layer: int = opt(6, "transformer blocks", fixed=True, hf="n_layer", check=POSITIVE)
+    n_head: int = opt(6, "attention heads per block", fixed=True, hf="n_head", check=POSITIVE)
+    n_embd: int = opt(384, "embedding width", fixed=True, hf="n_embd", check=POSITIVE)
+    dropout: float = opt(0.0, "dropout probability (0 for pretraining, ~0.1 for finetuning)",
+                         check=FRACTION)
+    bias: bool = opt(True, "biases in Linear and LayerNorm layers, as GPT-2", fixed=True)
+    layer_norm_eps: float = opt(1e-5, "LayerNorm epsilon", fixed=True, check=POSITIVE)
+    activation: str = opt("gelu_tanh", "the MLP's activation: GPT-2's tanh GELU, the exact (erf) "
+                          "GELU (nanoGPT's nn.GELU), or relu(x)^2 (the speedrun's)",
+                          ("gelu_tanh", "gelu_erf", "relu2"), departure=True, kernel=True,
+                          speedrun="relu2")
+    # implementations of the same math, each checked against its reference in the tests
+    attention: str = opt("scratch", "softmax(QK^T/sqrt(d))V by hand, or "
+                         "F.scaled_dot_product_attention (Flash kernels)", ("scratch", "sdpa"),
+                         fast="sdpa")
+    causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
+                           ("buffer", "on_the_fly"), fast="on_the_fly")
+    norm: str = opt("scratch", "LayerNorm: written out, or F.layer_norm", ("scratch", "native"),
+                    fast="native", flag="norm_gelu")
+    activation_impl: str = opt("scratch", "the activation written out by hand, or torch's kernel "
+                               "(F.gelu; for relu2 a backward of one product)",
+                               ("scratch", "native"), fast="native", flag="norm_gelu")
+    vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
+                                  "(64: 50257 -> 50304); padded logits never win", fixed=True,
+                                  check=POSITIVE, fast=64, flag="vocab_pad")
+    activation_checkpointing: str = opt("none", "recompute in backward (less memory, ~1/3 more "
+                                        "compute): none|all|attention|mlp|every:K|blocks:0,3,5")
+    loss: str = opt("full", "LM head + cross-entropy: the whole (tokens, vocab) logits, or in "
+                    "chunks of tokens so they never exist (same loss and gradients)",
+                    ("full", "chunked"), fast="chunked", flag="chunked_loss")
+    # the speedrun's departures from GPT-2 (the module docstring says where each acts)
+    position: str = opt("learned", "positions: GPT-2's learned embedding added to the tokens, "
+                        "or rotary (RoPE: each head's queries and keys rotated by their "
+                        "position)", ("learned", "rotary"), departure=True,
+                        gpt2="learned positions", speedrun="rotary")
+    rope_base: float = opt(10000.0, "position=rotary: the base of the rotation frequencies",
+                           departure=True, check=Range(gt=1))
+    qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention (no "
+                        "weights): attention logits stay bounded at high learning rates",
+                        departure=True, gpt2="no query/key norm", speedrun=True)
+    attn_scale: float = opt(0.0, "attention logits = scale x q.k; 0 = 1/sqrt(head size) "
+                            "(GPT-2); with qk_norm the logits lie within +-scale x head size",
+                            departure=True, check=NON_NEGATIVE,
+                            gpt2="logits scaled by 1/sqrt(head size)", speedrun=0.3)
+    value_embeds: int = opt(0, "value embeddings: blocks i and n_layer-1-i, for each i < K, add "
+                            "an embedding of the token (one table per pair), times a learned "
+                            "weight that starts at 0, to attention's values; 0 = off",
+                            departure=True, gpt2="no value embeddings", speedrun=1,
+                            check=("<= n_layer // 2", lambda v, m: 0 <= v <= m.n_layer // 2))
+    tie_embeddings: bool = opt(True, "the LM head is the token embedding (GPT-2); false: an LM "
+                               "head of its own", departure=True, kernel=True, speedrun=False)
+    zero_init_head: bool = opt(False, "an untied LM head starts at zero (uniform first logits)",
+                               departure=True, kernel=True, fixed=False, speedrun=True)
+    zero_init_proj: bool = opt(False, "the blocks' output projections (attn.c_proj, "
+                               "mlp.c_proj) start at zero: each block starts as the identity",
+                               departure=True, kernel=True, fixed=False, speedrun=True)
+    logit_softcap: float = opt(0.0, "logits = cap * tanh(logits / cap) (Gemma 2); 0 = off",
+                               departure=True, kernel=True, check=NON_NEGATIVE,
+                               gpt2="uncapped logits", speedrun=15.0)
+    unet_skips: bool = opt(False, "U-net skips: block i's output, times a learned weight that "
+                           "starts at 0, is added to block n_layer-1-i's input, for each i in "
+                           "the first half", departure=True, gpt2="no skips between blocks",
+                           speedrun=True)
+    smear: bool = opt(False, "each token's embedding gets the previous token's added, times a "
+                      "learned per-channel weight that starts at 0 (a bigram the first block "
+                      "sees directly)", departure=True, gpt2="no previous-token embedding",
+                      speedrun=True)
 
 
 @dataclass
@@ -42,7 +120,7 @@ class DataConfig:
                         "hold out val_fraction of the dataset's")
     val_fraction: float = opt(0.05, "instruction data: the share of examples held out for "
                               "validation (the same ones whatever the seed)",
-                              check=("in (0, 1)", lambda v, _: 0 < v < 1))
+                              check=Range(gt=0, lt=1))
     template: str = opt("chat", "instruction data: the chat template (data/chat_template.py); "
                         "the checkpoint keeps it for generate.py --chat and serve.py",
                         ("chat",))
@@ -53,12 +131,14 @@ class DataConfig:
                        ("responses", "all"))
     doc_aligned: bool = opt(False, "training rows start at a document start and hold whole "
                             "documents, packed best-fit (data/doc_batches.py); val keeps windows")
-    pin_memory: bool = opt(False, "pinned host batches, copied with non_blocking=True (CUDA)")
+    pin_memory: bool = opt(False, "pinned host batches, copied with non_blocking=True (CUDA)",
+                           fast=True, cuda=True)
     prefetch: bool = opt(False, "copy the next batch on a side CUDA stream (implies pin_memory)")
     loader_workers: int = opt(0, "processes reading batches into shared memory; 0 = in-process",
                               check=NON_NEGATIVE)
     hellaswag_path: str = opt("", "hellaswag_val.jsonl for train.hellaswag_interval; '' = "
-                              "data/hellaswag/hellaswag_val.jsonl, downloaded if missing")
+                              "data/hellaswag/hellaswag_val.jsonl, downloaded if missing",
+                              resume=True)
 
 
 @dataclass
@@ -76,44 +156,47 @@ class LoraConfig:
 
 @dataclass
 class TrainConfig:
-    out_dir: str = opt("out/shakespeare_char", "run directory: checkpoints and metrics")
+    out_dir: str = opt("out/shakespeare_char", "run directory: checkpoints and metrics",
+                       resume=True)
     init_from: str = opt("scratch", "scratch | resume (latest checkpoint in out_dir) | auto "
                          "(resume if there is one) | a checkpoint path | a Hugging Face GPT-2: "
                          "gpt2[-medium|-large|-xl], hf:ORG/NAME or a local HF directory "
-                         "(cropped to block_size)")
+                         "(cropped to block_size)", resume=True)
     batch_size: int = opt(32, "micro-batch size (sequences per forward pass)", check=POSITIVE)
     grad_accum_steps: int = opt(1, "micro-batches per optimizer step", check=POSITIVE)
     tokens_per_step: int = opt(0, "global batch in tokens, the same on any number of GPUs: sets "
                                "grad_accum_steps = tokens_per_step / (batch_size x block_size "
                                "x processes); 0 = off", check=NON_NEGATIVE)
     batch_size_auto: bool = opt(False, "same sequences per step, largest micro-batch that fits "
-                                "(CUDA)")
-    max_iters: int = opt(2000, "optimizer steps", check=NON_NEGATIVE)
+                                "(CUDA)", fast=True, cuda=True)
+    max_iters: int = opt(2000, "optimizer steps", check=NON_NEGATIVE, resume=True)
     learning_rate: float = opt(1e-3, "peak learning rate", check=POSITIVE)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak",
-                              check=("in [0, 1]", lambda v, _: 0 <= v <= 1))
+                              check=Range(ge=0, le=1))
     warmup_iters: int = opt(100, "linear warmup steps", check=NON_NEGATIVE)
     lr_schedule: str = opt("cosine", "after warmup: cosine decay to min_lr_ratio, constant, or wsd "
                            "(warmup-stable-decay: the peak until the last cooldown_frac of the "
-                           "steps, then linear to min_lr_ratio)", ("cosine", "constant", "wsd"))
+                           "steps, then linear to min_lr_ratio)", ("cosine", "constant", "wsd"),
+                           departure=True, speedrun="wsd")
     cooldown_frac: float = opt(0.4, "lr_schedule=wsd: the fraction of max_iters spent decaying",
-                               check=("in (0, 1]", lambda v, _: 0 < v <= 1))
+                               check=Range(gt=0, le=1))
     weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only",
                               check=NON_NEGATIVE)
     beta1: float = opt(0.9, "AdamW beta1", check=FRACTION)
     beta2: float = opt(0.95, "AdamW beta2", check=FRACTION)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = off",
                            check=NON_NEGATIVE)
-    fused_adamw: bool = opt(False, "AdamW(fused=True) where the device supports it")
+    fused_adamw: bool = opt(False, "AdamW(fused=True) where the device supports it", fast=True)
     optimizer: str = opt("adamw", "adamw: AdamW on every parameter | muon: torch.optim.Muon on "
                          "the blocks' Linear weights, AdamW (learning_rate) on the rest",
-                         ("adamw", "muon"))
+                         ("adamw", "muon"), fast="muon", flag="muon")
     muon_lr: float = opt(0.01, "Muon's peak learning rate (best of a sweep in docs/speedups.md); "
                          "it follows the same warmup and decay", check=POSITIVE)
     muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)", check=FRACTION)
     muon_momentum_warmup: int = opt(0, "steps over which Muon's momentum rises linearly from "
                                     "muon_momentum_start to muon_momentum (the speedrun: 300 "
-                                    "from 0.85); 0 = off", check=NON_NEGATIVE)
+                                    "from 0.85); 0 = off", check=NON_NEGATIVE, departure=True,
+                                    speedrun=300)
     muon_momentum_start: float = opt(0.85, "Muon's momentum at step 0 with muon_momentum_warmup",
                                      check=FRACTION)
     muon_ns_steps: int = opt(5, "Newton-Schulz iterations per Muon update (torch's 5); each "
@@ -136,28 +219,36 @@ class TrainConfig:
                              "that emulate bf16 (docs/speedups.md); auto = bfloat16 on CUDA, "
                              "else float32",
                              ("auto", "bfloat16", "float32"))
-    eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps", check=POSITIVE)
-    eval_at_start: bool = opt(True, "evaluate a fresh run at step 0 too (its loss before training)")
+    eval_interval: int = opt(250, "evaluate (and checkpoint) every this many steps",
+                             check=POSITIVE, resume=True)
+    eval_at_start: bool = opt(True, "evaluate a fresh run at step 0 too (its loss before "
+                              "training)", resume=True)
     eval_iters: int = opt(20, "batches per split in each evaluation (the same batches each time)",
                           check=POSITIVE)
-    log_interval: int = opt(10, "print a log line every this many steps", check=POSITIVE)
+    log_interval: int = opt(10, "print a log line every this many steps", check=POSITIVE,
+                            resume=True)
     loss_curve: bool = opt(True, "draw out_dir/loss_curve.png at the evaluations (at most once a "
-                           "minute, and at the end; matplotlib's first drawing takes a second)")
-    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir", check=POSITIVE)
-    save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end")
+                           "minute, and at the end; matplotlib's first drawing takes a second)",
+                           resume=True)
+    keep_checkpoints: int = opt(2, "how many recent checkpoints to keep in out_dir",
+                                check=POSITIVE, resume=True)
+    save_checkpoints: bool = opt(True, "write checkpoints at each evaluation and at the end",
+                                 resume=True)
     checkpoint_format: str = opt("auto", "full: rank 0 writes every weight and optimizer state | "
                                  "sharded: each process its own shards (engine/sharded.py) | "
-                                 "auto: sharded under parallel=fsdp", ("auto", "full", "sharded"))
+                                 "auto: sharded under parallel=fsdp", ("auto", "full", "sharded"),
+                                 resume=True)
     checkpoint_async: bool = opt(False, "sharded checkpoints written in the background while "
-                                 "training goes on (from a copy in host memory)")
+                                 "training goes on (from a copy in host memory)", resume=True)
     hellaswag_interval: int = opt(0, "score HellaSwag every this many steps and at the end "
-                                  "(GPT-2 BPE data); 0 = off", check=NON_NEGATIVE)
+                                  "(GPT-2 BPE data); 0 = off", check=NON_NEGATIVE, resume=True)
     hellaswag_examples: int = opt(0, "HellaSwag examples scored each time; 0 = all 10,042",
-                                  check=NON_NEGATIVE)
+                                  check=NON_NEGATIVE, resume=True)
     stop_after_iters: int = opt(0, "checkpoint and stop after this many steps (then "
-                                "init_from=resume); 0 = off", check=NON_NEGATIVE)
+                                "init_from=resume); 0 = off", check=NON_NEGATIVE, resume=True)
     max_nonfinite_steps: int = opt(10, "stop after this many NaN/inf steps in a row (each "
-                                   "skipped); the last good checkpoint is kept", check=POSITIVE)
+                                   "skipped); the last good checkpoint is kept", check=POSITIVE,
+                                   resume=True)
 
 
 @dataclass
@@ -177,11 +268,11 @@ class SampleConfig:
     prompt: str = opt("\n", "text to continue")
     checkpoint: str = opt("", "checkpoint directory (or run directory); '' = latest in out_dir")
     max_new_tokens: int = opt(500, "tokens to generate per sample", check=NON_NEGATIVE)
-    num_samples: int = opt(1, "independent samples", check=(">= 1", lambda v, _: v >= 1))
-    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", check=NON_NEGATIVE)
+    num_samples: int = opt(1, "independent samples", check=Range(ge=1))
+    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", check=Range(ge=0, le=2))
     top_k: int = opt(200, "keep only the k most likely tokens; 0 = off", check=NON_NEGATIVE)
     top_p: float = opt(1.0, "nucleus sampling: smallest set with this much probability; 1 = off",
-                       check=("in (0, 1]", lambda v, _: 0 < v <= 1))
+                       check=Range(gt=0, le=1))
     kv_cache: bool = opt(True, "reuse past keys/values so each token costs the same")
     prompt_bucket: int = opt(64, "with --compile: prompts padded to a multiple of this, so "
                              "decoding sees a few fixed shapes (no recompiles)", check=POSITIVE)
@@ -215,27 +306,30 @@ class SystemConfig:
     device: str = opt("auto", "auto | cpu | cuda | cuda:N | mps")
     dtype: str = opt("float32", "autocast precision; auto: bfloat16 where the hardware runs it "
                      "natively (CUDA Ampere+, CPUs with AMX / AVX512-BF16), else float32",
-                     ("float32", "bfloat16", "float16", "auto"))
+                     ("float32", "bfloat16", "float16", "auto"), fast="auto")
     weights_dtype: str = opt("float32", "bfloat16 halves weight and gradient memory (AdamW keeps "
                              "float32 master weights; needs dtype=bfloat16; not with fsdp)",
                              ("float32", "bfloat16"))
-    tf32: bool = opt(False, "TF32 tensor-core matmuls for float32 (CUDA, Ampere and newer)")
-    compile: bool = opt(False, "torch.compile the model")
+    tf32: bool = opt(False, "TF32 tensor-core matmuls for float32 (CUDA, Ampere and newer)",
+                     fast=True, cuda=True)
+    compile: bool = opt(False, "torch.compile the model", fast=True)
     compile_mode: str = opt("default", "torch.compile mode", ("default", "reduce-overhead",
                             "max-autotune", "max-autotune-no-cudagraphs"))
-    seed: int = opt(1337, "seed for weights, data order and sampling")
-    empty_cache: bool = opt(True, "free cached CUDA memory after evaluations, samples, saves")
+    seed: int = opt(1337, "seed for weights, data order and sampling", check=Range(ge=0, lt=2**63))
+    empty_cache: bool = opt(True, "free cached CUDA memory after evaluations, samples, saves",
+                            resume=True)
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default", check=NON_NEGATIVE)
     peak_flops: float = opt(0.0, "device peak FLOP/s for MFU; 0 = look the device up",
-                            check=NON_NEGATIVE)
+                            check=NON_NEGATIVE, resume=True)
     parallel: str = opt("ddp", "several processes (torchrun, accelerate launch): ddp = a replica "
                         "per GPU; fsdp = weights, gradients, AdamW state sharded (FSDP2)",
-                        ("ddp", "fsdp"))
+                        ("ddp", "fsdp"), resume=True)
     fsdp_reshard: bool = opt(True, "fsdp: free gathered weights after each block's forward "
-                             "(least memory); false keeps them until backward (less traffic)")
+                             "(least memory); false keeps them until backward (less traffic)",
+                             resume=True)
     dist_timeout: float = opt(600.0, "seconds a process waits in a collective before the job "
                               "fails; must exceed the slowest checkpoint save or evaluation",
-                              check=POSITIVE)
+                              check=POSITIVE, resume=True)
 
 
 @dataclass
@@ -259,9 +353,20 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 KEYS = {section: [f.name for f in dataclasses.fields(cls)] for section, cls in SECTIONS.items()}
 
 
-def _owners(key: str) -> list[str]:
+def section_types(cfg: Config | None = None) -> dict[str, type]:
+    """{section: its dataclass}: cfg's own (a field added in a subclass counts), else SECTIONS."""
+    return SECTIONS if cfg is None else {name: type(getattr(cfg, name)) for name in SECTIONS}
+
+
+def speedup_flags(cfg: Config | None = None) -> dict[str, Flag]:
+    """The speedup flags (bench.py ablation's, the banner's), from the fields stating `fast`."""
+    return flags_from(section_types(cfg))
+
+
+def _owners(key: str, cfg: Config | None = None) -> list[str]:
     """The sections that have a field named `key`."""
-    return [section for section, names in KEYS.items() if key in names]
+    return [section for section, cls in section_types(cfg).items()
+            if key in {f.name for f in dataclasses.fields(cls)}]
 
 
 def _coerce(value: Any, typ: type, where: str) -> Any:
@@ -339,7 +444,7 @@ def apply_sections(cfg: Config, data: dict, source: str, problems: list[str],
 
 def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> None:
     section, name = key.split(".", 1) if "." in key else (None, key)
-    sections = _owners(name)
+    sections = _owners(name, cfg)
     if section is not None and section not in sections:
         dotted = [f"{s}.{n}" for s, names in KEYS.items() for n in names]
         problems.append(_unknown(key, "command line", dotted))
@@ -355,28 +460,33 @@ def apply_override(cfg: Config, key: str, value: str, problems: list[str]) -> No
 
 
 def gpt2_recipe_flags() -> list[str]:
-    """Command-line flags that turn off every speedrun technique whatever the config turns on:
-    GPT-2's model (its activation too), a cosine schedule, no momentum warm-up for Muon. The
+    """Command-line flags that turn off every departure from GPT-2 whatever the config turns on
+    (GPT-2's model, activation included, a cosine schedule, no momentum warm-up for Muon). The
     golden default run and bench.py to-loss's rows start from these."""
-    model, train = ModelConfig(), TrainConfig()
-    departures = [*facts(ModelConfig, "departure"), "activation"]
-    return ([f"--{name}={getattr(model, name)}" for name in departures]
-            + [f"--{name}={getattr(train, name)}"
-               for name in ("lr_schedule", "muon_momentum_warmup")])
+    return [f"--{name}={getattr(section(), name)}" for section in (ModelConfig, TrainConfig)
+            for name in facts(section, "departure")]
+
+
+def field_problems(values: Any, named: Callable[[str], str]) -> list[str]:
+    """Each field of a config section or a script's options whose value is outside its choices
+    or fails its check=, as named(field) says it (section.key, or --key)."""
+    problems = []
+    for f in dataclasses.fields(values):
+        value, choices = getattr(values, f.name), f.metadata.get("choices")
+        text, holds = f.metadata.get("check") or ("", lambda v, section: True)
+        if choices and value not in choices and named(f.name).startswith("--"):
+            problems.append(f"{named(f.name)}={value!r}: use " + " or ".join(choices))
+        elif choices and value not in choices:
+            problems.append(f"{named(f.name)}={value!r} is not one of {', '.join(choices)}")
+        elif not holds(value, values):
+            problems.append(f"{named(f.name)} must be {text}, got {value}")
+    return problems
 
 
 def validate(cfg: Config) -> list[str]:
     """Every problem with the values, as a list of messages (empty when the config is usable)."""
-    problems = [f"{section}.{f.name}={getattr(getattr(cfg, section), f.name)!r} is not one of "
-                f"{', '.join(f.metadata['choices'])}"
-                for section in SECTIONS for f in dataclasses.fields(SECTIONS[section])
-                if f.metadata.get("choices")
-                and getattr(getattr(cfg, section), f.name) not in f.metadata["choices"]]
-    for section in SECTIONS:
-        values = getattr(cfg, section)
-        for name, (text, ok) in facts(SECTIONS[section], "check").items():
-            if not ok(value := getattr(values, name), values):
-                problems.append(f"{section}.{name} must be {text}, got {value}")
+    problems = [p for section in SECTIONS
+                for p in field_problems(getattr(cfg, section), lambda name: f"{section}.{name}")]
     m, t = cfg.model, cfg.train
     if cfg.sample.quantize != "none" and cfg.sample.weights != "torch":
         problems.append(f"sample.quantize={cfg.sample.quantize} (torchao) and "
@@ -496,9 +606,7 @@ def _script_options(line: CommandLine, script: type, problems: list[str]) -> Any
     options = script()
     for name, value in line.script:
         _set(options, name, value, f"--{name}", problems)
-    problems += [f"--{f.name.replace('_', '-')}={v!r}: use " + " or ".join(f.metadata["choices"])
-                 for f in dataclasses.fields(options) if f.metadata.get("choices")
-                 and (v := getattr(options, f.name)) not in f.metadata["choices"]]
+    problems += field_problems(options, lambda name: f"--{name.replace('_', '-')}")
     return options
 
 
@@ -528,9 +636,11 @@ def resolve_command_line(line: CommandLine, script: type | None = None
 def load_options(argv: list[str], script: type, prog: str, about: str = "") -> Any:
     """Only a script's own options (data preparation: no config); -h/--help lists them."""
     line = parse_command_line(argv, script)
-    if line.wants_help:
+    if line.wants_help:  # the help's words live apart: a run never loads them
+        from engine.config_help import script_help
+
         print("\n".join([f"usage: python {prog} [options]", "", about.strip(), "",
-                         *_script_help(prog, script())]))
+                         *script_help(prog, script())]))
         raise SystemExit(0)
     names = [f.name for f in dataclasses.fields(script)]
     problems = line.problems + [_unknown(key, "command line", names) for key, _ in line.overrides]
@@ -541,59 +651,35 @@ def load_options(argv: list[str], script: type, prog: str, about: str = "") -> A
     return options
 
 
-def _fields_help(title: str, current: Any, flag: Callable[[str], str], default: Any = None,
-                 from_file: Any = None, config: str = "") -> list[str]:
-    """[title], then per field `flag=value`, its help and choices; given `default`, a value that
-    differs says where it was set (the config, as in `from_file`, or the command line)."""
-    lines = [f"[{title}]"]
-    for f in dataclasses.fields(current):
-        value, choices, note = getattr(current, f.name), f.metadata.get("choices"), ""
-        setting = f"{flag(f.name)}={value!r}"
-        if default is not None:
-            if value != (initial := getattr(default, f.name)):
-                came_from = (f"config {config}" if value == getattr(from_file, f.name)
-                             else "command line")
-                setting += f" ({came_from}; default {initial!r})"
-            note = " (use the section prefix)" if len(_owners(f.name)) > 1 else ""
-        text = f.metadata.get("help", "") + (f" [{' | '.join(choices)}]" if choices else "")
-        lines.append(f"  {setting:<32}  {text}{note}")
-    return lines + [""]
-
-
-def _script_help(prog: str, options: Any) -> list[str]:
-    positional = getattr(options, "positional", None)
-    return _fields_help(f"{prog} options", options, lambda name: (
-        f"[{name.upper()} | --{name.replace('_', '-')}]" if name == positional
-        else f"--{name.replace('_', '-')}"))
-
-
 def help_text(prog: str, argv: list[str] | tuple[str, ...] = (), script: type | None = None,
               lead: tuple[str, ...] = ()) -> str:
-    """The script's options, then every config key as this command line resolves it (marked
-    where not the default), `lead` sections first; ConfigError as a run would raise it."""
-    unknown = [s for s in lead if s not in SECTIONS]
-    if unknown:
-        raise ValueError(f"lead names unknown sections {unknown}; sections are {list(SECTIONS)}")
+    """--help: the script's options, then every config key as argv resolves it (engine/
+    config_help.py words it); ConfigError as a run would raise it."""
+    from engine.config_help import render  # its words live apart: a run never loads them
+
     line = parse_command_line(list(argv), script)
-    from_file, cfg, options = resolve_command_line(line, script)
-    count = len(line.overrides)
-    overrides = f" + {count} override{'s' * (count != 1)} from the command line" if count else ""
-    path = resolve_config_path(line.config_name).resolve()
-    label = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    lines = [f"usage: python {prog} [options] [--config NAME] [--section.key=value | "
-             "--key=value ...]", "",
-             f"config: {line.config_name} ({label}){overrides}",
-             "Each key shows the value this command line resolves to; one not the built-in default",
-             f"says where it was set: (config {Path(line.config_name).stem}; default ...) or "
-             "(command line; default ...).", "",
-             f"  {'--config NAME':<13}  configs/NAME.toml or a path (default: {DEFAULT_CONFIG})",
-             f"  {'-h, --help':<13}  this list, for the config and overrides given with it", ""]
-    lines += _script_help(prog, options) if options is not None else []
-    for section in [*lead, *(s for s in SECTIONS if s not in lead)]:
-        lines += _fields_help(section, getattr(cfg, section), lambda name: f"--{section}.{name}",
-                              SECTIONS[section](), getattr(from_file, section),
-                              Path(line.config_name).stem)
-    return "\n".join(lines)
+    return render(prog, line, resolve_config_path(line.config_name), DEFAULT_CONFIG,
+                  resolve_command_line(line, script), SECTIONS, lead)
+
+
+def exit_with_help(prog: str, argv: list[str], script: type | None = None,
+                   lead: tuple[str, ...] = ()) -> None:
+    print(help_text(prog, argv, script, lead))
+    raise SystemExit(0)
+
+
+def help_first(prog: str, script: type | None = None, lead: tuple[str, ...] = (),
+               main: str = "") -> None:
+    """A script's --help answered from the config alone, before the script imports what its run
+    needs (torch, the model): called from the script's top, under `__name__ == "__main__"`
+    (main: that name, so an import of the script does nothing here)."""
+    argv = sys.argv[1:]
+    if main == "__main__" and parse_command_line(argv, script).wants_help:
+        try:
+            exit_with_help(prog, argv, script, lead)
+        except ConfigError as e:  # what a run would say of the config asked about
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def command_line_keys(argv: list[str], section: str, script: type | None = None) -> list[str]:
@@ -608,10 +694,9 @@ def command_line_keys(argv: list[str], section: str, script: type | None = None)
 
 def load_config(argv: list[str], prog: str = "train.py", script: type | None = None,
                 lead: tuple[str, ...] = ()) -> tuple[Config, Any]:
-    """(validated Config, the script's options or None); -h/--help prints help_text and exits."""
+    """(validated Config, the script's options or None); -h/--help prints the help and exits."""
     line = parse_command_line(argv, script)
     if line.wants_help:
-        print(help_text(prog, argv, script, lead))
-        raise SystemExit(0)
+        exit_with_help(prog, argv, script, lead)
     _, cfg, options = resolve_command_line(line, script)
     return cfg, options

@@ -12,15 +12,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from config import Config, ConfigError, help_first, load_config, opt
+from engine.inference.options import InferenceOptions
 
-from config import Config, ConfigError, load_config, opt
+
+@dataclass
+class GenerateOptions(InferenceOptions):
+    """generate.py's options: the model's source, shared with serve.py (--init-from, --sparse);
+    the rest of the command line is the config (sample.*, system.*)."""
+
+    chat: bool = opt(False, "talk to a checkpoint finetuned on instruction data, through its chat "
+                     "template: one turn from --prompt, else a conversation at the terminal (a "
+                     "turn per line of stdin when it is not one)")
+    system: str = opt("", "--chat: a system message to start the conversation with")
+
+
+# --help needs nothing more: it is answered here, before the imports of a run (torch, the model)
+help_first("generate.py", GenerateOptions, lead=("sample",), main=__name__)
+
+import torch  # noqa: E402 (this and what follows: after --help)
+
 from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, device
-from engine.inference.load import InferenceOptions, load_for_inference, prepare_weights
-from engine.inference.matvec import huge_pages_for, set_matvec
-from engine.inference.sampling import (StreamPrinter, call_forward_directly,
-                                      generate_tokens, warm_up)
+from engine.inference.load import load_for_inference, prepare_weights
+from engine.inference.sampling import (StreamPrinter, call_forward_directly, generate_tokens,
+                                      warm_up)
 
 
 def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
@@ -44,17 +60,6 @@ def encode_prompt(tokenizer, prompt: str, block_size: int) -> list[int]:
     return ids[-block_size:]
 
 
-@dataclass
-class GenerateOptions(InferenceOptions):
-    """generate.py's options: the model's source, shared with serve.py (--init-from, --sparse);
-    the rest of the command line is the config (sample.*, system.*)."""
-
-    chat: bool = opt(False, "talk to a checkpoint finetuned on instruction data, through its chat "
-                     "template: one turn from --prompt, else a conversation at the terminal (a "
-                     "turn per line of stdin when it is not one)")
-    system: str = opt("", "--chat: a system message to start the conversation with")
-
-
 def sample(cfg: Config, options: GenerateOptions) -> None:
     """Stream sample.num_samples texts from options.init_from (or the config's checkpoint) to
     stdout."""
@@ -63,7 +68,12 @@ def sample(cfg: Config, options: GenerateOptions) -> None:
     prepared = prepare_weights(model, cfg, options, rt.device)  # decoding: one row
     if prepared.sparse:
         print(prepared.sparse, file=sys.stderr)
-    matvec = set_matvec(model, s.matvec)
+    matvec = pages = "off (CPU only)"
+    if rt.device.type == "cpu":  # one-row products laid out and sliced for a CPU
+        from engine.inference.matvec import huge_pages_for, set_matvec
+
+        matvec = f"{set_matvec(model, s.matvec)} ({s.matvec})"
+        pages = huge_pages_for(s.huge_pages, rt.device)[1]
     call_forward_directly(model)  # the blocks' parts called without nn.Module's hook checks
     tokenizer = from_meta(meta["tokenizer"])
     prompt_ids = encode_prompt(tokenizer, s.prompt, model.config.block_size)
@@ -79,8 +89,7 @@ def sample(cfg: Config, options: GenerateOptions) -> None:
     step = f" (step {meta['step']})" if "step" in meta else ""
     print(f"sampling from {label}{step} on {rt.device} | weights={prepared.weights} "
           f"weight_layout={prepared.weight_layout} "
-          f"({s.weight_layout}) huge_pages={huge_pages_for(s.huge_pages, rt.device)[1]} "
-          f"matvec={matvec} ({s.matvec}) "
+          f"({s.weight_layout}) huge_pages={pages} matvec={matvec} "
           f"kv_cache={'on' if s.kv_cache else 'off'}", file=sys.stderr)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.system.seed)
     if options.chat:  # a conversation through the checkpoint's chat template

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from config import Config, ConfigError, load_config, opt
-from engine import checkpoint, hf, sources
+from engine import checkpoint, hf, saving, sources
 from engine.device import SetupError, resolve_device
 
 
@@ -38,7 +38,7 @@ def run(cfg: Config, o: WeightsOptions) -> None:
     if o.source and not (o.out or o.verify):
         raise ConfigError("nothing to do: add --out DIR to write our checkpoint and/or --verify")
     if o.out:  # a file there: say so before loading anything
-        checkpoint.check_out_dir(o.out, "--out")
+        saving.check_out_dir(o.out, "--out")
     if o.export:  # a LoRA run's adapters come merged into their base
         model, _, meta, _ = sources.load_source(o.export, cfg)
         hf_dir, files = hf.export_hf(model, meta, o.out)

@@ -1,5 +1,6 @@
-"""GPT-2 in one file: its config, LayerNorm, attention, MLP, block and model, forward -> (logits,
-loss), initialisation, context cropping and optimizer groups.
+"""GPT-2 in one file: LayerNorm, attention, MLP, block and model, forward -> (logits, loss),
+initialisation, context cropping and optimizer groups; its config, ModelConfig, is config.py's
+model section (each field with its help and facts).
 
     logits, loss = GPT(ModelConfig(vocab_size=65))(idx, targets)   # (B, T, vocab), float32 loss
 
@@ -29,82 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.fields import FRACTION, NON_NEGATIVE, POSITIVE, opt
+from config import ModelConfig  # the model's section of the one config (torch-free: config.py)
 
 IGNORE_INDEX = -1  # a target that counts in no loss
-
-
-@dataclass
-class ModelConfig:
-    """The GPT's shape, its departures from GPT-2 and how each part is computed (the model sees
-    only this section of the config). What each fact of a field means: engine/fields.py."""
-
-    block_size: int = opt(256, "context length in tokens", fixed=True, hf="n_positions",
-                          check=POSITIVE)
-    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the dataset's meta.json",
-                          fixed=True, hf="vocab_size", check=NON_NEGATIVE)
-    n_layer: int = opt(6, "transformer blocks", fixed=True, hf="n_layer", check=POSITIVE)
-    n_head: int = opt(6, "attention heads per block", fixed=True, hf="n_head", check=POSITIVE)
-    n_embd: int = opt(384, "embedding width", fixed=True, hf="n_embd", check=POSITIVE)
-    dropout: float = opt(0.0, "dropout probability (0 for pretraining, ~0.1 for finetuning)",
-                         check=FRACTION)
-    bias: bool = opt(True, "biases in Linear and LayerNorm layers, as GPT-2", fixed=True)
-    layer_norm_eps: float = opt(1e-5, "LayerNorm epsilon", fixed=True, check=POSITIVE)
-    activation: str = opt("gelu_tanh", "the MLP's activation: GPT-2's tanh GELU, the exact (erf) "
-                          "GELU (nanoGPT's nn.GELU), or relu(x)^2 (the speedrun's)",
-                          ("gelu_tanh", "gelu_erf", "relu2"), fixed=True)
-    # implementations of the same math, each checked against its reference in the tests
-    attention: str = opt("scratch", "softmax(QK^T/sqrt(d))V by hand, or "
-                         "F.scaled_dot_product_attention (Flash kernels)", ("scratch", "sdpa"))
-    causal_mask: str = opt("buffer", "causal mask: a (block, block) buffer, or built per call",
-                           ("buffer", "on_the_fly"))
-    norm: str = opt("scratch", "LayerNorm: written out, or F.layer_norm", ("scratch", "native"))
-    activation_impl: str = opt("scratch", "the activation written out by hand, or torch's kernel "
-                               "(F.gelu; for relu2 a backward of one product)",
-                               ("scratch", "native"))
-    vocab_pad_multiple: int = opt(1, "pad the embedding/LM head rows to a multiple of this "
-                                  "(64: 50257 -> 50304); padded logits never win", fixed=True,
-                                  check=POSITIVE)
-    activation_checkpointing: str = opt("none", "recompute in backward (less memory, ~1/3 more "
-                                        "compute): none|all|attention|mlp|every:K|blocks:0,3,5")
-    loss: str = opt("full", "LM head + cross-entropy: the whole (tokens, vocab) logits, or in "
-                    "chunks of tokens so they never exist (same loss and gradients)",
-                    ("full", "chunked"))
-    # the speedrun's departures from GPT-2 (the module docstring says where each acts)
-    position: str = opt("learned", "positions: GPT-2's learned embedding added to the tokens, "
-                        "or rotary (RoPE: each head's queries and keys rotated by their "
-                        "position)", ("learned", "rotary"), departure=True,
-                        gpt2="learned positions")
-    rope_base: float = opt(10000.0, "position=rotary: the base of the rotation frequencies",
-                           departure=True, check=("> 1", lambda v, _: v > 1))
-    qk_norm: bool = opt(False, "RMS-normalize each head's queries and keys before attention (no "
-                        "weights): attention logits stay bounded at high learning rates",
-                        departure=True, gpt2="no query/key norm")
-    attn_scale: float = opt(0.0, "attention logits = scale x q.k; 0 = 1/sqrt(head size) "
-                            "(GPT-2); with qk_norm the logits lie within +-scale x head size",
-                            departure=True, check=NON_NEGATIVE,
-                            gpt2="logits scaled by 1/sqrt(head size)")
-    value_embeds: int = opt(0, "value embeddings: blocks i and n_layer-1-i, for each i < K, add "
-                            "an embedding of the token (one table per pair), times a learned "
-                            "weight that starts at 0, to attention's values; 0 = off",
-                            departure=True, gpt2="no value embeddings",
-                            check=("<= n_layer // 2", lambda v, m: 0 <= v <= m.n_layer // 2))
-    tie_embeddings: bool = opt(True, "the LM head is the token embedding (GPT-2); false: an LM "
-                               "head of its own", departure=True, kernel=True)
-    zero_init_head: bool = opt(False, "an untied LM head starts at zero (uniform first logits)",
-                               departure=True, kernel=True, fixed=False)
-    zero_init_proj: bool = opt(False, "the blocks' output projections (attn.c_proj, "
-                               "mlp.c_proj) start at zero: each block starts as the identity",
-                               departure=True, kernel=True, fixed=False)
-    logit_softcap: float = opt(0.0, "logits = cap * tanh(logits / cap) (Gemma 2); 0 = off",
-                               departure=True, kernel=True, check=NON_NEGATIVE,
-                               gpt2="uncapped logits")
-    unet_skips: bool = opt(False, "U-net skips: block i's output, times a learned weight that "
-                           "starts at 0, is added to block n_layer-1-i's input, for each i in "
-                           "the first half", departure=True, gpt2="no skips between blocks")
-    smear: bool = opt(False, "each token's embedding gets the previous token's added, times a "
-                      "learned per-channel weight that starts at 0 (a bigram the first block "
-                      "sees directly)", departure=True, gpt2="no previous-token embedding")
+# each block's Linears, in the order forward runs them: the one list every other module reads
+# (the packed kernels, LoRA, int8, the Hugging Face export, the sparse benchmark)
+BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class LayerNorm(nn.Module):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from config import Config, ConfigError, load_options, opt
-from engine import checkpoint, loading, pruning, sources
+from engine import checkpoint, loading, pruning, saving, sources
 from engine.inference import sparse
 
 
@@ -50,7 +50,7 @@ def prune_checkpoint(o: PruneOptions) -> Path:
                           "needed: python prune.py --checkpoint RUN_OR_CKPT --sparsity 0.5 "
                           "--out NEW_DIR")
     pruning.check_request(o.sparsity, o.pattern)  # before the loading
-    checkpoint.check_out_dir(o.out, "--out")
+    saving.check_out_dir(o.out, "--out")
     if (latest := checkpoint.latest_checkpoint(o.out)) is not None:
         raise ConfigError(f"--out {o.out} already holds a checkpoint ({latest.name}); pass a new "
                           "directory")
@@ -59,7 +59,7 @@ def prune_checkpoint(o: PruneOptions) -> Path:
     cfg.train.out_dir, cfg.train.init_from = o.out, "scratch"
     info = {key: meta[key] for key in ("tokenizer", "dataset", "tokens_seen") if key in meta}
     info["pruned"] = {"from": label, "sparsity": o.sparsity, "pattern": o.pattern}
-    path = checkpoint.save(o.out, meta.get("step", 0), model, cfg, info, out_flag="--out")
+    path = saving.save(o.out, meta.get("step", 0), model, cfg, info, out_flag="--out")
     print(f"{label} ({o.pattern}, sparsity {o.sparsity}) -> {pruning.describe(model)}; "
           f"embeddings, head, biases and norms untouched -> {path}")
     return path

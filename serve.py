@@ -16,15 +16,19 @@ import gc
 import importlib.util
 import sys
 
-import torch
+from config import Config, ConfigError, help_first, load_config
+from engine.serving.options import ServeOptions
 
-from config import Config, ConfigError, load_config
+# --help needs nothing more: it is answered here, before the imports of a run (torch, the model)
+help_first("serve.py", ServeOptions, lead=("sample", "system"), main=__name__)
+
+import torch  # noqa: E402 (this and what follows: after --help)
+
 from data.chat_template import TemplateError
 from data.tokenizer import TokenizerError
 from engine import checkpoint
 from engine.device import SetupError
 from engine.inference.matvec import huge_pages_for, weight_layout_for
-from engine.serving.options import ServeOptions
 from engine.serving.supervisor import Supervisor, device_before_fork, load_for_serving, log
 
 

@@ -7,8 +7,8 @@
 
 engine/training/build.py builds the run (data, the model with its speedups applied, optimizer, a
 resumed run's state, the run log); train(cfg): build_run, then the loop (evaluate and checkpoint
-every eval_interval steps, one train_step per step: engine/training/step.py) until max_iters or a
-stop request.
+every eval_interval steps; each step, one_step: the schedule, the micro-batches and the update of
+engine/training/step.py) until max_iters or a stop request.
 """
 from __future__ import annotations
 
@@ -17,15 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-
-from config import Config, ConfigError, load_config, opt
-from data.dataset import DataError, load_or_prepare
-from engine import checkpoint, device
-from engine.training import launch, memory_estimate, metrics, processes, resume, speedups
-from engine.training.build import Run, build_run
-from engine.training.optim import lr_at, momentum_at, set_momentum
-from engine.training.step import NonFiniteGuard, StepResult, evaluate, train_step
+from config import Config, ConfigError, help_first, load_config, opt
 
 
 @dataclass
@@ -34,6 +26,20 @@ class TrainOptions:
 
     estimate_memory: bool = opt(False, "print the memory estimate for this config and exit "
                                 "without training")
+
+
+# --help needs nothing more: it is answered here, before the imports of a run (torch, the model)
+help_first("train.py", TrainOptions, main=__name__)
+
+import torch  # noqa: E402 (this and what follows: after --help)
+
+from data.dataset import DataError, load_or_prepare
+from engine import checkpoint, device, saving
+from engine.training import launch, metrics, processes, resume, speedups
+from engine.training.build import Run, build_run
+from engine.training.optim import lr_at, momentum_at, set_schedule
+from engine.training.step import (NonFiniteGuard, StepResult, Trainer, evaluate,
+                                  forward_backward, update)
 
 
 def print_banner(run: Run) -> None:
@@ -48,7 +54,11 @@ def print_banner(run: Run) -> None:
           f"activation_checkpointing={cfg.model.activation_checkpointing} "
           f"empty_cache={'on' if cfg.system.empty_cache else 'off'} "
           f"prefetch={run.batches.prefetch_note} loader_workers={cfg.data.loader_workers}")
-    print(memory_estimate.format_estimate(memory_estimate.estimate(cfg, run.dist.world_size), cfg))
+    if run.rt.device.type == "cuda" or m.num_params(False) * 16 > 2**30:  # memory may run short
+        from engine.training import memory_estimate  # (weights, grads, AdamW: 16 B a parameter)
+
+        print(memory_estimate.format_estimate(memory_estimate.estimate(cfg, run.dist.world_size),
+                                              cfg))
     for line in notes.lines:
         print(f"note: {line}")
 
@@ -76,7 +86,7 @@ def save(run: Run, step: int, next_batch: tuple, stop: resume.StopRequest) -> No
         return
     weights, extra = run.checkpoint_weights()  # a LoRA run: its adapters and their base
     if dist.is_main:
-        checkpoint.save(t.out_dir, step, run.raw_model, run.cfg, {**extra, **info}, state,
+        saving.save(t.out_dir, step, run.raw_model, run.cfg, {**extra, **info}, state,
                         t.keep_checkpoints, weights=weights)
 
 
@@ -98,6 +108,19 @@ def cuda_peak_memory(device: torch.device) -> tuple[int, int] | None:
     peak = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     return peak
+
+
+def one_step(run: Run, trainer: Trainer, batch: tuple, step: int,
+             stop: resume.StopRequest) -> tuple[StepResult, float]:
+    """Step `step` (0-based): its learning rate and Muon momentum, the micro-batches' forward
+    and backward, their loss averaged over the ranks (a stop any rank received reaches every
+    one), then the update, skipped on every rank alike when that loss or the gradients are
+    non-finite -> (the step's result, its lr)."""
+    lr = lr_at(step, run.cfg)
+    set_schedule(trainer.optimizer, lr, momentum_at(step, run.cfg))
+    loss_sum, next_batch = forward_backward(trainer, batch)
+    loss_sum = run.dist.sync_step(loss_sum, stop)  # one process: as it is
+    return StepResult(loss_sum, *update(trainer, loss_sum), next_batch), lr
 
 
 def log_step(run: Run, step: int, result: StepResult, lr: float,
@@ -132,7 +155,7 @@ def report_skips(run: Run, guard: NonFiniteGuard, stop: resume.StopRequest) -> N
 
 def train(cfg: Config) -> dict:
     """Train as configured (one process, or one rank of a launcher's job); returns the summary."""
-    checkpoint.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
+    saving.check_out_dir(cfg.train.out_dir)  # a file there: say so before any work
     dist = launch.init(cfg)
     run = build_run(cfg, dist)
     print_banner(run)
@@ -143,10 +166,7 @@ def train(cfg: Config) -> dict:
     guard = NonFiniteGuard(t.max_nonfinite_steps)
     last_log = (step, time.perf_counter())  # (step, time) of the last log line
     with resume.StopRequest(synced=dist.enabled) as stop, run.log:
-        def sync(loss_sum: torch.Tensor) -> torch.Tensor:  # the mean over ranks; shares stops
-            return dist.sync_step(loss_sum, stop)
-
-        trainer = run.trainer(sync)
+        trainer = run.trainer()
         while True:
             due = step % t.eval_interval == 0 and (step or t.eval_at_start)
             if (due or step == t.max_iters) and counters.eval_step != step:
@@ -159,9 +179,7 @@ def train(cfg: Config) -> dict:
                 last_log = (step, time.perf_counter())
             if step >= t.max_iters or stop:
                 break
-            lr = lr_at(step, cfg)
-            set_momentum(trainer.optimizer, momentum_at(step, cfg))
-            result = train_step(trainer, (x, y), lr)
+            result, lr = one_step(run, trainer, (x, y), step, stop)
             x, y = result.next_batch
             step += 1
             counters.step, counters.tokens_seen = step, counters.tokens_seen + run.tokens_per_step
@@ -196,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, options = load_config(sys.argv[1:] if argv is None else argv, prog="train.py",
                                    script=TrainOptions)
         if options.estimate_memory:  # without building the model: vocab_size from the data
+            from engine.training import memory_estimate
+
             meta = {} if cfg.model.vocab_size else load_or_prepare(cfg.data.dataset)
             cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
             print(memory_estimate.describe(cfg, processes.launch_env()[2]))
@@ -206,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return fail("interrupted: nothing saved since the last checkpoint", 130)
     except OSError as e:  # a full disk outside a checkpoint save (those say more): metrics, data
-        if (cause := checkpoint.disk_full_cause(e)) is None:
+        if (cause := saving.disk_full_cause(e)) is None:
             raise
         return fail(f"{where}error: {cause} writing {e.filename or 'out_dir'}; free some "
                     "space there, or pass --out_dir=<a directory on a disk with room>", 2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -25,50 +25,6 @@ def is_instruction_file(name: str) -> bool:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
-def write_atomic(path: Path, payload: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_meta(out_dir: Path, tokenizer, splits: dict[str, int], **extra) -> dict:
-    """meta.json, written last: a folder that has one holds a complete dataset."""
-    meta = {"vocab_size": tokenizer.vocab_size, "dtype": token_dtype(tokenizer.vocab_size).name,
-            "tokenizer": tokenizer.meta(), "splits": splits, **extra}
-    write_atomic(Path(out_dir) / "meta.json", json.dumps(meta, indent=1).encode())
-    return meta
-
-
-def write_dataset(out_dir: Path, tokenizer, train_ids, val_ids, source: str = "") -> dict:
-    """Write train.bin, val.bin and then meta.json."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for split, ids in (("train", train_ids), ("val", val_ids)):
-        arr = np.asarray(ids, dtype=token_dtype(tokenizer.vocab_size))
-        write_atomic(out_dir / f"{split}.bin", arr.tobytes())
-        counts[split] = int(arr.size)
-    return write_meta(out_dir, tokenizer, counts, source=source)
-
-
-def write_text(out_dir: Path, source: Path, make_tokenizer: Callable, val_fraction=0.1) -> dict:
-    """A text file as a dataset, tokenized by make_tokenizer(text): the first 90% of the characters
-    train, the rest val, so every tokenizer holds out the same text."""
-    text = Path(source).read_text(encoding="utf-8")
-    if not text.strip():
-        raise DataError(f"{source} has no text to tokenize")
-    tok, split = make_tokenizer(text), int(len(text) * (1 - val_fraction))
-    # ordinary encoding: a literal "<|endoftext|>" in the text stays text, never the special token
-    meta = write_dataset(out_dir, tok, tok.encode_ordinary(text[:split]),
-                         tok.encode_ordinary(text[split:]), source=Path(source).name)
-    print(f"{out_dir}: {tok.kind} tokens ({meta['vocab_size']:,} ids), "
-          f"{meta['splits']['train']:,} train and {meta['splits']['val']:,} val tokens")
-    return meta
 
 
 def prepare_command(name: str) -> str:
@@ -108,8 +64,12 @@ def load_or_prepare(name: str) -> dict:
         if not (folder and getattr(importlib.import_module(f"data.{name}"),
                                    "PREPARE_ON_FIRST_USE", False)):
             raise
-    print(f"preparing {name} (from the bundled text) ...")
-    importlib.import_module(f"data.{name}.prepare").prepare()
+    print(f"preparing {name} (from the bundled text) ...", flush=True)
+    # its own script in a process of its own, as a user would run it: a run never loads it
+    done = subprocess.run([sys.executable, str(DATA_DIR / name / "prepare.py")])
+    if done.returncode:
+        raise DataError(f"preparing {name} failed (exit {done.returncode}, its words above); "
+                        f"run {prepare_command(name)} to try again")
     return load_meta(name)
 
 

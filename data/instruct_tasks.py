@@ -1,7 +1,7 @@
 """Small instruction tasks whose answers can be checked exactly, written as instruction data
 (data/instruct.py): to try finetuning on a CPU in minutes, and to measure it (bench.py finetune).
 
-    python -m data.instruct_tasks reverse --out data/tasks   # reverse_train.jsonl, reverse_val.jsonl
+    python -m data.instruct_tasks reverse --out data/tasks  # reverse_train.jsonl, reverse_val.jsonl
 
 reverse: "Reverse the word: night" -> "thgin"; sort: "Sort the letters: night" -> "ghint". The
 words come from tiny Shakespeare (lower case, 3 to 7 letters), so a character model trained on it

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data.dataset import DataError, Tokens, check_vocab, load_meta, write_dataset  # noqa: F401 (re-exported)
+from data.dataset import DataError, Tokens, check_vocab, load_meta  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     import torch  # imported where batches become tensors: the preparation workers never need it

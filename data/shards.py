@@ -29,9 +29,11 @@ from typing import Iterator
 import numpy as np
 
 from config import ConfigError, load_options, opt
-from data.dataset import DataError, token_dtype, write_atomic, write_meta
+from data.dataset import DataError, token_dtype
+from data.writing import write_atomic, write_meta
 from data.stream import Batch, Source, open_stream, peak_rss_mib, read_batches, tokenize_in_order
-from data.tokenizer import GPT2Tokenizer, Tokenizer, TokenizerError
+from data.bpe import GPT2Tokenizer
+from data.tokenizer import TokenizerError
 from data.train_tokenizer import named_tokenizer
 
 STATE_FILE = "prepare_state.json"
@@ -322,7 +324,7 @@ def rename_shard(partial: Path, final: Path) -> None:
         os.close(fd)
 
 
-def finish_meta(out_dir: Path, state: dict, source: Source, tok: Tokenizer) -> dict:
+def finish_meta(out_dir: Path, state: dict, source: Source, tok: GPT2Tokenizer) -> dict:
     shards, settings = state["shards"], state["settings"]
     counts = {split: sum(s["tokens"] for s in shards[split]) for split in SPLIT_ORDER}
     if not counts["train"] and settings["val_tokens"]:
@@ -350,7 +352,7 @@ def prepare(source: Source, out_dir: str | Path, shard_tokens: int = 100_000_000
             val_tokens: int | None = None, max_tokens: int = 0, workers: int = 1,
             docs_per_task: int = 256, commit_tokens: int = 16_000_000,
             expected_tokens: int = 0, progress: bool = True,
-            tok: Tokenizer | None = None) -> dict:
+            tok: GPT2Tokenizer | None = None) -> dict:
     """Stream `source` into token shards in out_dir (resuming), tokenized by `tok` (GPT-2's by
     default), the first val_tokens val (None: the default split); meta.json's content + `run`."""
     check_sizes(shard_tokens, val_tokens, max_tokens, workers, docs_per_task)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from data.dataset import DataError, token_dtype
-from data.tokenizer import GPT2Tokenizer, from_meta
+from data.bpe import GPT2Tokenizer
+from data.tokenizer import from_meta
 
 if TYPE_CHECKING:
     import datasets  # imported where used: it is slow to import and the workers never need it

@@ -23,11 +23,11 @@ from typing import ClassVar, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
-from data.dataset import write_atomic  # noqa: E402
+from data import EOT_TEXT, TokenizerError  # noqa: E402
+from data.bpe import GPT2_PATTERN, BPETokenizer, GPT2Tokenizer, ranks_text  # noqa: E402
+from data.writing import write_atomic  # noqa: E402
 from data.text_files import (Tally, documents, input_files, metered,  # noqa: E402
                              skipped_note, text_files)
-from data.tokenizer import (EOT_TEXT, GPT2_PATTERN, BPETokenizer, GPT2Tokenizer,  # noqa: E402
-                            TokenizerError, ranks_text)
 
 RANKS_FILE, META_FILE = "tokenizer.tiktoken", "tokenizer.json"
 # split patterns by name: GPT-2's, and cl100k's (GPT-4's: contractions in either case, digits in
@@ -120,8 +120,9 @@ def train_hf(texts: Iterator[str], n_ranks: int, pattern: str) -> list[bytes]:
     try:
         split = Regex(pattern)
     except Exception as e:  # tokenizers raises a bare Exception
-        raise TokenizerError(f"--pattern {pattern!r} is a regex tiktoken can use but Hugging Face "
-                             f"tokenizers' Oniguruma cannot ({e}); pass --trainer rustbpe") from None
+        raise TokenizerError(f"--pattern {pattern!r} is a regex tiktoken can use but Hugging "
+                             f"Face tokenizers' Oniguruma cannot ({e}); pass --trainer "
+                             "rustbpe") from None
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(split, behavior="isolated"),

@@ -1,6 +1,6 @@
 """The device a process runs on, set up the same way by every script: the device, seeds, threads
 and precision (autocast, TF32, dtype=auto); what the machine is (CPU model, vector ISA, native
-bf16); its peak FLOP/s for MFU and its measured matmul rate for the start-up time estimate.
+bf16). What a training run will cost on it: engine/training/metrics.py.
 
     rt = setup(cfg.system)          # rt.device, rt.dtype; `with rt.autocast(): ...`
 """
@@ -11,7 +11,6 @@ import functools
 import os
 import platform
 import random
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -201,69 +200,6 @@ def setup(system: SystemConfig, device: str = "") -> Runtime:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
     return Runtime(device=device, dtype=dtype, tf32=tf32, notes=notes)
-
-
-def peak_flops(rt: Runtime, override: float = 0.0) -> float:
-    """Peak FLOP/s at the precision in use; 0 when unknown (no MFU)."""
-    if override:
-        return override
-    if rt.device.type != "cuda":
-        return 0.0
-    from engine.gpu_peaks import PEAK_FLOPS  # the datasheets' table
-
-    name = torch.cuda.get_device_name(rt.device)
-    for key, (half, tf32, fp32) in PEAK_FLOPS:
-        if key in name:
-            return half if rt.dtype != torch.float32 else tf32 if rt.tf32 else fp32
-    return 0.0
-
-
-@functools.cache
-def matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) -> float:
-    """FLOP/s of square matmuls in dtype on device, measured in about `seconds` (once per
-    process): the size doubles from 256 (2048 on CUDA) while a product takes under a quarter of
-    that (small ones measure overheads, not the rate), then the fastest of the repeats counts."""
-    cuda = device.type == "cuda"
-    n, limit = (2048, 8192) if cuda else (256, 2048)
-    rt = Runtime(device=device, dtype=dtype, tf32=False, notes=[])
-
-    def product_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
-        rt.synchronize()
-        start = time.perf_counter()
-        a @ b
-        rt.synchronize()
-        return time.perf_counter() - start
-
-    begin = time.perf_counter()
-    while True:
-        a, b = (torch.ones(n, n, device=device, dtype=dtype) for _ in range(2))  # no RNG draws
-        product_seconds(a, b)  # the first call sets up the kernel
-        best = product_seconds(a, b)
-        if best > seconds / 4 or n >= limit or time.perf_counter() - begin > seconds:
-            break
-        n *= 2
-    while time.perf_counter() - begin < seconds:
-        best = min(best, product_seconds(a, b))
-    return 2 * n**3 / best
-
-
-def time_estimate(flops_per_step: float, steps: int, eval_flops: float, rate: float) -> dict:
-    """Seconds per step and for the run (steps + eval_flops of evaluation) at `rate` FLOP/s.
-    Every FLOP counted at the matmul rate: real steps add memory-bound work on top."""
-    step_s = flops_per_step / rate
-    return {"step_s": step_s, "run_s": step_s * steps + eval_flops / rate, "rate": rate}
-
-
-def format_seconds(seconds: float) -> str:
-    """'850 ms', '12.3 s', '4m05s', '3h12m'."""
-    if seconds < 1:
-        return f"{1000 * seconds:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes = seconds / 60
-    if minutes < 60:
-        return f"{int(minutes)}m{int(seconds % 60):02d}s"
-    return f"{int(minutes // 60)}h{int(minutes % 60):02d}m"
 
 
 def format_bytes(n: int) -> str:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from config import Config, ConfigError, command_line_keys, load_config, opt
 from data.dataset import DataError
-from data.tokenizer import GPT2Tokenizer, TokenizerError, from_meta
+from data.bpe import GPT2Tokenizer
+from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, sources
 from engine.device import Runtime, SetupError, setup
 

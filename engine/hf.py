@@ -16,13 +16,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from config import Config, ModelConfig
-from data.tokenizer import (GPT2_EOT, GPT2_RANKS, BPETokenizer, GPT2Tokenizer, from_meta,
-                            load_ranks)
-from engine import checkpoint, loading
+from data import GPT2_EOT
+from data.bpe import GPT2_RANKS, BPETokenizer, GPT2Tokenizer, load_ranks
+from data.tokenizer import from_meta
+from engine import checkpoint, loading, saving
 from engine.checkpoint import first_line
 from engine.context import rows_past_block, source_context
 from engine.fields import facts
-from model import ACTIVATIONS, GPT
+from model import ACTIVATIONS, BLOCK_LINEARS, GPT
 
 GPT2_MODEL_IDS = {name: f"openai-community/{name}"
                   for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -30,8 +31,9 @@ HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json",
              "model-*.safetensors"]
 GPT2_VOCAB = 50257
 SHAPE = facts(ModelConfig, "hf")  # our shape keys -> their GPT2Config keys
-BLOCK_PARTS = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+BLOCK_PARTS = ("ln_1", *(n for n in BLOCK_LINEARS if n.startswith("attn.")), "ln_2",
+               *(n for n in BLOCK_LINEARS if n.startswith("mlp.")))
+CONV1D = tuple(f"{name}.weight" for name in BLOCK_LINEARS)  # HF's Conv1D: transposed
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 VERIFY_TEXT = ("Hello, I'm a language model, and I can tell you that the weights were mapped "
                "correctly when the logits agree to the last few digits.")
@@ -227,10 +229,10 @@ def load_hf(source: str, model_cfg: ModelConfig | None = None) -> tuple[GPT, Pat
     for ours, theirs in SHAPE.items():
         setattr(model_cfg, ours, hf[theirs])
     model_cfg.layer_norm_eps = float(hf.get("layer_norm_epsilon", 1e-5))
-    model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))
     model_cfg.bias = True  # GPT-2 has biases everywhere
     for name in facts(ModelConfig, "departure"):  # GPT-2's architecture, whatever was asked
         setattr(model_cfg, name, getattr(ModelConfig(), name))
+    model_cfg.activation = our_activation(hf.get("activation_function", "gelu_new"))  # its own
     model_cfg.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
     model = GPT(model_cfg)
     state = hf_to_ours(read_hf_weights(hf_dir), model, str(hf_dir))
@@ -368,7 +370,7 @@ def write_hf_dir(model: GPT, out: Path, tokenizer: dict | None = None) -> list[s
     and moved into place once complete, so a failure leaves `out` as it was."""
     out = Path(out)
     check_gpt2_can_hold(model.config, f"export to {out}")
-    checkpoint.check_out_dir(out, "--out")
+    saving.check_out_dir(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_hf(model)
     config = hf_config(model.config, source_context(model))
@@ -377,12 +379,12 @@ def write_hf_dir(model: GPT, out: Path, tokenizer: dict | None = None) -> list[s
     files = {"config.json": json.dumps(config, indent=2).encode()}
     if tokenizer is not None and tokenizer.get("kind") in ("gpt2", "bpe"):
         files.update(hf_tokenizer_files(config["n_positions"], tokenizer))
-    needed = checkpoint.bytes_to_write(tensors, *files.values())
+    needed = saving.bytes_to_write(tensors, *files.values())
     staging = out if out.is_dir() else out.parent  # the same filesystem: renames work
-    with checkpoint.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
+    with saving.staging_dir(staging, ".tmp_export_", f"Hugging Face export {out}", needed,
                                 "--out") as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        checkpoint.write_files(tmp, files)
+        saving.write_files(tmp, files)
         if out.is_dir():
             for f in tmp.iterdir():
                 os.replace(f, out / f.name)
@@ -437,7 +439,7 @@ def import_checkpoint(model: GPT, source: str, hf_dir: Path, out: str | Path) ->
     cfg.train.out_dir, cfg.train.init_from = str(out), source
     meta = {"source": f"{source} ({hf_dir})", "losses": {}, "tokens_seen": 0,
             "tokenizer": tokenizer_meta(model.config.vocab_size, hf_dir)}
-    return checkpoint.save(out, 0, model, cfg, meta, out_flag="--out")
+    return saving.save(out, 0, model, cfg, meta, out_flag="--out")
 
 
 def describe(model: GPT) -> str:

@@ -33,9 +33,7 @@ from engine.context import fit_context
 from engine.fields import facts
 from engine.loading import read_config
 from engine.vocab import grow_vocab
-from model import GPT
-
-BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+from model import BLOCK_LINEARS, GPT
 NEW_ROWS = "transformer.wte.new_rows"  # adapter.safetensors' name for NewRows' rows
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from config import Config, ConfigError, LoraConfig
-from engine import checkpoint
+from engine import saving
 from engine.checkpoint import CheckpointError
 from engine.sources import load_source
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{label} holds no adapters: it is a full checkpoint already")
         cfg.lora = LoraConfig()  # the weights hold the adapters now
         info = {k: v for k, v in meta.items() if k not in ("lora", "step")}
-        saved = checkpoint.save(args.out_dir, meta["step"], model, cfg, info, out_flag="OUT_DIR")
+        saved = saving.save(args.out_dir, meta["step"], model, cfg, info, out_flag="OUT_DIR")
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 
 import config as config_mod
 from config import ConfigError
-from engine import checkpoint
+from engine import checkpoint, saving
 from engine.checkpoint import SHARDS, TIED, CheckpointError
 from engine.device import format_bytes
 from model import GPT
@@ -164,8 +164,8 @@ class ShardedWriter:
         state, tmp = state_dicts(model, optimizer), self.out / f"{STAGING}{step:07d}"
         problem = None
         if self.dist.is_main:  # tidy, then make room: before any rank writes
-            checkpoint.recover(self.out)
-            problem = self.room_error(checkpoint.bytes_to_write(state, train_state))
+            saving.recover(self.out)
+            problem = self.room_error(saving.bytes_to_write(state, train_state))
             if problem is None:
                 tmp.mkdir(parents=True, exist_ok=True)
         if not self.dist.all_true(not self.dist.is_main or problem is None):
@@ -197,7 +197,7 @@ class ShardedWriter:
             return None
         def text(n: int) -> str:
             return f"{n:,} bytes" + (f" ({format_bytes(n)})" if n >= 2**20 else "")
-        return checkpoint.DiskFullError(
+        return saving.DiskFullError(
             f"cannot write a sharded checkpoint in {self.out}: it needs about {text(needed)} "
             f"and {text(usage.free)} are free there; free some space, or pass "
             f"--out_dir=<a directory on a disk with room>{self.note()}")
@@ -216,7 +216,7 @@ class ShardedWriter:
                 self.publish(p)
             except OSError as e:
                 shutil.rmtree(p.tmp, ignore_errors=True)
-                p.error = checkpoint.disk_full_cause(e) or checkpoint.first_line(e)
+                p.error = saving.disk_full_cause(e) or checkpoint.first_line(e)
 
     def wait(self) -> None:
         """Block until the save under way is on disk, published; a failed one raises."""
@@ -231,7 +231,7 @@ class ShardedWriter:
             if self.dist.is_main:
                 shutil.rmtree(p.tmp, ignore_errors=True)
             why = failure(e)
-            if cause := checkpoint.disk_full_cause(Exception(why)):
+            if cause := saving.disk_full_cause(Exception(why)):
                 why = f"{cause}; free some space, or pass --out_dir=<a directory with room>"
             raise CheckpointError(f"saving the sharded checkpoint of step {p.step} failed "
                                   f"({why}){self.note()}") from None
@@ -240,8 +240,8 @@ class ShardedWriter:
 
     def publish(self, p: Pending) -> None:
         """The shards are complete: add the rest, rename into place, drop the oldest."""
-        checkpoint.write_rest(p.tmp, p.step, p.masks, p.cfg, p.meta, p.train_state)
-        checkpoint.publish(p.tmp, self.out / f"ckpt_{p.step:07d}", self.keep)
+        saving.write_rest(p.tmp, p.step, p.masks, p.cfg, p.meta, p.train_state)
+        saving.publish(p.tmp, self.out / f"ckpt_{p.step:07d}", self.keep)
         fd = os.open(self.out, os.O_RDONLY)  # the rename made durable
         try:
             os.fsync(fd)

@@ -20,12 +20,12 @@ import load_gpt2_weights as gpt2
 import train
 from config import Config
 from conftest import tiny_model_config, train_args
-from engine import checkpoint, hf, loading
+from engine import checkpoint, hf, loading, saving
 from engine.training import metrics
 from model import GPT
 
 FREE = 123_456_789  # what the patched shutil.disk_usage reports, so messages are exact
-SAFETENSORS = (checkpoint, "save_file")
+SAFETENSORS = (saving, "save_file")
 TORCH_SAVE = (torch, "save")
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 # what safetensors 0.8 and torch 2.13 raise when the disk fills up (seen on a full tmpfs)
@@ -113,7 +113,7 @@ def tiny_save(out: Path, step: int, **kwargs) -> Path:
     cfg.model = tiny_model_config()
     torch.manual_seed(step)
     state = {"optimizer": {"exp_avg": torch.randn(3000)}, "step": torch.tensor(step)}
-    return checkpoint.save(out, step, GPT(cfg.model), cfg, {}, state, **kwargs)
+    return saving.save(out, step, GPT(cfg.model), cfg, {}, state, **kwargs)
 
 
 @pytest.mark.parametrize("form", FULL_DISK)
@@ -123,7 +123,7 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(form, tmp_path, mon
     out = tmp_path / "run"
     previous = tiny_save(out, 1)
     fail_writes(monkeypatch, writer, error)
-    with pytest.raises(checkpoint.DiskFullError) as raised:
+    with pytest.raises(saving.DiskFullError) as raised:
         tiny_save(out, 2)
     message = str(raised.value)
     needed = needed_bytes(message)
@@ -143,7 +143,7 @@ def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch, 
     previous = tiny_save(out, 1)
     calls = fail_writes(monkeypatch, SAFETENSORS, AssertionError("nothing may be written"))
     free_space.free = 1000
-    with pytest.raises(checkpoint.DiskFullError, match=r"^cannot write checkpoint .*ckpt_0000002: "
+    with pytest.raises(saving.DiskFullError, match=r"^cannot write checkpoint .*ckpt_0000002: "
                        r"not enough free space: it needs about [\d,]+ bytes and 1,000 bytes are "
                        "free there; free some space, or pass --out_dir=<a directory on a disk "
                        "with room>; the last complete checkpoint, .*ckpt_0000001, is intact$"):

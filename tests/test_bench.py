@@ -21,9 +21,9 @@ def test_chain_adds_flags_one_by_one_from_the_reference_path():
     cfg = gpt2_cfg()  # the recipe has every speedup on: the baseline must switch them off
     rows = ablation.plan(cfg, ablation.parse_steps(ablation.DEFAULT_ORDER), "chain")
     base = rows[0]["config"]
-    assert (base.model.attention, base.model.causal_mask, base.model.norm, base.model.activation_impl,
-            base.model.vocab_pad_multiple, base.system.dtype, base.system.tf32,
-            base.system.compile, base.train.fused_adamw, base.data.pin_memory,
+    assert (base.model.attention, base.model.causal_mask, base.model.norm,
+            base.model.activation_impl, base.model.vocab_pad_multiple, base.system.dtype,
+            base.system.tf32, base.system.compile, base.train.fused_adamw, base.data.pin_memory,
             base.train.batch_size_auto) == ("scratch", "buffer", "scratch", "scratch", 1,
                                             "float32", False, False, False, False, False)
     assert (base.model.loss, base.train.optimizer) == ("full", "adamw")
@@ -34,13 +34,13 @@ def test_chain_adds_flags_one_by_one_from_the_reference_path():
         kept.append(ablation.with_flag(kept[-1], r["flag"], r["value"]))
     last = kept[-1]
     assert (last.model.loss, last.train.optimizer) == ("chunked", "muon")
-    assert (last.model.attention, last.model.causal_mask, last.model.norm, last.model.activation_impl,
-            last.model.vocab_pad_multiple, last.system.dtype, last.system.tf32,
-            last.system.compile, last.train.fused_adamw, last.data.pin_memory,
+    assert (last.model.attention, last.model.causal_mask, last.model.norm,
+            last.model.activation_impl, last.model.vocab_pad_multiple, last.system.dtype,
+            last.system.tf32, last.system.compile, last.train.fused_adamw, last.data.pin_memory,
             last.train.batch_size_auto) == ("sdpa", "on_the_fly", "native", "native", 64,
                                             "auto", True, True, True, True, True)
-    sdpa = kept[[r["flag"] for r in rows].index("attention")]
-    assert sdpa.model.norm == "native" and not sdpa.system.compile  # earlier flags only
+    padded = kept[[r["flag"] for r in rows].index("vocab_pad")]  # config.py's order of fields
+    assert padded.model.norm == "native" and not padded.system.compile  # earlier flags only
     assert cfg.model.attention == "sdpa"  # planning leaves the given config alone
 
 
@@ -277,8 +277,9 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(in_process, char_dataset, 
 def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys):
     """Two recipes of the same math (the reference path, then every speedup) reach the target at
     the same evaluation with close losses; each run is stopped there; table, JSON and plot."""
-    code = bench.main(["to-loss", "3.5", "--recipes", "reference,every speedup,+ rotary",
-                       "--eval-every", "10", "--results", str(tmp_path), "--name", "t"])
+    code = bench.main(["to-loss", "3.5", "--recipes",
+                       "reference,every speedup,+ position=rotary", "--eval-every", "10",
+                       "--results", str(tmp_path), "--name", "t"])
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((tmp_path / "to_loss_t.json").read_text())
@@ -417,13 +418,13 @@ def test_serve_command_refuses_a_missing_checkpoint_and_an_unknown_part(tmp_path
 
 def test_serve_prefill_part_reports_gaps_for_each_chunk_setting(tmp_path):
     from config import Config
-    from engine import checkpoint
+    from engine import saving
     from model import GPT
     from tests.conftest import tiny_model_config
     cfg = Config()
     cfg.model = tiny_model_config(n_embd=32, block_size=32, vocab_size=26)
     meta = {"tokenizer": {"kind": "char", "chars": [chr(ord("a") + i) for i in range(26)]}}
-    ckpt = checkpoint.save(tmp_path / "run", 1, GPT(cfg.model), cfg, meta)
+    ckpt = saving.save(tmp_path / "run", 1, GPT(cfg.model), cfg, meta)
     assert bench.main(["serve", f"--checkpoint={ckpt}", "--parts=prefill", "--chunks=0,8",
                        "--rounds=1", "--streams=2", "--long-prompts=1", "--slots=4",
                        "--threads=1", f"--results={tmp_path}", "--name=t"]) == 0
@@ -453,14 +454,14 @@ for line in sys.stdin:
 
 def test_decode_benchmark_rows_ceilings_and_quality(char_dataset, tmp_path, monkeypatch):
     from config import Config
-    from engine import checkpoint
+    from engine import saving
     from engine.benchmarks import decode
     from model import GPT
     from tests.conftest import tiny_model_config
     cfg = Config()
     cfg.data.dataset = str(char_dataset)
     cfg.model = tiny_model_config(n_embd=64, n_head=4, block_size=32, vocab_size=65)
-    ckpt = checkpoint.save(tmp_path / "run", 1, GPT(cfg.model), cfg, {})
+    ckpt = saving.save(tmp_path / "run", 1, GPT(cfg.model), cfg, {})
     fake = tmp_path / "fake_llama.py"
     fake.write_text(FAKE_LLAMA)
     monkeypatch.setattr(decode, "LLAMA_WORKER", fake)  # the protocol, without llama.cpp
@@ -506,7 +507,7 @@ def test_ablation_row_trains_on_a_sharded_dataset(tmp_path):
                        "--name", "t"]) == 0
     base, tf32 = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert base["status"] == "ok" and len(base["step_s"]) == 2 and math.isfinite(base["loss"])
-    assert base["tokens_per_step"] == 4 * 16 and str(base["settings"]["vocab"]) == "50257"
+    assert base["tokens_per_step"] == 4 * 16 and str(base["settings"]["vocab_pad_multiple"]) == "1"
     assert tf32["status"] == "skipped"  # built on the shards too, then found to change nothing
 
 

@@ -19,7 +19,7 @@ from config import Config
 from conftest import ROOT, tiny_model_config
 from data.chat_template import ChatTemplate, TemplateError
 from data.tokenizer import CharTokenizer
-from engine import checkpoint
+from engine import saving
 from engine.inference.chat import Chat, converse
 from engine.inference.sampling import generate_tokens
 from model import GPT
@@ -39,7 +39,7 @@ def chat_ckpt(tmp_path_factory):
         model.lm_head.weight[tok.eot_id] *= 40
     out = tmp_path_factory.mktemp("chat")
     meta = {"tokenizer": tok.meta(), "template": ChatTemplate().meta()}
-    return checkpoint.save(out, 1, model, cfg, meta), model, tok
+    return saving.save(out, 1, model, cfg, meta), model, tok
 
 
 def test_one_turn_is_greedy_decoding_of_the_template_stopped_at_the_end(chat_ckpt, capsys):
@@ -58,7 +58,7 @@ def test_one_turn_is_greedy_decoding_of_the_template_stopped_at_the_end(chat_ckp
 def test_a_checkpoint_without_a_template_is_refused(tmp_path, capsys):
     cfg = Config()
     cfg.model = tiny_model_config(vocab_size=len(CHARS), block_size=16)
-    path = checkpoint.save(tmp_path, 1, GPT(cfg.model), cfg,
+    path = saving.save(tmp_path, 1, GPT(cfg.model), cfg,
                            {"tokenizer": CharTokenizer(CHARS).meta()})
     assert generate.main(["--checkpoint", str(path), "--chat", "--prompt", "hi",
                           "--device=cpu"]) == 2

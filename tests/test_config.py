@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from config import (CONFIGS_DIR, REPO_ROOT, Config, ConfigError, from_dict, help_text, load_config,
-                    opt, validate)
+from config import (CONFIGS_DIR, REPO_ROOT, Config, ConfigError, from_dict, help_text,
+                    load_config, opt, validate)
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
 

@@ -210,7 +210,7 @@ def test_generate_with_each_weight_format(tmp_path, capsys):
     import generate
     from config import Config
     from conftest import tiny_model_config
-    from engine import checkpoint
+    from engine import saving
     from model import GPT
     torch.manual_seed(0)
     chars = [chr(ord("a") + i) for i in range(26)] + list(" .,;:!?'-\nX")  # 37 characters
@@ -221,7 +221,7 @@ def test_generate_with_each_weight_format(tmp_path, capsys):
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(20)
-    checkpoint.save(tmp_path, 1, model, cfg, {"tokenizer": {"kind": "char", "chars": chars}})
+    saving.save(tmp_path, 1, model, cfg, {"tokenizer": {"kind": "char", "chars": chars}})
     args = [f"--checkpoint={tmp_path}", "--prompt=ab", "--temperature=0",
             "--max_new_tokens=12", "--device=cpu"]
     texts = {}

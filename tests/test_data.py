@@ -2,15 +2,25 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from data.dataset import DataError, check_vocab, load_meta, write_dataset
+from data.dataset import DataError, check_vocab, load_meta
 from data.loader import Batches
 from data.shakespeare_char.prepare import SOURCE
 from data.tokenizer import CharTokenizer, TokenizerError
+from data.writing import write_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_USE = ("import sys; from data.dataset import load_or_prepare; "
+             "meta = load_or_prepare('shakespeare_char'); "
+             "print(meta['vocab_size'], sorted(m for m in sys.modules if m.startswith('data')))")
 
 
 def test_char_round_trip_whole_corpus(char_dataset):
@@ -110,3 +120,24 @@ def test_large_vocab_uses_uint32(tmp_path):
     meta = write_dataset(tmp_path, Big(), [69_999, 1] * 10, [5] * 20)
     assert meta["dtype"] == "uint32"
     assert np.fromfile(tmp_path / "train.bin", dtype=np.uint32)[0] == 69_999
+
+
+def test_a_first_use_dataset_is_prepared_by_its_own_script_in_a_process_of_its_own(tmp_path):
+    """A fresh clone's data/shakespeare_char is prepared on first use by running its
+    prepare.py, so the run that asked never loads the preparation code; a failing script is one
+    line naming the command to run."""
+    clone = tmp_path / "clone"
+    shutil.copytree(ROOT / "data", clone / "data", ignore=shutil.ignore_patterns(
+        "*.bin", "meta.json", "__pycache__", "fineweb_edu", "openwebtext", "hellaswag"))
+    run = subprocess.run([sys.executable, "-c", FIRST_USE], cwd=clone, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "preparing shakespeare_char" in run.stdout and "65 " in run.stdout
+    assert "data.shakespeare_char.prepare" not in run.stdout and "data.writing" not in run.stdout
+    assert (clone / "data" / "shakespeare_char" / "meta.json").is_file()
+    (clone / "data" / "shakespeare_char" / "meta.json").unlink()
+    (clone / "data" / "shakespeare_char" / "prepare.py").write_text("raise SystemExit(3)\n")
+    run = subprocess.run([sys.executable, "-c", FIRST_USE], cwd=clone, capture_output=True,
+                         text=True, timeout=120)
+    assert "preparing shakespeare_char failed (exit 3, its words above); run python " \
+           "data/shakespeare_char/prepare.py to try again" in run.stderr

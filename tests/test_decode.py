@@ -11,7 +11,7 @@ from torch import nn
 
 from config import Config, SystemConfig
 from conftest import HAS_CXX, on_each_device, tiny_default_model_config, tiny_model_config
-from engine import checkpoint, compiling
+from engine import compiling, saving
 from engine import device as machine
 from engine.inference import matvec, quantize, sampling
 from engine.inference.kv_cache import new_kv_cache
@@ -222,9 +222,9 @@ def test_by_shape_layout_makes_only_the_wider_outputs_column_major():
 def test_column_major_weights_leave_saved_checkpoints_unchanged(tmp_path):
     torch.manual_seed(0)
     model, cfg = GPT(tiny_model_config()), Config()
-    before = checkpoint.save(tmp_path / "row", 1, model, cfg, {}) / "model.safetensors"
+    before = saving.save(tmp_path / "row", 1, model, cfg, {}) / "model.safetensors"
     matvec.set_weight_layout(model, "column")
-    after = checkpoint.save(tmp_path / "column", 1, model, cfg, {}) / "model.safetensors"
+    after = saving.save(tmp_path / "column", 1, model, cfg, {}) / "model.safetensors"
     assert before.read_bytes() == after.read_bytes()
 
 
@@ -241,7 +241,7 @@ def test_generate_names_the_layout_and_gives_the_same_text(tmp_path, capsys):
     chars = [chr(ord("a") + i) for i in range(26)] + list(" .,;:!?'-\nX")  # 37 characters
     cfg = Config()
     cfg.model = tiny_model_config()
-    checkpoint.save(tmp_path, 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "char", "chars": chars}})
+    saving.save(tmp_path, 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "char", "chars": chars}})
     texts = {}
     for layout in ("row", "column", "auto"):
         assert generate.main([f"--checkpoint={tmp_path}", "--prompt=ab", "--temperature=0",
@@ -323,7 +323,7 @@ def test_huge_pages_hold_the_same_weights_on_2_mib_boundaries(tmp_path):
     head = model.lm_head.weight
     x = torch.randint(0, 8192, (1, 4))
     tokens = sampling.generate_tokens(model, x, 8, temperature=0)
-    saved = checkpoint.save(tmp_path / "a", 1, model, Config(), {}) / "model.safetensors"
+    saved = saving.save(tmp_path / "a", 1, model, Config(), {}) / "model.safetensors"
     small = model.transformer.h[0].attn.c_proj.weight  # 16 KiB, stays row-major: left in place
     small_pointer = small.data_ptr()
     assert matvec.set_weight_layout(model, "auto", huge_pages=True) == "by_shape"
@@ -332,7 +332,7 @@ def test_huge_pages_hold_the_same_weights_on_2_mib_boundaries(tmp_path):
     assert small.data_ptr() == small_pointer
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(sampling.generate_tokens(model, x, 8, temperature=0), tokens)
-    again = checkpoint.save(tmp_path / "b", 1, model, Config(), {}) / "model.safetensors"
+    again = saving.save(tmp_path / "b", 1, model, Config(), {}) / "model.safetensors"
     assert saved.read_bytes() == again.read_bytes()
     pointer = head.data_ptr()
     matvec.set_weight_layout(model, "auto", huge_pages=True)

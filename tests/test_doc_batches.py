@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import train_whole_and_resumed
-from data.dataset import DataError, load_meta, write_meta
+from data.dataset import DataError, load_meta
+from data.writing import write_meta
 from data.doc_batches import DocBatches, best_fit, doc_loader
 from data.loader import Batches
 from data.shard_batches import ShardBatches

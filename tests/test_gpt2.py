@@ -19,7 +19,8 @@ import load_gpt2_weights
 import train
 from config import ConfigError, ModelConfig, load_config
 from data.loader import DataError
-from data.tokenizer import GPT2_RANKS, GPT2Tokenizer, TokenizerError
+from data.bpe import GPT2_RANKS, GPT2Tokenizer
+from data.tokenizer import TokenizerError
 from engine import hf as gpt2
 from engine import loading
 from engine.training import build
@@ -33,8 +34,10 @@ SHAPES = {
     "gpt2vocab": dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257),
 }
 IMPLS = {  # the reference path, and every fast switch at once
-    "reference": dict(attention="scratch", causal_mask="buffer", norm="scratch", activation_impl="scratch"),
-    "fast": dict(attention="sdpa", causal_mask="on_the_fly", norm="native", activation_impl="native"),
+    "reference": dict(attention="scratch", causal_mask="buffer", norm="scratch",
+                      activation_impl="scratch"),
+    "fast": dict(attention="sdpa", causal_mask="on_the_fly", norm="native",
+                 activation_impl="native"),
 }
 
 
@@ -290,7 +293,8 @@ def test_export_of_a_model_without_biases(tmp_path):
 def test_cli_import_verify_sample_export(hf_dirs, tmp_path, capsys):
     path, hf_model = hf_dirs["gpt2vocab"]
     run = tmp_path / "run"
-    assert load_gpt2_weights.main([str(path), "--out", str(run), "--verify", "--vocab-pad-multiple", "64"]) == 0
+    assert load_gpt2_weights.main([str(path), "--out", str(run), "--verify",
+                                   "--vocab-pad-multiple", "64"]) == 0
     out = capsys.readouterr().out
     assert "2 layers, 2 heads, width 32, context 64, vocab 50257 padded to 50304" in out
     assert "verify: max |logit difference|" in out

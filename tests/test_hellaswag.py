@@ -9,8 +9,8 @@ import torch
 
 from config import Config
 from conftest import tiny_model_config
-from data.tokenizer import GPT2Tokenizer
-from engine import checkpoint, hellaswag, sources
+from data.bpe import GPT2Tokenizer
+from engine import hellaswag, saving, sources
 from model import GPT
 
 TOK = GPT2Tokenizer()
@@ -141,7 +141,7 @@ def test_reading_the_official_format(val_file, tmp_path):
 def save_tiny(out, tokenizer: dict, vocab_size: int) -> None:
     cfg = Config()
     cfg.model = tiny_model_config(vocab_size=vocab_size, block_size=32)
-    checkpoint.save(out, 1, GPT(cfg.model), cfg, {"tokenizer": tokenizer})
+    saving.save(out, 1, GPT(cfg.model), cfg, {"tokenizer": tokenizer})
 
 
 def test_command_line_on_our_checkpoints(val_file, tmp_path, capsys):

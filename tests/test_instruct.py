@@ -18,8 +18,9 @@ from config import ConfigError, ModelConfig, load_config
 from data.chat_template import ChatTemplate, TemplateError, from_meta
 from data.dataset import DataError
 from data.instruct import IGNORE, InstructBatches, InstructionData, read_records, to_messages
-from data.tokenizer import CharTokenizer, GPT2Tokenizer
-from engine import checkpoint
+from data.bpe import GPT2Tokenizer
+from data.tokenizer import CharTokenizer
+from engine import checkpoint, saving
 from engine.loading import load_model
 from model import GPT
 
@@ -294,7 +295,7 @@ def test_gpt2_tokens_need_no_new_row_and_lora_trains_on_them(tmp_path):
     cfg = Config()
     cfg.model = tiny_model_config(vocab_size=50257, block_size=64, vocab_pad_multiple=64)
     torch.manual_seed(0)
-    base = checkpoint.save(tmp_path / "base", 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "gpt2"}})
+    base = saving.save(tmp_path / "base", 1, GPT(cfg.model), cfg, {"tokenizer": {"kind": "gpt2"}})
     chat = [{"messages": [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": f"Say {w}"},
                           {"role": "assistant", "content": w}]}
@@ -344,7 +345,7 @@ def test_the_estimate_counts_padded_rows_and_says_when_the_machine_is_busy(
 def test_estimate_line_counts_the_rows_the_data_gives():
     from config import Config
     from engine import device
-    from engine.training.build import estimate_line
+    from engine.training.metrics import estimate_line
 
     cfg = Config()
     cfg.model = ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=128, vocab_size=66)

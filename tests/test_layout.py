@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,25 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"bench", "generate", "load_gpt2_weights", "prune", "serve", "train"}
 LONGEST_FUNCTION = 60  # lines, from the def to its last line
-# what the default runs may load, in lines of the project's own files (docs/layout.md)
-TRAIN_LINES, GENERATE_LINES, MODEL_LINES = 3600, 2530, 450
-# modules a default run must not load: each belongs to an option the default leaves off
-NOT_FOR_TRAINING = ("engine.inference", "engine.serving", "engine.benchmarks", "engine.hf",
-                    "engine.hellaswag", "engine.pruning", "engine.compiling", "engine.loading",
-                    "engine.training.parallel", "engine.training.auto_batch",
-                    "engine.training.recompute", "engine.training.chunked_loss",
-                    "engine.training.master_weights", "engine.training.polar_express",
-                    "engine.training.wandb_log", "engine.training.restore",
-                    "engine.training.init_from", "data.loader_workers", "data.shard_batches",
-                    "engine.training.finetune", "engine.vocab", "data.instruct",
-                    "data.chat_template", "data.instruct_tasks", "engine.lora",
-                    "engine.merge_lora", "data.mixture", "data.doc_batches")
-NOT_FOR_GENERATION = ("engine.training", "engine.serving", "engine.benchmarks", "engine.hf",
-                      "engine.hellaswag", "engine.pruning", "engine.compiling",
-                      "engine.inference.packed", "engine.inference.cpu_kernels",
-                      "engine.inference.quantize", "engine.inference.sparse", "data.loader",
-                      "data.instruct", "data.chat_template", "engine.vocab", "engine.lora",
-                      "engine.inference.chat")
+MODEL_LINES = 450  # model.py, read in one sitting
+# docs/layout.md's tables of the modules each run loads: this file holds them to the truth
+LAYOUT = ROOT / "docs" / "layout.md"
 
 
 def sources() -> dict[str, Path]:
@@ -113,6 +98,7 @@ PROBE = textwrap.dedent("""
             if path and os.path.isabs(path) and pathlib.Path(path).resolve().is_relative_to(root) \
                     and "site-packages" not in pathlib.Path(path).parts:  # a venv in the clone
                 loaded[name] = len(pathlib.Path(path).read_text().splitlines())
+        loaded["torch loaded"] = int("torch" in sys.modules)
         print("LOADED " + json.dumps(loaded), file=sys.stderr)
     atexit.register(report)
     script, sys.argv = sys.argv[1], sys.argv[1:]
@@ -130,35 +116,78 @@ def loaded_by(*argv: str) -> dict[str, int]:
     return json.loads(line.removeprefix("LOADED "))
 
 
-def outside(loaded: dict[str, int], forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden))
+def declared(section: str) -> dict[str, set[str]]:
+    """docs/layout.md's table between <!-- section --> and <!-- /section -->: {its first cell,
+    without backticks: the modules the second cell names}."""
+    text = LAYOUT.read_text()
+    body = text[text.index(f"<!-- {section} -->"):text.index(f"<!-- /{section} -->")]
+    rows = [line.split("|")[1:3] for line in body.splitlines()[3:] if line.startswith("|")]
+    return {key.strip().replace("`", ""): set(re.findall(r"`([\w.]+)`", cell))
+            for key, cell in rows}
 
 
-def test_default_training_and_generation_load_only_what_they_use(char_dataset, tmp_path):
+RUN = ["--max_iters=2", "--eval_interval=1", "--eval_iters=1", "--threads=1", "--device=cpu"]
+
+
+def test_help_loads_no_torch_and_only_the_options_declarations():
+    for script, modules in declared("loads").items():
+        if script.endswith("--help"):
+            argv = script.removeprefix("python ").split()
+            loaded = loaded_by(*argv)
+            assert loaded.pop("torch loaded") == 0, script
+            assert set(loaded) == modules, (script, set(loaded) ^ modules)
+
+
+def test_default_training_and_generation_load_what_docs_layout_md_says(char_dataset, tmp_path):
     """python train.py (the default config, a few steps), then python generate.py from its
-    checkpoint: neither loads the code of an option it leaves off, and each stays within the
-    lines docs/layout.md states."""
-    run = ["--max_iters=2", "--eval_interval=1", "--eval_iters=1", f"--dataset={char_dataset}",
-           f"--out_dir={tmp_path / 'run'}", "--threads=1", "--device=cpu"]
-    training = loaded_by("train.py", *run)
-    assert outside(training, NOT_FOR_TRAINING) == []
-    assert {"model", "engine.training.step", "engine.training.muon"} <= set(training)
-    assert sum(training.values()) <= TRAIN_LINES, training
+    checkpoint: each loads exactly the modules docs/layout.md names for it."""
+    runs = declared("loads")
+    train = next(v for k, v in runs.items() if k.startswith("python train.py (the default"))
+    generate = next(v for k, v in runs.items() if k.startswith("python generate.py (from"))
+    training = loaded_by("train.py", *RUN, f"--dataset={char_dataset}",
+                         f"--out_dir={tmp_path / 'run'}")
+    assert set(training) - {"torch loaded"} == train, set(training) ^ train
     generation = loaded_by("generate.py", "--checkpoint", str(tmp_path / "run"),
                            "--max_new_tokens=4", "--threads=1")
-    assert outside(generation, NOT_FOR_GENERATION) == []
-    assert {"engine.inference.sampling", "engine.inference.kv_cache"} <= set(generation)
-    assert sum(generation.values()) <= GENERATE_LINES, generation
+    assert set(generation) - {"torch loaded"} == generate, set(generation) ^ generate
 
 
 def test_each_option_loads_its_own_module(char_dataset, tmp_path):
-    """The modules a default run leaves out come in when their option is on."""
-    loaded = loaded_by("train.py", "--config", "tiny", "--max_iters=2", "--eval_interval=2",
-                       "--eval_iters=1", f"--dataset={char_dataset}",
-                       f"--out_dir={tmp_path / 'run'}", "--threads=1", "--device=cpu",
-                       "--activation_checkpointing=all", "--loss=chunked", "--dtype=bfloat16",
-                       "--weights_dtype=bfloat16", "--optimizer=muon",
-                       "--muon_ns_coefficients=polar_express", "--loader_workers=1")
-    assert {"engine.training.recompute", "engine.training.chunked_loss",
-            "engine.training.master_weights", "engine.training.polar_express",
-            "data.loader_workers"} <= set(loaded)
+    """The modules docs/layout.md says an option adds come in when it is on, and none of them
+    is in the default run's set."""
+    options = declared("option-loads")
+    default = next(v for k, v in declared("loads").items() if k.startswith("python train.py ("))
+    added = set().union(*options.values())
+    assert not added & default
+    loaded = loaded_by("train.py", "--config", "tiny", *RUN, f"--dataset={char_dataset}",
+                       f"--out_dir={tmp_path / 'run'}", "--dtype=bfloat16", "--optimizer=muon",
+                       *options)
+    assert added <= set(loaded), added - set(loaded)
+
+
+def tree_entries() -> set[str]:
+    """The paths docs/layout.md's tree names: a name at the start of a line, under the folders
+    named above it at less indentation."""
+    text = LAYOUT.read_text()
+    tree = text[text.index("<!-- layout-tree -->"):text.index("<!-- /layout-tree -->")]
+    entries, folders = set(), {}
+    for line in tree.splitlines():
+        if m := re.match(r"^( {0,4})([\w.]+/?)\s", line + " "):
+            depth = len(m.group(1)) // 2
+            folders = {d: f for d, f in folders.items() if d < depth}
+            path = "".join(folders[d] for d in sorted(folders)) + m.group(2)
+            if path.endswith("/"):
+                folders[depth] = m.group(2)
+            entries.add(path)
+    return entries
+
+
+def test_docs_layout_md_names_every_module_and_only_modules_that_exist():
+    """Each module of the root, engine/ and data/ has its line in the tree (a dataset's own
+    package is data/NAME/; scripts/ is described as a folder), and each .py named exists."""
+    entries = tree_entries()
+    modules = {str(rel) for rel in (p.relative_to(ROOT) for p in sources().values())
+               if rel.name != "__init__.py" and rel.parts[0] != "scripts"
+               and not (rel.parts[0] == "data" and len(rel.parts) > 2)}
+    assert modules - entries == set(), "add them to docs/layout.md's tree"
+    assert {e for e in entries if e.endswith(".py") and not (ROOT / e).exists()} == set()

@@ -28,7 +28,7 @@ import generate
 import train
 from config import load_config
 from conftest import kill_when_stalled, train_args
-from engine import checkpoint, loading
+from engine import checkpoint, loading, saving
 from engine.training import metrics, restore, resume
 from model import GPT
 
@@ -261,7 +261,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
     import os, sys, time, shutil
     import torch
     sys.path.insert(0, sys.argv[1])
-    from engine import checkpoint
+    from engine import saving
     from config import Config, ModelConfig
     from model import GPT
 
@@ -275,7 +275,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
 
     for step in (1, 2):  # two complete checkpoints
         model, state = snapshot(step)
-        checkpoint.save(out, step, model, cfg, {}, state, keep=2)
+        saving.save(out, step, model, cfg, {}, state, keep=2)
 
     def stall():
         open(os.path.join(out, "STALLED"), "w").close()
@@ -285,12 +285,12 @@ KILL_DURING_SAVE = textwrap.dedent("""
         def save_file(tensors, path):
             open(path, "wb").write(b"\\0" * 1000)
             stall()
-        checkpoint.save_file = save_file
+        saving.save_file = save_file
     elif phase == "train_state":  # weights done, train state half written
         def torch_save(obj, path):
             open(path, "wb").write(b"PK\\3\\4" + b"\\0" * 100)
             stall()
-        checkpoint.torch.save = torch_save
+        saving.torch.save = torch_save
     elif phase == "prune":  # new checkpoint in place, oldest half deleted
         real_rmtree = shutil.rmtree
         def rmtree(path, ignore_errors=False):
@@ -298,17 +298,17 @@ KILL_DURING_SAVE = textwrap.dedent("""
                 os.remove(os.path.join(path, "model.safetensors"))
                 stall()
             real_rmtree(path, ignore_errors=ignore_errors)
-        checkpoint.shutil.rmtree = rmtree
+        saving.shutil.rmtree = rmtree
     elif phase == "replace":  # same step saved again: old moved aside, new not yet in place
         real_rename = os.rename
         def rename(src, dst):
             real_rename(src, dst)
             if os.path.basename(str(dst)).startswith(".old_"):
                 stall()
-        checkpoint.os.rename = rename
+        saving.os.rename = rename
     step = 2 if phase == "replace" else 3
     model, state = snapshot(step)
-    checkpoint.save(out, step, model, cfg, {}, state, keep=2)
+    saving.save(out, step, model, cfg, {}, state, keep=2)
 """)
 
 
@@ -324,7 +324,7 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
         expected = GPT(model.config)
         assert_same_tensors(checkpoint.model_state(model), checkpoint.model_state(expected))
         assert loading.load_train_state(latest)["step"].item() == step
-        checkpoint.recover(out)  # what the next save or resume does first
+        saving.recover(out)  # what the next save or resume does first
         left = sorted(p.name for p in out.iterdir() if p.name != "STALLED")
         assert left == (["ckpt_0000001", "ckpt_0000002"] if phase != "prune"
                         else ["ckpt_0000002", "ckpt_0000003"]), phase
@@ -471,7 +471,7 @@ def test_nan_weights_are_never_saved(char_dataset, tmp_path, monkeypatch, capsys
     model.transformer.ln_f.weight.data[0] = math.nan
     with pytest.raises(checkpoint.CheckpointError, match="refusing to save step 9: NaN/inf in 1 "
                                                          "weight tensor.*transformer.ln_f.weight"):
-        checkpoint.save(out, 9, model, load_config(train_args(char_dataset, out))[0], {})
+        saving.save(out, 9, model, load_config(train_args(char_dataset, out))[0], {})
 
 
 def test_metrics_files_loss_curve_and_summary(uninterrupted):
@@ -549,7 +549,7 @@ def test_wandb_failure_is_one_clear_line(char_dataset, tmp_path, monkeypatch, ca
 
 
 def other_alphabet_dataset(tmp_path) -> Path:
-    from data.loader import write_dataset
+    from data.writing import write_dataset
     from data.tokenizer import CharTokenizer
     tok = CharTokenizer.from_text("abcdefghij \n")
     ids = tok.encode("abc defg hij\n" * 40)

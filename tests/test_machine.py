@@ -10,7 +10,7 @@ import train
 from config import SystemConfig, load_config
 from conftest import train_args
 from engine import device as machine
-from engine.training import memory_estimate, parallel, speedups
+from engine.training import memory_estimate, metrics, parallel, speedups
 from model import GPT
 
 EMULATED = {"model name": "Test CPU 9000", "cpu family": "25", "flags": "fpu sse avx2 fma"}
@@ -100,20 +100,20 @@ def test_the_machine_line_names_kernel_overrides(monkeypatch):
 
 def test_matmul_probe_is_quick_cached_and_leaves_the_rng_alone():
     state = torch.get_rng_state()
-    rate = machine.matmul_rate(torch.device("cpu"), torch.float32, seconds=0.05)
+    rate = metrics.matmul_rate(torch.device("cpu"), torch.float32, seconds=0.05)
     assert rate > 1e6 and torch.equal(torch.get_rng_state(), state)
-    assert machine.matmul_rate(torch.device("cpu"), torch.float32, seconds=0.05) == rate
+    assert metrics.matmul_rate(torch.device("cpu"), torch.float32, seconds=0.05) == rate
 
 
 def test_time_estimate_and_its_format():
-    est = machine.time_estimate(2e9, steps=100, eval_flops=5e9, rate=1e10)
+    est = metrics.time_estimate(2e9, steps=100, eval_flops=5e9, rate=1e10)
     assert est["step_s"] == pytest.approx(0.2) and est["run_s"] == pytest.approx(20.5)
-    assert [machine.format_seconds(s) for s in (0.0123, 12.34, 245, 3 * 3600 + 720)] == \
+    assert [metrics.format_seconds(s) for s in (0.0123, 12.34, 245, 3 * 3600 + 720)] == \
         ["12 ms", "12.3 s", "4m05s", "3h12m"]
 
 
 def test_train_prints_the_estimate_before_step_1(char_dataset, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(machine, "matmul_rate", lambda device, dtype: 1e9)  # 1 GFLOP/s
+    monkeypatch.setattr(metrics, "matmul_rate", lambda device, dtype: 1e9)  # 1 GFLOP/s
     cfg, _ = load_config(train_args(char_dataset, tmp_path, "--max_iters=2", "--eval_interval=2",
                                     "--eval_iters=1", "--log_interval=1"))
     train.train(cfg)
@@ -123,7 +123,7 @@ def test_train_prints_the_estimate_before_step_1(char_dataset, tmp_path, capsys,
     assert at < first_step
     model = GPT(cfg.model)
     step_flops = model.flops_per_token() * cfg.train.batch_size * cfg.model.block_size
-    want = machine.format_seconds(step_flops / 1e9)
+    want = metrics.format_seconds(step_flops / 1e9)
     assert lines[at].startswith(f"estimate: ~{want} per step, ~")
     assert "for 2 steps and 2 evaluations" in lines[at] and "1.0 GFLOP/s" in lines[at]
     assert "float32 matmul rate measured here" in lines[at]

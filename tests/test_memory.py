@@ -447,7 +447,8 @@ def test_the_optimizers_state_is_what_the_estimate_counts(name):
     cfg.train.optimizer = name
     model = GPT(m)
     optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
-    model(torch.zeros((1, 8), dtype=torch.long), torch.zeros((1, 8), dtype=torch.long))[1].backward()
+    tokens = torch.zeros((1, 8), dtype=torch.long)
+    model(tokens, tokens)[1].backward()
     optimizer.step()
     held = sum(t.numel() for state in optimizer.state.values() for t in state.values()
                if torch.is_tensor(t) and t.dim() > 0)

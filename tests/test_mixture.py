@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from config import ConfigError
-from data.dataset import DataError, write_dataset, write_meta
+from data.dataset import DataError
+from data.writing import write_dataset, write_meta
 from data.loader import Batches
 from data.mixture import MixtureBatches, check_sources, mixture_meta, parse_mixture
 from data.shard_batches import ShardBatches

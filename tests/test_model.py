@@ -3,11 +3,13 @@ on the CPU and, where there is one, on CUDA (float32 with TF32 off: the same ref
 tolerances differ)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from config import ModelConfig
 from conftest import on_each_device, tiny_model_config
 from engine.inference.kv_cache import new_kv_cache
 from model import ACTIVATIONS, GPT, IGNORE_INDEX, MLP, gelu_tanh
@@ -60,7 +62,9 @@ def test_param_counts():
     cfg = tiny_model_config()
     model = GPT(cfg)
     C, V, L, T = cfg.n_embd, cfg.vocab_size, cfg.n_layer, cfg.block_size
-    per_block = (2 * 2 * C) + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    norms, attention = 2 * 2 * C, (C * 3 * C + 3 * C) + (C * C + C)  # qkv, then the projection
+    mlp = (C * 4 * C + 4 * C) + (4 * C * C + C)
+    per_block = norms + attention + mlp
     non_embedding = L * per_block + 2 * C
     assert model.num_params() == non_embedding
     assert model.num_params(non_embedding=False) == non_embedding + V * C + T * C
@@ -92,7 +96,8 @@ def test_ignore_index_skips_targets():
     {"attention": "sdpa", "causal_mask": "on_the_fly"},
     {"norm": "native"},
     {"activation_impl": "native"},
-    {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native", "activation_impl": "native"},
+    {"attention": "sdpa", "causal_mask": "on_the_fly", "norm": "native",
+     "activation_impl": "native"},
 ])
 @on_each_device
 def test_fast_paths_match_reference(change, device):
@@ -229,3 +234,10 @@ def test_weight_decay_groups():
     assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
     n = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert n == model.num_params(non_embedding=False)
+
+
+def test_every_activation_config_offers_is_in_model_activations():
+    """config.py (torch-free) names the choices; model.ACTIVATIONS holds their code."""
+    offered = next(f.metadata["choices"] for f in dataclasses.fields(ModelConfig)
+                   if f.name == "activation")
+    assert set(offered) == set(ACTIVATIONS)

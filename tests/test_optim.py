@@ -5,6 +5,7 @@ where torch has no Muon."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, TrainConfig, load_config
 from conftest import tiny_model_config, train_whole_and_resumed
 from engine import checkpoint, loading
 from engine.training import adamw, master_weights, optim, polar_express
@@ -99,7 +100,8 @@ def test_a_step_is_torch_muon_and_adamw_applied_by_hand_at_each_scheduled_lr(ns_
     """bfloat16 is torch.optim.Muon's update to the bit; float32 equals torch.optim.Muon with
     its Newton-Schulz swapped for the float32 one: the rest of the update is torch's."""
     if ns_dtype == "float32":
-        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", muon_module.orthogonalize)
+        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
+                            muon_module.orthogonalize)
     cfg = muon_config(warmup_iters=2, max_iters=5, muon_ns_dtype=ns_dtype)
     model, reference = tiny_gpt(), tiny_gpt()
     optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
@@ -388,3 +390,25 @@ def test_a_torch_without_muon_is_refused_in_one_line(monkeypatch):
 def test_an_unknown_optimizer_is_refused():
     with pytest.raises(ConfigError, match="train.optimizer='sgd' is not one of adamw, muon"):
         load_config(["--optimizer=sgd"])
+
+
+def choices(section: type, name: str) -> tuple:
+    return next(f.metadata["choices"] for f in dataclasses.fields(section) if f.name == name)
+
+
+def test_every_optimizer_and_schedule_config_offers_is_implemented():
+    """A choice added to train.optimizer or train.lr_schedule without its code is an error here
+    (the dispatch raises for a name it lacks), never a silent AdamW or cosine."""
+    for name in choices(TrainConfig, "optimizer"):
+        cfg = muon_config(optimizer=name)
+        assert name in optim.STATE_TENSORS  # what the memory estimate counts for it
+        optimizer = optim.make_optimizer(tiny_gpt(), cfg, torch.device("cpu"))
+        assert isinstance(optimizer, torch.optim.Optimizer)
+    for name in choices(TrainConfig, "lr_schedule"):
+        cfg = muon_config(lr_schedule=name, warmup_iters=2, max_iters=10)
+        lrs = [optim.lr_at(step, cfg) for step in range(10)]
+        assert all(0 < lr <= cfg.train.learning_rate for lr in lrs), (name, lrs)
+    with pytest.raises(ValueError, match="no schedule 'step'"):
+        optim.lr_at(5, muon_config(lr_schedule="step", warmup_iters=0, max_iters=10))
+    with pytest.raises(ValueError, match="no optimizer 'lion'"):
+        optim.make_optimizer(tiny_gpt(), muon_config(optimizer="lion"), torch.device("cpu"))

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from data import train_tokenizer as tt
-from data.dataset import token_bytes, write_dataset
-from data.tokenizer import GPT2Tokenizer, TokenizerError, from_meta
+from data.dataset import token_bytes
+from data.writing import write_dataset
+from data.bpe import GPT2Tokenizer
+from data.tokenizer import TokenizerError, from_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")

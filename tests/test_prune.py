@@ -14,7 +14,7 @@ import prune as prune_script
 import train
 from config import Config, ConfigError, load_config
 from conftest import tiny_model_config, train_args
-from engine import checkpoint, loading, pruning
+from engine import checkpoint, loading, pruning, saving
 from engine.inference import sparse
 from engine.inference.matvec import set_weight_layout
 from engine.training import optim
@@ -81,7 +81,7 @@ def test_two_four_keeps_the_two_largest_of_every_four_inputs():
 def test_masks_are_saved_with_the_checkpoint_and_checked_on_load(tmp_path):
     model = tiny_gpt()
     masks = pruning.prune(model, 0.75, "unstructured")
-    path = checkpoint.save(tmp_path / "run", 3, model, config_of(model), {})
+    path = saving.save(tmp_path / "run", 3, model, config_of(model), {})
     stored = load_file(str(path / checkpoint.MASK_FILE))
     assert stored.keys() == masks.keys() and all(torch.equal(stored[k], masks[k]) for k in masks)
     loaded, _, _ = loading.load_model(path)
@@ -294,7 +294,7 @@ def test_bad_requests_are_refused_in_one_line(args, message, trained, tmp_path, 
 
 def test_two_four_on_a_width_not_divisible_by_four_and_a_missing_checkpoint(tmp_path, capsys):
     model = GPT(tiny_model_config(n_embd=6, n_head=1))
-    checkpoint.save(tmp_path / "odd", 1, model, config_of(model), {})
+    saving.save(tmp_path / "odd", 1, model, config_of(model), {})
     assert prune_script.main(["--checkpoint", str(tmp_path / "odd"), "--pattern", "2:4",
                               "--out", str(tmp_path / "o")]) == 2
     assert "needs input dimensions divisible by 4, but transformer.h.0.attn.c_attn.weight " \

@@ -22,7 +22,7 @@ import torch
 
 from config import Config
 from data.tokenizer import CharTokenizer
-from engine import checkpoint, pruning, sources
+from engine import pruning, saving, sources
 from engine.inference import packed as packing
 from engine.inference.matvec import set_weight_layout
 from engine.inference.sampling import generate_tokens
@@ -59,7 +59,7 @@ def tiny_checkpoint(out_dir: Path, attention: str = "sdpa", **techniques) -> Pat
         if cfg.model.smear:  # its zeros would hide the previous tokens' path
             model.smear_weights.normal_()
     meta = {"tokenizer": {"kind": "char", "chars": CHARS}}
-    return checkpoint.save(out_dir, 1, model, cfg, meta)
+    return saving.save(out_dir, 1, model, cfg, meta)
 
 
 def tokenizer_ending_at(char: str) -> CharTokenizer:
@@ -212,7 +212,7 @@ def test_a_pruned_checkpoint_is_served_with_sparse_kernels_and_the_same_text(tmp
     pruning.prune(dense, 0.75, "unstructured")
     cfg = Config()
     cfg.model = dense.config
-    path = checkpoint.save(tmp_path / "pruned", 1, dense, cfg,
+    path = saving.save(tmp_path / "pruned", 1, dense, cfg,
                            {"tokenizer": {"kind": "char", "chars": CHARS}})
     options = ServeOptions(init_from=str(path), sparse="sparse", slots=3)
     loaded = supervisor.load_for_serving(cfg, options)
@@ -235,7 +235,7 @@ def test_text_stream_holds_back_a_possible_stop_and_cuts_before_it():
 
 
 def test_text_stream_assembles_utf8_across_byte_level_tokens():
-    from data.tokenizer import GPT2Tokenizer
+    from data.bpe import GPT2Tokenizer
     tok = GPT2Tokenizer()
     text = "caf\u00e9 \U0001f600 ok"
     stream = TextStream(tok, ())

@@ -20,7 +20,7 @@ from test_serve import WAIT_S, start_server
 from config import Config
 from data.chat_template import ChatTemplate, TemplateError
 from data.tokenizer import CharTokenizer
-from engine import checkpoint, sources
+from engine import saving, sources
 from engine.inference.sampling import generate_tokens
 from engine.serving import supervisor
 from engine.serving.app import ServedModel, create_app
@@ -74,7 +74,7 @@ def chat_checkpoint(out_dir: Path, steps: int = 150, template: dict | None = Non
         optimizer.step()
     stored = TEMPLATE.meta() if template is None else template
     meta = {"tokenizer": TOKENIZER.meta(), **({"template": stored} if stored else {})}
-    return checkpoint.save(out_dir, steps, model.eval(), cfg, meta)
+    return saving.save(out_dir, steps, model.eval(), cfg, meta)
 
 
 def reference_ids(model: GPT, messages: list[dict], max_tokens: int, temperature: float = 0.0,
@@ -116,7 +116,7 @@ def test_a_bad_template_stops_serve_py_at_load_with_one_line(tmp_path, capsys):
     model = sources.load_source(str(chat_checkpoint(tmp_path / "chat", steps=1)), Config())[0]
     cfg = Config()
     cfg.model = model.config
-    no_eot = checkpoint.save(tmp_path / "no_eot", 1, model, cfg, {  # a char tokenizer, no eot
+    no_eot = saving.save(tmp_path / "no_eot", 1, model, cfg, {  # a char tokenizer, no eot
         "tokenizer": CharTokenizer(CHARS).meta(), "template": TEMPLATE.meta()})
     assert serve.main([f"--checkpoint={no_eot}", "--port=0", "--device=cpu"]) == 2
     assert "tokenizer has no end-of-text token" in capsys.readouterr().err
@@ -262,7 +262,8 @@ def test_logprobs_are_the_models_own_in_the_chat_shape(chat_server):
      "the conversation is 218 tokens with the chat template but this server takes at most 128"),
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"messages": HI, "top_logprobs": 6, "logprobs": True}, "top_logprobs: Input should be"),
-    ({"messages": HI, "echo": True}, "unknown field 'echo'; the fields are: model, messages"),
+    ({"messages": HI, "echo": True}, "unknown field 'echo'; the fields are: temperature, top_p, "
+     "top_k, seed, stop, model, messages"),
     ({"messages": HI, "presence_penalty": 1.0}, "presence_penalty is not supported"),
     ({"messages": HI, "max_tokens": 30000}, "over this server's limit"),
     ({"messages": HI, "n": 9}, "server holds at most 8"),
@@ -292,3 +293,36 @@ def test_a_model_without_a_template_refuses_chat(tmp_path):
         "a prompt to POST /v1/completions")
     assert client.get("/v1/models").json()["data"][0]["chat_template"] is False
     assert 'data-chat="false"' in client.get("/").text
+
+
+@pytest.mark.parametrize("name, beyond", [("temperature", 2.5), ("top_p", 1.5), ("top_k", -1),
+                                          ("seed", -1)])
+def test_each_sampling_limit_is_one_definition_for_generate_and_both_requests(name, beyond):
+    """The limits of a sampling field are its config field's check (config.py): generate.py's
+    options, a completion request and a chat request refuse the same value."""
+    from pydantic import ValidationError
+
+    from config import validate
+    from engine.serving.chat import ChatRequest
+
+    cfg = Config()
+    setattr(cfg.system if name == "seed" else cfg.sample, name, beyond)
+    assert [p for p in validate(cfg) if p.split(".", 1)[1].startswith(f"{name} must be")]
+    with pytest.raises(ValidationError):
+        SamplingParams(**{name: beyond})
+    with pytest.raises(ValidationError):
+        ChatRequest(messages=[], **{name: beyond})
+    within = {"temperature": 2.0, "top_p": 1.0, "top_k": 0, "seed": 0}[name]
+    assert getattr(ChatRequest(messages=[], **{name: within}), name) == within
+
+
+def test_a_chat_request_relays_every_sampling_field_to_its_completion():
+    """A field added to batching.Sampling reaches the completion a chat request runs as, with
+    the value the request gave (no list of the fields to keep in step)."""
+    from engine.serving.batching import Sampling
+    from engine.serving.chat import ChatRequest
+
+    sent = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "stop": ["\n"]}
+    assert set(sent) == set(Sampling.model_fields)  # a new field: give it a value here
+    fields = ChatRequest(messages=[], **sent).completion_fields(4, 32, 16)
+    assert {name: fields[name] for name in Sampling.model_fields} == sent

@@ -12,7 +12,7 @@ import torch
 
 import serve
 from config import Config, ModelConfig, load_config
-from engine import checkpoint
+from engine import saving
 from engine.serving import supervisor
 from engine.serving.options import ServeOptions
 from model import GPT
@@ -33,7 +33,7 @@ def tiny_checkpoint(out_dir) -> str:
     cfg = Config()
     cfg.model = ModelConfig(block_size=16, vocab_size=len(chars), n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(0)
-    return str(checkpoint.save(out_dir, 1, GPT(cfg.model), cfg,
+    return str(saving.save(out_dir, 1, GPT(cfg.model), cfg,
                                {"tokenizer": {"kind": "char", "chars": chars}}))
 
 

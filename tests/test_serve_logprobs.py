@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from config import Config
-from data.tokenizer import CharTokenizer, GPT2Tokenizer
-from engine import checkpoint, hellaswag, sources
+from data.bpe import GPT2Tokenizer
+from data.tokenizer import CharTokenizer
+from engine import hellaswag, saving, sources
 from engine.inference import packed as packing
 from engine.inference.sampling import generate_tokens
 from engine.serving import logprobs
@@ -143,7 +144,7 @@ def bpe_checkpoint(out_dir: Path) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(5)
-    return checkpoint.save(out_dir, 1, model, cfg, {"tokenizer": {"kind": "gpt2"}})
+    return saving.save(out_dir, 1, model, cfg, {"tokenizer": {"kind": "gpt2"}})
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from test_serve import CHARS, MAX_TOKENS_LIMIT, WAIT_S, Server, open_stream, tin
 
 import serve
 from config import Config
-from engine import checkpoint
+from engine import saving
 from engine.serving.options import API_KEY_ENV, ServeOptions
 from model import GPT, ModelConfig
 
@@ -335,7 +335,7 @@ def wide_checkpoint(out_dir: Path) -> tuple[Path, int]:
     model = GPT(cfg.model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     meta = {"tokenizer": {"kind": "char", "chars": CHARS}}
-    return checkpoint.save(out_dir, 1, model, cfg, meta), weight_bytes
+    return saving.save(out_dir, 1, model, cfg, meta), weight_bytes
 
 
 def memory_of(pid: int) -> dict[str, int]:

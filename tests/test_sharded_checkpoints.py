@@ -21,7 +21,7 @@ import load_gpt2_weights
 import train
 from config import load_config
 from conftest import kill_when_stalled, on_each_device, tiny_model_config, train_args
-from engine import checkpoint, loading, sharded
+from engine import checkpoint, loading, saving, sharded
 from engine.checkpoint import CheckpointError
 from engine.training.processes import Dist
 from model import GPT
@@ -159,7 +159,7 @@ def test_a_background_save_failing_as_it_is_published_raises_at_the_next_wait(tm
     def disk_full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "write_rest", disk_full)
+    monkeypatch.setattr(saving, "write_rest", disk_full)
     deadline = time.monotonic() + 60
     while not writer.pending.error:  # training goes on: poll() keeps the error for wait()
         assert time.monotonic() < deadline
@@ -177,7 +177,7 @@ def test_no_room_for_the_shards_is_said_before_any_is_written(tmp_path, monkeypa
     monkeypatch.setattr(sharded.shutil, "disk_usage",
                         lambda path: usage._replace(free=1000))  # bytes: less than the state
     writer = sharded.ShardedWriter(Dist(), str(tmp_path), 2, background=False)
-    with pytest.raises(checkpoint.DiskFullError,
+    with pytest.raises(saving.DiskFullError,
                        match="needs about [0-9,]+ bytes and 1,000 bytes are free"):
         writer.save(1, model, optimizer, load_config([])[0], {}, {"step": 1})
     assert list(tmp_path.iterdir()) == []
@@ -190,7 +190,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
     import torch
     from config import load_config
     from conftest import tiny_model_config
-    from engine import checkpoint, sharded
+    from engine import saving, sharded
     from engine.training.processes import Dist
     from model import GPT
 
@@ -209,7 +209,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
     if phase == "background":  # every shard written by the writing thread, .metadata not yet
         sharded.dcp.FileSystemWriter.finish = stall
     else:  # the shards complete, train_state.pt and the rename not yet
-        checkpoint.write_rest = stall
+        saving.write_rest = stall
     writer.save(2, model, optimizer, load_config([])[0], {}, {"step": 2})
     writer.wait()
 """)
@@ -223,7 +223,7 @@ def test_a_kill_during_a_save_never_leaves_a_checkpoint_that_looks_complete(tmp_
         assert checkpoint.latest_checkpoint(out).name == "ckpt_0000001", phase
         assert loading.load_train_state(out / "ckpt_0000001") == {"step": 1}
         sharded.read_weights(out / "ckpt_0000001")
-        checkpoint.recover(out)  # what the next save or resume does first
+        saving.recover(out)  # what the next save or resume does first
         assert sorted(p.name for p in out.iterdir()) == ["STALLED", "ckpt_0000001"], phase
 
 

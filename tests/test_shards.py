@@ -16,7 +16,7 @@ import data.stream as stream
 from data.loader import Batches, DataError, load_meta
 from data.shard_batches import ShardBatches
 from data.shards import Source, prepare
-from data.tokenizer import GPT2Tokenizer
+from data.bpe import GPT2Tokenizer
 
 SHARD, VAL = 1500, 2000  # tokens per shard, val tokens: a few shards per split
 EOT = "<|endoftext|>"
@@ -390,7 +390,8 @@ def test_shard_batches_ranks_disjoint_and_resumable(tmp_path):
     assert all(torch.equal(b.next()[0], e) for e in expected)
     assert not torch.equal(ShardBatches(meta, "train", 4, 8, seed=8).next()[0],
                            ShardBatches(meta, "train", 4, 8, seed=7).next()[0])
-    fixed = ShardBatches(meta, "train", 4, 8, seed=0).fixed(3, seed=11)  # training draws don't move it
+    # training draws don't move the fixed batches
+    fixed = ShardBatches(meta, "train", 4, 8, seed=0).fixed(3, seed=11)
     assert len(fixed) == 3 and all(np.array_equal(p, q) for p, q in
                                    zip(fixed, a.fixed(3, seed=11)))
     assert len({int(s) for batch in fixed for s in batch}) == 12  # no repeats
@@ -406,9 +407,11 @@ def test_shard_batches_errors(tmp_path, char_dataset):
     assert type(single) is Batches
     with pytest.raises(DataError, match="is sharded: read it with ShardBatches"):
         Batches(meta, "train", 2, 8, seed=0)
-    with pytest.raises(DataError, match="position is a train.bin's, a mixture's or --doc_aligned's, not windows of shards"):
+    with pytest.raises(DataError, match="position is a train.bin's, a mixture's or "
+                                        "--doc_aligned's, not windows of shards"):
         sharded.load_state_dict(single.state_dict())
-    with pytest.raises(DataError, match="position is a sharded dataset's, a mixture's or --doc_aligned's, not windows of"):
+    with pytest.raises(DataError, match="position is a sharded dataset's, a mixture's or "
+                                        "--doc_aligned's, not windows of"):
         single.load_state_dict(sharded.state_dict())
     (tmp_path / "s" / "train_000000.bin").write_bytes(b"\0" * 10)
     with pytest.raises(DataError, match=r"train_000000.bin is 10 bytes, not 200; the folder was "

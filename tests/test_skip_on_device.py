@@ -183,15 +183,15 @@ def test_the_loop_reads_the_device_only_at_log_intervals(config, char_dataset, t
     """train.py over 10 steps with a GPU run's optimizer, logging every 5, the third step NaN:
     between log lines nothing is read; at the log line the skipped steps come in one transfer
     (NonFiniteGuard.read's .tolist()), beside the loss and norm the line prints."""
-    poison, real_step, windows = poisoned_loss(monkeypatch), train.train_step, []
+    poison, real_step, windows = poisoned_loss(monkeypatch), train.one_step, []
     monkeypatch.setattr(build, "make_optimizer", lambda model, cfg, device: optim.make_optimizer(
         model, cfg, torch.device("cuda")))
 
-    def step_and_mark(trainer, batch, lr):  # each step opens a window; its reads land in it
+    def step_and_mark(*args):  # each step opens a window; its reads land in it
         windows.append([])
         poison["on"] = len(windows) == 3
-        return real_step(trainer, batch, lr)
-    monkeypatch.setattr(train, "train_step", step_and_mark)
+        return real_step(*args)
+    monkeypatch.setattr(train, "one_step", step_and_mark)
     cfg, _ = load_config(train_args(char_dataset, tmp_path / "run", "--max_iters=10",
                                     "--log_interval=5", "--eval_interval=100",
                                     "--save_checkpoints=false", *config))

@@ -38,8 +38,8 @@ def test_every_technique_is_off_by_default():
     model = GPT(tiny_model_config())
     assert model.lm_head.weight is model.transformer.wte.weight and "wpe" in model.transformer
     assert departures(ModelConfig(**EVERY)) == [
-        "position=rotary", "qk_norm=True", "attn_scale=0.3", "value_embeds=1",
-        "tie_embeddings=False", "zero_init_head=True", "zero_init_proj=True",
+        "activation=relu2", "position=rotary", "qk_norm=True", "attn_scale=0.3",
+        "value_embeds=1", "tie_embeddings=False", "zero_init_head=True", "zero_init_proj=True",
         "logit_softcap=15.0", "unet_skips=True", "smear=True"]
 
 
@@ -299,8 +299,9 @@ def test_muon_momentum_warms_up_then_stays():
     cfg.train.optimizer = "muon"
     model = GPT(tiny_model_config())
     optimizer = optim.make_optimizer(model, cfg, torch.device("cpu"))
-    optim.set_momentum(optimizer, 0.9)
+    optim.set_schedule(optimizer, 1e-3, 0.9)
     assert [g.get("momentum") for g in optimizer.param_groups] == [None, None, 0.9]
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-3] * 3
 
 
 def test_config_refuses_what_cannot_work():
@@ -364,7 +365,7 @@ def test_untied_zero_init_relu2_model_exports_to_transformers_and_back(tmp_path)
     asked = ModelConfig(position="rotary", qk_norm=True, attn_scale=0.3, logit_softcap=15.0,
                         unet_skips=True, smear=True)
     gpt2_again, _ = gpt2.load_hf(str(tmp_path), asked)  # GPT-2's architecture is what it holds
-    assert departures(gpt2_again.config) == ["tie_embeddings=False"]
+    assert departures(gpt2_again.config) == ["activation=relu2", "tie_embeddings=False"]
 
 
 def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset, tmp_path,
@@ -381,7 +382,7 @@ def test_a_run_with_every_technique_resumes_bit_exact_and_generates(char_dataset
     for (name, p), q in zip(model_a.state_dict().items(), model_b.state_dict().values()):
         assert torch.equal(p, q), name
     assert "lm_head.weight" in checkpoint.model_state(model_a)  # untied: stored
-    assert "recipe=position=rotary,qk_norm=True" in capsys.readouterr().out
+    assert "recipe=activation=relu2,position=rotary,qk_norm=True" in capsys.readouterr().out
     # generate.py reads the checkpoint with no flags, and sampling with the cache is the
     # whole forward's
     assert generate.main(["--checkpoint", str(a), "--max_new_tokens=20", "--device=cpu",

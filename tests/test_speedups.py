@@ -598,11 +598,13 @@ def test_banner_names_every_flag_and_each_fallback():
     batch_note = auto_batch.auto_micro_batch(cfg, model, rt)
     values = speedups.settings(cfg, rt, speedups.Notes(batch=batch_note, fused_adamw="on",
                                                        kernels=["flash (cpu)"]))
-    assert list(values) == ["device", "causal_mask", "tf32", "fused_adamw", "pin_memory", "dtype",
-                            "norm", "activation", "attention", "compile", "vocab", "loss",
-                            "optimizer", "batch", "recipe"]
+    # every field that states a fast value (config.py), in its order, between these
+    assert list(values) == ["device", "attention", "causal_mask", "norm", "activation_impl",
+                            "vocab_pad_multiple", "loss", "pin_memory", "batch_size_auto",
+                            "fused_adamw", "optimizer", "dtype", "tf32", "compile", "batch",
+                            "recipe"]
     line = speedups.banner(values, rt.notes)
-    for part in ("tf32=off", "pin_memory=off (needs CUDA)", "vocab=65->128",
+    for part in ("tf32=off", "pin_memory=off (needs CUDA)", "vocab_pad_multiple=64 (65->128)",
                  "batch=32x1 (batch_size_auto needs CUDA: kept)", "attention=scratch [flash (cpu)]",
                  "[tf32 needs CUDA: off]"):
         assert part in line, part

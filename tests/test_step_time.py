@@ -10,7 +10,8 @@ from model import GPT, MLP, ModelConfig
 
 
 def test_erf_gelu_is_nanogpts_exact_gelu():
-    cfg = ModelConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=8, block_size=4, activation="gelu_erf")
+    cfg = ModelConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=8, block_size=4,
+                      activation="gelu_erf")
     torch.manual_seed(0)
     mlp, x = MLP(cfg), torch.randn(2, 4, 8)
     hidden = mlp.c_fc(x)

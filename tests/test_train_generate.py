@@ -97,7 +97,7 @@ def test_generate_rejects_prompt_outside_vocabulary(trained, capsys):
 
 
 def test_generate_and_serve_share_their_model_options_and_both_command_lines_take_them(capsys):
-    """--init-from and --sparse are declared once (engine/inference/load.InferenceOptions): both
+    """--init-from and --sparse are declared once (engine/inference/options.InferenceOptions): both
     scripts parse them into their options, list them in --help, and say where a model comes from
     alike."""
     from engine.serving.options import ServeOptions

@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config import ConfigError, load_options, opt  # noqa: E402
-from data.dataset import DATA_DIR, DataError, write_text  # noqa: E402
+from data.dataset import DATA_DIR, DataError  # noqa: E402
+from data.writing import write_text  # noqa: E402
 from data.train_tokenizer import named_tokenizer  # noqa: E402
 from data.tokenizer import TokenizerError  # noqa: E402
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.dataset import DATA_DIR, write_text  # noqa: E402
+from data.dataset import DATA_DIR  # noqa: E402
+from data.writing import write_text  # noqa: E402
 from data.tokenizer import CharTokenizer  # noqa: E402
 
 SOURCE = DATA_DIR / "tinyshakespeare.txt"

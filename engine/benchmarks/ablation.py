@@ -11,10 +11,9 @@ row (a run stopped midway keeps its rows); on a CPU the kernel rows (kernels.py)
 page: ablation_report.py."""
 from __future__ import annotations
 
-import collections
 import copy
-import json
 import difflib
+import json
 import math
 import os
 import platform
@@ -26,29 +25,17 @@ from typing import Callable
 
 import torch
 
-from config import BOOL_WORDS, Config, ConfigError, apply_override, opt, validate
+from config import BOOL_WORDS, Config, ConfigError, apply_override, opt, speedup_flags, validate
 from data.dataset import load_or_prepare
 from engine.benchmarks import ablation_report, checks, kernels
 from engine.benchmarks.report import utc_now
 from engine.benchmarks.timing import run_worker, time_left
 from engine.device import resolve_dtype
 
-# keys: the config keys it sets; cuda: it changes nothing off CUDA (such a row is not run there)
-Flag = collections.namedtuple("Flag", "keys reference fast cuda", defaults=(False,))
-FLAGS = {
-    "causal_mask": Flag(("model.causal_mask",), "buffer", "on_the_fly"),
-    "tf32": Flag(("system.tf32",), "false", "true", cuda=True),
-    "fused_adamw": Flag(("train.fused_adamw",), "false", "true"),
-    "pin_memory": Flag(("data.pin_memory",), "false", "true", cuda=True),
-    "dtype": Flag(("system.dtype",), "float32", "auto"),  # auto: bf16 where supported, else fp16
-    "norm_gelu": Flag(("model.norm", "model.activation_impl"), "scratch", "native"),
-    "attention": Flag(("model.attention",), "scratch", "sdpa"),
-    "compile": Flag(("system.compile",), "false", "true"),  # a value is the mode
-    "vocab_pad": Flag(("model.vocab_pad_multiple",), "1", "64"),
-    "batch_size_auto": Flag(("train.batch_size_auto",), "false", "true"),
-    "chunked_loss": Flag(("model.loss",), "full", "chunked"),
-    "muon": Flag(("train.optimizer",), "adamw", "muon"),  # tokens/s: what its steps cost
-}
+# the speedup flags: the fields that state a fast value (config.py), in their order; "dtype"
+# (auto: bf16 where native, resolved in the row's process) and "compile" (a value is the mode)
+# read their values themselves (with_flag)
+FLAGS = speedup_flags()
 DEFAULT_ORDER = ",".join(FLAGS)
 
 
@@ -80,18 +67,18 @@ class AblationOptions:
     name: str = opt("", "output file stem (default: the device, _only added for --only)")
 
 
-def parse_steps(text: str) -> list[tuple[str, str]]:
+def parse_steps(text: str, flags: dict = FLAGS) -> list[tuple[str, str]]:
     """'attention,compile=max-autotune' -> [('attention', 'sdpa'), ('compile', 'max-autotune')]."""
     steps: list[tuple[str, str]] = []
     for item in checks.comma_list(text):
         name, _, value = item.partition("=")
-        if name not in FLAGS:
-            close = difflib.get_close_matches(name, list(FLAGS), n=3, cutoff=0.5)
+        if name not in flags:
+            close = difflib.get_close_matches(name, list(flags), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown flag '{name}'{hint} (flags: {', '.join(FLAGS)})")
+            raise ConfigError(f"unknown flag '{name}'{hint} (flags: {', '.join(flags)})")
         if name in (s for s, _ in steps):
             raise ConfigError(f"flag '{name}' appears twice; list each flag once")
-        steps.append((name, value or FLAGS[name].fast))
+        steps.append((name, value or flags[name].fast))
     if not steps:
         raise ConfigError(f"no flags given; e.g. --order {DEFAULT_ORDER}")
     return steps
@@ -106,7 +93,7 @@ def with_flag(cfg: Config, name: str, value: str) -> Config:
         apply_override(cfg, "system.compile", "true", problems)
         apply_override(cfg, "system.compile_mode", value, problems)
     else:
-        for key in FLAGS[name].keys:
+        for key in speedup_flags(cfg)[name].keys:
             apply_override(cfg, key, value, problems)
     check_cfg = copy.deepcopy(cfg)
     if check_cfg.system.dtype == "auto":
@@ -136,13 +123,13 @@ def plan(cfg: Config, steps: list[tuple[str, str]], mode: str,
             if name not in named:
                 raise ConfigError(f"--without: {name} is not in --order, so it is not part of "
                                   f"the full recipe (--order {','.join(named)})")
-            reference = FLAGS[name].reference
+            reference = speedup_flags(cfg)[name].reference
             rows.append({"flag": name, "value": reference, "config":
                          with_flag(full, name, reference), "previous": 0})
         return rows
     base = cfg
     for name, _ in steps:
-        base = with_flag(base, name, FLAGS[name].reference)
+        base = with_flag(base, name, speedup_flags(cfg)[name].reference)
     rows = [{"flag": None, "value": None, "config": base, "previous": None}]
     for name, value in steps:
         row_cfg = with_flag(base, name, value)
@@ -281,7 +268,8 @@ def unchanged(row: dict, rows: list[dict]) -> str:
     that needs CUDA off CUDA, or the same config as the row it is set against (dtype=auto
     resolved, on a CPU, as its process would)."""
     device = row["config"].system.device
-    if row["flag"] and FLAGS[row["flag"]].cuda and not device.startswith("cuda"):
+    if row["flag"] and speedup_flags(row["config"])[row["flag"]].cuda and \
+            not device.startswith("cuda"):
         return f"needs CUDA: {row['flag']} changes nothing on {device}"
     if row["previous"] is None:
         return ""
@@ -394,7 +382,7 @@ def run(cfg: Config, opts: AblationOptions, command: str) -> int:
                           "--device=cpu and --threads=1 (several threads' CPU time adds up)")
     cfg.train.init_from = "scratch"  # every row starts from the same seeded weights
     mode, order, without = chosen_mode(opts)
-    rows = plan(cfg, parse_steps(order), mode, without)
+    rows = plan(cfg, parse_steps(order, speedup_flags(cfg)), mode, without)
     load_or_prepare(cfg.data.dataset)  # prepared once here, not in every row's process
     print(f"bench: {len(rows)} rows ({mode}) on {cfg.system.device}, each {opts.warmup_steps} "
           f"warm-up + {opts.measure_steps} timed steps in its own process, {opts.repeat} run(s) "

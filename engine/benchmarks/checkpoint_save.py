@@ -73,7 +73,7 @@ def reset_peak() -> bool:
 def worker(mode: str, out: Path, shape: dict, report: Path) -> None:
     """One rank of the 2-process job: build, shard, one AdamW step, then one timed save."""
     import config as config_mod
-    from engine import checkpoint
+    from engine import saving
     from engine.sharded import ShardedWriter
     from engine.training import parallel
     from engine.training.optim import make_optimizer
@@ -99,7 +99,7 @@ def worker(mode: str, out: Path, shape: dict, report: Path) -> None:
     if writer is None:  # today's full checkpoint: everything through rank 0
         weights, state = dist.full_weights(model), dist.optimizer_state(model, optimizer)
         if dist.is_main:
-            checkpoint.save(out, 1, model, cfg, {}, {"optimizer": state}, weights=weights)
+            saving.save(out, 1, model, cfg, {}, {"optimizer": state}, weights=weights)
     else:
         writer.save(1, model, optimizer, cfg, {}, {"format": 2})
     returned = time.perf_counter() - start

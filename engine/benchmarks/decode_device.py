@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from config import ConfigError, SystemConfig, opt
-from data.tokenizer import GPT2Tokenizer
+from data.bpe import GPT2Tokenizer
 from engine.benchmarks import checks
 from engine.benchmarks.decode import DECODE_SHAPES, our_generate, random_gpt2
 from engine.benchmarks.report import section, utc_now, write_report

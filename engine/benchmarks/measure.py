@@ -16,11 +16,11 @@ from config import Config, from_dict
 from data.dataset import load_or_prepare
 from engine import compiling
 from engine.benchmarks.timing import peak_memory, reset_peak_memory, timed
-from engine.device import (Runtime, cpu_bf16_units, cpu_has_native_bf16, machine_line, matmul_rate,
-                           peak_flops, setup)
+from engine.device import Runtime, cpu_bf16_units, cpu_has_native_bf16, machine_line, setup
 from engine.inference import sampling
 from engine.training import speedups
 from engine.training.build import Run, build_model, build_training
+from engine.training.metrics import matmul_rate, peak_flops
 from engine.training.metrics import log_line
 from engine.training.optim import lr_at
 from engine.training.processes import Dist

@@ -27,7 +27,7 @@ import httpx
 import torch
 
 from config import Config, opt
-from engine import checkpoint
+from engine import checkpoint, saving
 from engine.benchmarks import checks, decode
 from engine.benchmarks.report import MIB, section, write_report
 from engine.benchmarks.timing import REPO_ROOT
@@ -432,7 +432,7 @@ def served_model(o: ServeOptions, folder: Path) -> tuple[Path, str]:
                       f"{m['attention']})")
     model, cfg = decode.random_gpt2(), Config()
     cfg.model = model.config
-    ckpt = checkpoint.save(folder, 0, model, cfg, {"tokenizer": {"kind": "gpt2"}})
+    ckpt = saving.save(folder, 0, model, cfg, {"tokenizer": {"kind": "gpt2"}})
     return ckpt, "random-weight GPT-2 124M shape (12 x 768, block 1024, vocab 50257, sdpa)"
 
 

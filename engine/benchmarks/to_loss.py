@@ -37,7 +37,9 @@ from typing import ClassVar
 
 import torch
 
-from config import ConfigError, gpt2_recipe_flags, load_config, opt
+from config import (ConfigError, ModelConfig, TrainConfig, gpt2_recipe_flags, load_config, opt,
+                    speedup_flags)
+from engine.fields import as_flag, facts
 from engine.benchmarks import checks
 from engine.benchmarks.report import figure, markdown_table, save_figure, utc_now, write_report
 from engine.benchmarks.timing import REPO_ROOT
@@ -48,27 +50,39 @@ RECIPE = ["--config", "shakespeare_char", "--n_layer=4", "--n_head=4", "--n_embd
           "--block_size=64", "--batch_size=12", "--dropout=0", "--learning_rate=1e-3",
           "--warmup_iters=100", "--min_lr_ratio=0.1", "--beta2=0.99", "--max_iters=2000",
           "--bias=false", *gpt2_recipe_flags()]
-REFERENCE = ["--attention=scratch", "--causal_mask=buffer", "--norm=scratch",
-             "--activation_impl=scratch", "--fused_adamw=false", "--loss=full", "--optimizer=adamw"]
-SPEEDUPS = ["--attention=sdpa", "--causal_mask=on_the_fly", "--norm=native",
-            "--activation_impl=native", "--fused_adamw=true"]
+# the speedups of the same math a step runs faster with (their keys and values: config.py's
+# fields), on in the rows compared with nanoGPT; the loss and the optimizer are chain steps
+SAME_MATH = ("attention", "causal_mask", "norm_gelu", "fused_adamw")
+# this chain's values for the departures whose speedrun value suits a longer run than its 600
+DEPARTURE_VALUES = {"muon_momentum_warmup": 100}
+
+
+def flag_args(names: tuple[str, ...], value: str) -> list[str]:
+    """--section.key=... of each speedup flag named, at its reference or fast value."""
+    flags = speedup_flags()
+    return [f"--{key}={getattr(flags[name], value)}" for name in names for key in flags[name].keys]
+
+
+def departure_steps() -> dict[str, list[str]]:
+    """'+ name=value' -> its argument, for every departure from GPT-2 with a speedrun value
+    (config.py's fields, in their order): the chain tries each."""
+    steps = {}
+    for section in (ModelConfig, TrainConfig):
+        for name, value in facts(section, "speedrun").items():
+            value = DEPARTURE_VALUES.get(name, value)
+            steps[f"+ {name}={as_flag(value)}"] = [f"--{name}={as_flag(value)}"]
+    return steps
+
+
+REFERENCE = flag_args(SAME_MATH + ("chunked_loss", "muon"), "reference")
+SPEEDUPS = flag_args(SAME_MATH, "fast")
 BASE = RECIPE + REFERENCE + SPEEDUPS  # nanoGPT's math on our code, every step speedup on
 ROWS = {"reference": RECIPE + REFERENCE, "every speedup": BASE}  # name -> train.py arguments
 CHAIN = {  # name -> arguments added to the best recipe so far, in this order
-    "+ chunked loss": ["--loss=chunked"],
-    "+ muon": ["--optimizer=muon", "--learning_rate=4e-3", "--warmup_iters=50",
+    "+ chunked loss": flag_args(("chunked_loss",), "fast"),
+    "+ muon": [*flag_args(("muon",), "fast"), "--learning_rate=4e-3", "--warmup_iters=50",
                "--max_iters=600"],
-    "+ rotary": ["--position=rotary"],
-    "+ qk-norm": ["--qk_norm=true"],
-    "+ relu^2": ["--activation=relu2"],
-    "+ untied zero-init head": ["--tie_embeddings=false", "--zero_init_head=true"],
-    "+ zero-init projections": ["--zero_init_proj=true"],
-    "+ logit soft-cap 15": ["--logit_softcap=15"],
-    "+ wsd schedule": ["--lr_schedule=wsd"],
-    "+ muon momentum warm-up": ["--muon_momentum_warmup=100"],
-    "+ attention scale 0.3": ["--attn_scale=0.3"],
-    "+ U-net skips": ["--unet_skips=true"],
-    "+ smear": ["--smear=true"],
+    **departure_steps(),
     "+ 380 steps (60% cooldown)": ["--max_iters=380", "--cooldown_frac=0.6"],
 }
 CONFIG = {"speedrun config": ["--config", "shakespeare_char_speedrun"]}  # the chain's result
@@ -229,6 +243,12 @@ def run_chain(opts: ToLossOptions, chosen: list[str]) -> list[dict]:
     for name, extra in CHAIN.items():
         if chosen and name not in chosen:
             continue
+        if why := invalid(head_args + extra):  # e.g. a zero-init head whose untying was dropped
+            rows.append({"recipe": name, "args": head_args + extra, "status": "not run",
+                         "curve": [], "reached": None, "seconds": 0.0, "times": [],
+                         "chain": f"dropped: {why}"})
+            print(f"  {rows[-1]['chain']}", flush=True)
+            continue
         rows.append(measure(name, REPO_ROOT, head_args + extra + schedule(opts), opts))
         keep, rows[-1]["chain"] = verdict(rows[-1], head or {"reached": None}, opts.keep_margin)
         head, head_args = (rows[-1], head_args + extra) if keep else (head, head_args)
@@ -304,6 +324,15 @@ def configs_page(report: dict) -> str:
                                             "s from step 1", "speedup", f"best {unit}",
                                             "median step ms"],
                 cells, {r["recipe"]: r["args"] for r in rows})
+
+
+def invalid(args: list[str]) -> str:
+    """Why train.py would refuse these arguments ('' when it takes them)."""
+    try:
+        load_config(args, prog="train.py")
+    except ConfigError as e:
+        return str(e).splitlines()[-1].strip()
+    return ""
 
 
 def run(opts: ToLossOptions, command: str) -> int:

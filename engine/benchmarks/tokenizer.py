@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Iterator
 
 from config import opt
-from data.tokenizer import GPT2Tokenizer
+from data.bpe import GPT2Tokenizer
 from data.train_tokenizer import documents, input_files, load_tokenizer, save, train
 from engine.benchmarks.report import write_report
 from engine.benchmarks.timing import REPO_ROOT

@@ -10,33 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from config import Config, ConfigError, opt
-from data.tokenizer import GPT2_EOT, TokenizerError
+from config import Config, ConfigError
+from data import GPT2_EOT, TokenizerError
 from engine import checkpoint, sources
-from engine.inference.matvec import set_weight_layout
+from engine.inference.options import InferenceOptions
 from model import GPT
 
-SPARSE_MODES = ("dense", "sparse", "auto")
-
-
-@dataclass
-class InferenceOptions:
-    """The command-line options generate.py and serve.py share: which model, and how a pruned
-    one runs. The rest of what loading reads is the config (sample.checkpoint, sample.weights,
-    sample.quantize, sample.weight_layout, system.device ...)."""
-
-    init_from: str = opt("", "the model: gpt2[-medium|-large|-xl] | hf:ORG/NAME | a local HF "
-                         "dir | our checkpoint; default: sample.checkpoint, else train.out_dir")
-    sparse: str = opt("auto", "a pruned checkpoint (prune.py): auto = sparse kernels for the "
-                      "weight shapes a timing probe finds faster here (generate.py: at one row, "
-                      "as decoding; serve.py: at --slots rows) | sparse | dense (its weights "
-                      "with zeros)", SPARSE_MODES)
-
-    def model_source(self, cfg: Config) -> str:
-        """--init-from, else sample.checkpoint, else train.out_dir."""
-        if self.init_from in ("", "resume", "auto"):
-            return cfg.sample.checkpoint or cfg.train.out_dir
-        return self.init_from
 
 
 @dataclass
@@ -59,7 +38,11 @@ def prepare_weights(model: GPT, cfg: Config, options: InferenceOptions, device: 
         from engine.inference import packed
 
         held = packed.convert(model, cfg.sample.weights, device)
-    layout = set_weight_layout(model, cfg.sample.weight_layout, cfg.sample.huge_pages)
+    layout = "row (CPU only)"  # the layouts were measured on CPUs; elsewhere as trained
+    if device.type == "cpu":
+        from engine.inference.matvec import set_weight_layout
+
+        layout = set_weight_layout(model, cfg.sample.weight_layout, cfg.sample.huge_pages)
     chosen = ""
     if getattr(model, checkpoint.MASKS, None):  # a pruned checkpoint: sparse kernels maybe
         from engine.inference import sparse

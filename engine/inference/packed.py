@@ -23,14 +23,13 @@ from engine.inference import cpu_kernels
 from engine.inference.kv_cache import new_kv_cache
 from engine.inference.matvec import set_matvec, set_weight_layout
 from engine.inference.sampling import decode_step, prefill
-from model import ACTIVATIONS, ModelConfig, softcap
+from model import ACTIVATIONS, BLOCK_LINEARS, ModelConfig, softcap
 
 FORMATS = ("auto", "torch", "float32", "bfloat16", "int8", "int4")
 # within 0.5% of float32's perplexity (int4 is not: bench_results/decode_quality_*.md)
 AUTO_CANDIDATES = ("torch", "float32", "bfloat16", "int8")
 KERNEL_ROWS = 128  # up to this many rows a call runs the kernels (faster than unpacking the
 # weight for a dense product, as bench.py decode measured); more (a long prompt): dense
-LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class PackedLinear(nn.Module):
@@ -76,7 +75,7 @@ def linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, Linear) for each block Linear and the LM head."""
     found = [(model, "lm_head", model.lm_head)]
     for block in model.transformer.h:
-        for name in LINEARS:
+        for name in BLOCK_LINEARS:
             parent_name, attr = name.split(".")
             parent = getattr(block, parent_name)
             found.append((parent, attr, getattr(parent, attr)))
@@ -202,7 +201,7 @@ def block_arguments(model: nn.Module) -> list[tuple]:
         cfg, args = model.config, []
         for block in model.transformer.h:
             ln = [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias]
-            packed = [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
+            packed = [block.get_submodule(name) for name in BLOCK_LINEARS]
             first = packed[0]
             args.append(([none if t is None else t.detach() for t in ln], cfg.layer_norm_eps,
                          [m.data for m in packed], [m.scales for m in packed],

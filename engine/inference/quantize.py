@@ -5,12 +5,22 @@
 import torch
 
 from config import ConfigError
-from model import GPT
+from model import BLOCK_LINEARS, GPT
 
-# sample.quantize_layers names -> the Linear layers of every block they cover
-QUANTIZABLE = {"attn": ("attn.c_attn", "attn.c_proj"), "mlp": ("mlp.c_fc", "mlp.c_proj"),
-               "c_attn": ("attn.c_attn",), "attn.c_proj": ("attn.c_proj",),
-               "c_fc": ("mlp.c_fc",), "mlp.c_proj": ("mlp.c_proj",)}
+
+def quantizable() -> dict[str, tuple[str, ...]]:
+    """sample.quantize_layers names -> the Linears of every block they cover: a part of the block
+    (attn, mlp), or one Linear by its own name where that is unique, else by its path."""
+    parts: dict[str, tuple[str, ...]] = {}
+    for name in BLOCK_LINEARS:
+        part = name.split(".")[0]
+        parts[part] = (*parts.get(part, ()), name)
+    short = [name.split(".")[1] for name in BLOCK_LINEARS]
+    return {**parts, **{(s if short.count(s) == 1 else name): (name,)
+                        for s, name in zip(short, BLOCK_LINEARS)}}
+
+
+QUANTIZABLE = quantizable()
 
 
 def quantize_targets(layers: str) -> set[str]:

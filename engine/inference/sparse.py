@@ -29,12 +29,18 @@ from config import ConfigError, load_options, opt
 from engine import pruning
 from engine.inference.matvec import set_weight_layout
 from engine.inference.sampling import generate_tokens
-from model import GPT, ModelConfig
+from model import BLOCK_LINEARS, GPT, ModelConfig
 
 MODES = ("dense", "sparse", "auto")
 SPEEDUP_NEEDED = 1.1  # auto: sparse must beat dense by this factor (timing noise)
-GPT2_SHAPES = {"c_attn": (2304, 768), "attn.c_proj": (768, 768), "c_fc": (3072, 768),
-               "mlp.c_proj": (768, 3072)}  # (out, in) of GPT-2 124M's block Linears
+
+
+def gpt2_shapes() -> dict[str, tuple[int, int]]:
+    """(out, in) of each of GPT-2 124M's block Linears (a block made on the meta device)."""
+    with torch.device("meta"):
+        block = GPT(ModelConfig(vocab_size=50257, n_layer=1, n_head=12, n_embd=768)
+                    ).transformer.h[0]
+    return {name: tuple(block.get_submodule(name).weight.shape) for name in BLOCK_LINEARS}
 
 
 def to_sparse(weight: torch.Tensor, layout: str, block: int = 16) -> torch.Tensor:
@@ -238,7 +244,7 @@ def bench(device: torch.device, rows_list: list[int], repeats: int) -> list[dict
     results = []
     for rows in rows_list:
         for sparsity, pattern in cases:
-            for name, shape in GPT2_SHAPES.items():
+            for name, shape in gpt2_shapes().items():
                 row = {"layer": name, **bench_shape(shape, sparsity, pattern, rows, device,
                                                     repeats)}
                 print(json.dumps(row), flush=True)

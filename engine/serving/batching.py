@@ -6,13 +6,14 @@ with a position per slot. New sequences join at the next step, finished ones lea
     engine.submit([Sequence(prompt_ids, params, on_event)])   # events: text, done, error
 
 Each step, every running sequence does one forward: the ones with a cache row decode together
-(one batched step, each row at its own position; packed weights: each block one compiled call;
-a sequence alone: its own row of the cache, as generate.py decodes), then new or re-windowed ones are prefilled
-alone (the same `sampling.prefill` as generate.py), up to prefill_chunk prompt tokens a step (a
-long prompt is read over several steps, so the running streams wait for one chunk, never for
-the whole prompt), and copied into their row. With packed weights (--weights float32, bfloat16,
-int8, int4) a step is one forward instead: the decoding rows' tokens and the prompt tokens read
-this step, each straight into its slot's row (packed.forward_tokens). Sampling is
+(one batched step, each row at its own position; packed weights: each block one compiled
+call; a sequence alone: its own row of the cache, as generate.py decodes), then new or
+re-windowed ones are prefilled alone (the same `sampling.prefill` as generate.py), up to
+prefill_chunk prompt tokens a step (a long prompt is read over several steps, so the running
+streams wait for one chunk, never for the whole prompt), and copied into their row. With
+packed weights (--weights float32, bfloat16, int8, int4) a step is one forward instead: the
+decoding rows' tokens and the prompt tokens read this step, each straight into its slot's row
+(packed.forward_tokens). Sampling is
 `sampling.sample_next` per sequence with its own generator, so a request's tokens do not depend
 on what else is in the batch, and the same seed gives the same text.
 
@@ -37,7 +38,9 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, Field
 
+from config import SampleConfig, SystemConfig
 from engine.device import release_cached
+from engine.fields import bounds
 from engine.inference.kv_cache import new_kv_cache
 from engine.inference.sampling import prefill, sample_next
 from engine.serving import logprobs
@@ -53,18 +56,26 @@ class QueueFull(RuntimeError):
     """More sequences than the free slots and the queue can hold; retry later (HTTP 503)."""
 
 
-class SamplingParams(BaseModel):
-    """How one completion is sampled and when it ends: the fields of a completion request that
-    the engine reads, with OpenAI's defaults and bounds. app.CompletionRequest extends this
-    class, so a field declared here is a request field too, validated, and reaches the engine
-    as it was sent (each choice's seed offset: app.make_sequences)."""
+class Sampling(BaseModel):
+    """How a reply is sampled: the fields every request shares (completions and chat), with
+    OpenAI's defaults and the limits generate.py's own options hold (config.py's fields: one
+    definition of each limit)."""
 
-    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored, nothing generated
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension: 0 = off
-    seed: int | None = Field(None, ge=0, lt=2**63)  # None: a fresh random seed
+    temperature: float = Field(1.0, **bounds(SampleConfig, "temperature"))  # 0: greedy
+    top_p: float = Field(1.0, **bounds(SampleConfig, "top_p"))
+    top_k: int = Field(0, **bounds(SampleConfig, "top_k"))  # extension: 0 = off
+    seed: int | None = Field(None, **bounds(SystemConfig, "seed"))  # None: a fresh seed
     stop: str | list[str] | None = None  # end before this text (not in it); up to 4 strings
+
+
+class SamplingParams(Sampling):
+    """How one completion is sampled and when it ends: the fields of a completion request that
+    the engine reads. app.CompletionRequest extends this class, so a field declared here is a
+    request field too, validated, and reaches the engine as it was sent (each choice's seed
+    offset: app.make_sequences)."""
+
+    # 0: with echo, the prompt scored, nothing generated
+    max_tokens: int = Field(16, **bounds(SampleConfig, "max_new_tokens"))
     ignore_eos: bool = False  # extension: GPT-2 goes on past <|endoftext|> (its stop token)
     logprobs: int | None = Field(None, ge=0)  # score each generated token, with this many
     # alternatives (at most logprobs.MAX_LOGPROBS: app.check_request)

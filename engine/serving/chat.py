@@ -19,10 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from data.chat_template import ChatTemplate, TemplateError, check_messages
 from data.tokenizer import TokenizerError
-from engine.serving.batching import SamplingParams
+from engine.serving.batching import Sampling
 from engine.serving.logprobs import MAX_LOGPROBS
-
-SAMPLING = SamplingParams.model_fields  # the sampling fields' bounds: one place (batching.py)
 
 
 class ChatError(ValueError):
@@ -39,20 +37,16 @@ def no_template(model: str) -> str:
             "as a prompt to POST /v1/completions")
 
 
-class ChatRequest(BaseModel):
-    """The body of POST /v1/chat/completions; OpenAI's defaults but max_tokens' (below). Unknown
-    fields are refused; the penalties and logit_bias are refused as in completions (app.py)."""
+class ChatRequest(Sampling):
+    """The body of POST /v1/chat/completions: the sampling fields every request shares
+    (batching.Sampling), then the chat's own, with OpenAI's defaults but max_tokens' (below).
+    Unknown fields are refused; the penalties and logit_bias are refused as in completions."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     messages: list[Any]  # checked by check_messages, whose errors say what to fix
     max_completion_tokens: int | None = Field(None, ge=1)  # the reply's most tokens
     max_tokens: int | None = Field(None, ge=1)  # its older name; both None: the context's rest
-    temperature: float = SAMPLING["temperature"]
-    top_p: float = SAMPLING["top_p"]
-    top_k: int = SAMPLING["top_k"]  # extension
-    seed: int | None = SAMPLING["seed"]
-    stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: dict[Literal["include_usage"], bool] | None = None
@@ -75,8 +69,8 @@ class ChatRequest(BaseModel):
         if self.top_logprobs is not None and not self.logprobs:
             raise ChatError("top_logprobs needs logprobs: true", "top_logprobs")
         rest = min(max_tokens_limit, max(1, block_size - prompt_tokens))
-        shared = ("model", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-                  "user", "presence_penalty", "frequency_penalty", "logit_bias")
+        shared = (*Sampling.model_fields, "model", "n", "stream", "user", "presence_penalty",
+                  "frequency_penalty", "logit_bias")  # the sampling fields: all, whatever they are
         return {**{name: getattr(self, name) for name in shared},
                 "max_tokens": self.max_completion_tokens or self.max_tokens or rest,
                 "logprobs": (self.top_logprobs or 0) if self.logprobs else None}

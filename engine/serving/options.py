@@ -12,8 +12,9 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from config import Config, ConfigError, opt
-from engine.inference.load import InferenceOptions
+from config import Config, ConfigError, field_problems, opt
+from engine.fields import NON_NEGATIVE, Range
+from engine.inference.options import InferenceOptions
 
 API_KEY_ENV = "GPT2S_API_KEY"  # the key from the environment, so it need not show in `ps`
 
@@ -25,21 +26,29 @@ class ServeOptions(InferenceOptions):
     --compile, --device, --dtype, --prompt_bucket ...)."""
 
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
-    port: int = opt(8000, "port to listen on; 0 = any free port (printed at start)")
-    workers: int = opt(1, "processes behind the port, sharing one copy of the weights")
-    slots: int = opt(8, "decode slots per worker: sequences generated together in one batch")
-    max_queue: int = opt(32, "sequences per worker waiting for a slot; beyond: 503 + Retry-After")
-    max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for (else 400)")
-    max_prompt_tokens: int = opt(0, "the longest prompt in tokens (else 400); 0 = block_size")
+    port: int = opt(8000, "port to listen on; 0 = any free port (printed at start)",
+                    check=Range(ge=0, le=65535))
+    workers: int = opt(1, "processes behind the port, sharing one copy of the weights",
+                       check=Range(ge=1))
+    slots: int = opt(8, "decode slots per worker: sequences generated together in one batch",
+                     check=Range(ge=1))
+    max_queue: int = opt(32, "sequences per worker waiting for a slot; beyond: 503 + Retry-After",
+                         check=NON_NEGATIVE)
+    max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for (else 400)",
+                                check=Range(ge=1))
+    max_prompt_tokens: int = opt(0, "the longest prompt in tokens (else 400); 0 = block_size",
+                                 check=NON_NEGATIVE)
     model_name: str = opt("", "the model id in the API; '' = the run's folder or GPT-2 name")
     warmup: bool = opt(True, "run (with --compile: compile) every shape before reporting "
                        "healthy, so the first request is as fast as later ones")
     idle_release_s: float = opt(30.0, "hand cached CUDA memory back after this many idle "
-                                "seconds (system.empty_cache)")
+                                "seconds (system.empty_cache)", check=NON_NEGATIVE)
     share_weights: bool = opt(True, "workers share the weights loaded once (false: each "
                               "worker loads its own copy, for comparison)")
-    threads: int = opt(0, "torch threads per worker; 0 = system.threads (or the cores) / workers")
-    retry_after_s: int = opt(1, "the Retry-After seconds of a 503 (queue full)")
+    threads: int = opt(0, "torch threads per worker; 0 = system.threads (or the cores) / workers",
+                       check=NON_NEGATIVE)
+    retry_after_s: int = opt(1, "the Retry-After seconds of a 503 (queue full)",
+                             check=NON_NEGATIVE)
     access_log: bool = opt(False, "uvicorn's access log, one line per request")
     api_key: str = opt("", "every /v1 request must send 'Authorization: Bearer KEY' (else 401; "
                        "/health and /metrics stay open); default: $GPT2S_API_KEY, '' = none")
@@ -47,7 +56,7 @@ class ServeOptions(InferenceOptions):
                              "(else refused at start)")
     max_body_bytes: int = opt(1 << 20, "the largest request body in bytes, else 413 before it is "
                               "read whole; 1 MiB holds a 1024-token prompt of GPT-2's longest "
-                              "tokens as JSON (384 KiB); 0 = no limit")
+                              "tokens as JSON (384 KiB); 0 = no limit", check=NON_NEGATIVE)
 
     def __repr__(self) -> str:
         """Every option but the API key's value, which no log or traceback should show."""
@@ -56,19 +65,9 @@ class ServeOptions(InferenceOptions):
         return f"ServeOptions({', '.join(shown)}, api_key=...)"
 
     def check(self) -> None:
-        """Every value out of its range, in one ConfigError; a host reachable from other
-        machines needs an API key (or --allow-no-key)."""
-        rules = (("port", "in 0..65535", 0 <= self.port <= 65535),
-                 ("workers", ">= 1", self.workers >= 1), ("slots", ">= 1", self.slots >= 1),
-                 ("max_queue", ">= 0", self.max_queue >= 0),
-                 ("max_tokens_limit", ">= 1", self.max_tokens_limit >= 1),
-                 ("max_prompt_tokens", ">= 0", self.max_prompt_tokens >= 0),
-                 ("idle_release_s", ">= 0", self.idle_release_s >= 0),
-                 ("threads", ">= 0", self.threads >= 0),
-                 ("retry_after_s", ">= 0", self.retry_after_s >= 0),
-                 ("max_body_bytes", ">= 0", self.max_body_bytes >= 0))
-        problems = [f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)}"
-                    for name, rule, ok in rules if not ok]
+        """Every value outside its field's check=, in one ConfigError; a host reachable from
+        other machines needs an API key (or --allow-no-key)."""
+        problems = field_problems(self, lambda name: f"--{name.replace('_', '-')}")
         if problems:
             raise ConfigError("invalid options: " + "; ".join(problems))
         if not self.effective_api_key() and not self.allow_no_key and not is_loopback(self.host):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -61,12 +60,11 @@ class Run:
         weights = adapter_state(self.raw_model) if self.dist.is_main else None
         return weights, {"lora": self.raw_model.lora_record}
 
-    def trainer(self, sync: Callable | None = None) -> Trainer:
-        """What train_step works on; sync(loss_sum): the mean over ranks (train.py's loop)."""
+    def trainer(self) -> Trainer:
+        """What a step works on (engine/training/step.py)."""
         t = self.cfg.train
         return Trainer(self.model, self.raw_model, self.optimizer, self.scaler, self.batches,
-                       self.rt, t.grad_accum_steps, t.grad_clip,
-                       grad_sync(self.model), sync)
+                       self.rt, t.grad_accum_steps, t.grad_clip, grad_sync(self.model))
 
     @property
     def tokens_per_step(self) -> int:
@@ -124,7 +122,7 @@ def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
             meta = load_or_prepare(cfg.data.dataset)
         raw_model, source = build_model(cfg, meta, rt.device)
     if dist.is_main:  # before the batch-size search and compile warm-up, which may take long
-        print(estimate_line(cfg, raw_model, rt, dist.world_size, meta), flush=True)
+        print(metrics.estimate_line(cfg, raw_model, rt, dist.world_size, meta), flush=True)
     dist.same_everywhere(checkpoint.read_meta(source)["step"] if t.init_from == "resume" else -1,
                          "the checkpoint to resume (put out_dir where every node sees it)")
     finetuning = meta.pop("notes", [])  # the banner's lines: the mixture, finetuning
@@ -150,7 +148,7 @@ def build_training(cfg: Config, dist: Dist, evaluates: bool = True) -> Run:
     sizes = None if "instruction" in meta else torch.from_numpy(token_bytes(meta)).to(rt.device)
     return Run(cfg, dist, rt, meta, raw_model, model, optimizer, scaler, batches, loaders,
                eval_sets, source, notes,
-               device.peak_flops(rt, cfg.system.peak_flops) * dist.world_size, token_bytes=sizes)
+               metrics.peak_flops(rt, cfg.system.peak_flops) * dist.world_size, token_bytes=sizes)
 
 
 def build_run(cfg: Config, dist: Dist) -> Run:
@@ -185,29 +183,6 @@ def build_run(cfg: Config, dist: Dist) -> Run:
     run.next_batch = next_batch or run.batches.next()
     run.shards = shards
     return run
-
-
-def estimate_line(cfg: Config, raw_model: GPT, rt: device.Runtime, world_size: int,
-                  meta: dict) -> str:
-    """About the time a step and the whole run take: their FLOPs (instruction rows: meta's
-    row_tokens) at the matmul rate measured now (0.2 s; bench.py sets it against measured)."""
-    t, block = cfg.train, meta.get("row_tokens", cfg.model.block_size)
-    tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
-    per_token = raw_model.flops_per_token()  # training: forward + backward
-    evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)
-    eval_tokens = evaluations * 2 * t.eval_iters * t.batch_size * block  # both splits
-    rate = device.matmul_rate(rt.device, rt.dtype)
-    est = device.time_estimate(per_token * tokens / world_size, t.max_iters,
-                                per_token / 3 * eval_tokens, rate)
-    line = (f"estimate: ~{device.format_seconds(est['step_s'])} per step, ~"
-            f"{device.format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
-            f"evaluations ({per_token * tokens / world_size / 1e9:,.1f} GFLOP per step at "
-            f"{rate / 1e9:,.1f} GFLOP/s, the {str(rt.dtype).removeprefix('torch.')} matmul rate "
-            "measured here; other work adds to it, a busy machine's probe reads low)")
-    if est["step_s"] > 60:
-        line += "\nnote: this recipe is far too big for this device; on a CPU try --config " \
-                "shakespeare_char, or a smaller model, batch or --max_iters"
-    return line
 
 
 def build_model(cfg: Config, meta: dict, target: torch.device) -> tuple[GPT, Path | None]:

@@ -1,20 +1,27 @@
 """What a run shows: the log line, and in out_dir metrics.jsonl / metrics.csv (one row per event:
 kind=train every log_interval steps, on CUDA with its peak memory; eval, skip for a non-finite
 step, hellaswag), loss_curve.png (redrawn at every evaluation), summary.json (also printed), and
-Weights & Biases if asked. A resumed run drops the rows after its checkpoint: one run's files."""
+Weights & Biases if asked. A resumed run drops the rows after its checkpoint: one run's files.
+Before step 1, estimate_line: what the run will cost at the device's matmul rate, measured in about
+0.2 s, and peak_flops, the datasheet peak MFU is counted against."""
 from __future__ import annotations
 
 import collections
 import contextlib
 import csv
+import functools
 import json
 import math
 import os
 import time
 from pathlib import Path
 
+import torch
+
 from config import Config
+from engine.device import Runtime
 from engine.training.resume import Counters
+from model import GPT
 
 CSV_COLUMNS = ("kind", "step", "time_s", "loss", "lr", "norm", "ms", "tok_per_s", "mfu", "peak_mib",
                "reserved_mib", "train", "val", "val_bpb")
@@ -31,6 +38,86 @@ def format_duration(seconds: float) -> str:
         if s >= unit:
             return f"{s // unit}{names[0]}{s % unit // small:02d}{names[1]}"
     return f"{s}s"
+
+
+def peak_flops(rt: Runtime, override: float = 0.0) -> float:
+    """Peak FLOP/s at the precision in use; 0 when unknown (no MFU)."""
+    if override:
+        return override
+    if rt.device.type != "cuda":
+        return 0.0
+    from engine.gpu_peaks import PEAK_FLOPS  # the datasheets' table
+
+    name = torch.cuda.get_device_name(rt.device)
+    for key, (half, tf32, fp32) in PEAK_FLOPS:
+        if key in name:
+            return half if rt.dtype != torch.float32 else tf32 if rt.tf32 else fp32
+    return 0.0
+
+
+@functools.cache
+def matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float = 0.2) -> float:
+    """FLOP/s of square matmuls in dtype on device, measured in about `seconds` (once per
+    process): the size doubles from 256 (2048 on CUDA) while a product takes under a quarter of
+    that (small ones measure overheads, not the rate), then the fastest of the repeats counts."""
+    cuda = device.type == "cuda"
+    n, limit = (2048, 8192) if cuda else (256, 2048)
+    rt = Runtime(device=device, dtype=dtype, tf32=False, notes=[])
+
+    def product_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+        rt.synchronize()
+        start = time.perf_counter()
+        a @ b
+        rt.synchronize()
+        return time.perf_counter() - start
+
+    begin = time.perf_counter()
+    while True:
+        a, b = (torch.ones(n, n, device=device, dtype=dtype) for _ in range(2))  # no RNG draws
+        product_seconds(a, b)  # the first call sets up the kernel
+        best = product_seconds(a, b)
+        if best > seconds / 4 or n >= limit or time.perf_counter() - begin > seconds:
+            break
+        n *= 2
+    while time.perf_counter() - begin < seconds:
+        best = min(best, product_seconds(a, b))
+    return 2 * n**3 / best
+
+
+def time_estimate(flops_per_step: float, steps: int, eval_flops: float, rate: float) -> dict:
+    """Seconds per step and for the run (steps + eval_flops of evaluation) at `rate` FLOP/s.
+    Every FLOP counted at the matmul rate: real steps add memory-bound work on top."""
+    step_s = flops_per_step / rate
+    return {"step_s": step_s, "run_s": step_s * steps + eval_flops / rate, "rate": rate}
+
+
+def format_seconds(seconds: float) -> str:
+    """format_duration with sub-minute precision: '850 ms', '12.3 s', '4m05s', '3h12m'."""
+    if seconds < 1:
+        return f"{1000 * seconds:.0f} ms"
+    return f"{seconds:.1f} s" if seconds < 60 else format_duration(seconds)
+
+
+def estimate_line(cfg: Config, raw_model: GPT, rt: Runtime, world_size: int, meta: dict) -> str:
+    """About the time a step and the whole run take: their FLOPs (instruction rows: meta's
+    row_tokens) at the matmul rate measured now (0.2 s; bench.py sets it against measured)."""
+    t, block = cfg.train, meta.get("row_tokens", cfg.model.block_size)
+    tokens = t.tokens_per_step or t.batch_size * t.grad_accum_steps * block * world_size
+    per_token = raw_model.flops_per_token()  # training: forward + backward
+    evaluations = t.max_iters // t.eval_interval + 1 + (t.max_iters % t.eval_interval > 0)
+    eval_tokens = evaluations * 2 * t.eval_iters * t.batch_size * block  # both splits
+    rate = matmul_rate(rt.device, rt.dtype)
+    est = time_estimate(per_token * tokens / world_size, t.max_iters, per_token / 3 * eval_tokens,
+                        rate)
+    line = (f"estimate: ~{format_seconds(est['step_s'])} per step, ~"
+            f"{format_seconds(est['run_s'])} for {t.max_iters} steps and {evaluations} "
+            f"evaluations ({per_token * tokens / world_size / 1e9:,.1f} GFLOP per step at "
+            f"{rate / 1e9:,.1f} GFLOP/s, the {str(rt.dtype).removeprefix('torch.')} matmul rate "
+            "measured here; other work adds to it, a busy machine's probe reads low)")
+    if est["step_s"] > 60:
+        line += "\nnote: this recipe is far too big for this device; on a CPU try --config " \
+                "shakespeare_char, or a smaller model, batch or --max_iters"
+    return line
 
 
 def plot_losses(records: list[dict], path: Path, title: str) -> None:

@@ -8,7 +8,8 @@
                      embeddings, the tied head, biases and norms (muon.py)
     lr_at            linear warmup, then cosine decay to min_lr_ratio x peak, constant, or
                      warmup-stable-decay (wsd: linear over the last cooldown_frac of the steps)
-    momentum_at      Muon's momentum, warmed up from muon_momentum_start (set_momentum applies it)
+    momentum_at      Muon's momentum, warmed up from muon_momentum_start
+    set_schedule     a step's lr on every group, and Muon's momentum on its groups
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def lr_at(step: int, cfg: Config) -> float:
         cooldown = max(1.0, t.cooldown_frac * t.max_iters)
         left = min(1.0, max(0.0, (t.max_iters - step) / cooldown))
         return min_lr + left * (peak - min_lr)
+    if t.lr_schedule != "cosine":  # a choice config.py offers that has no curve here
+        raise ValueError(f"lr_at has no schedule {t.lr_schedule!r}")
     progress = min(1.0, (step - t.warmup_iters) / (t.max_iters - t.warmup_iters))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
 
@@ -50,10 +53,13 @@ def momentum_at(step: int, cfg: Config) -> float:
         t.muon_momentum - t.muon_momentum_start)
 
 
-def set_momentum(optimizer: torch.optim.Optimizer, momentum: float) -> None:
-    """Every Muon group's momentum (AdamW's betas stay)."""
+def set_schedule(optimizer: torch.optim.Optimizer, lr: float,
+                 momentum: float | None = None) -> None:
+    """A step's lr on every group (Muon scales its own by muon_lr / learning_rate), and Muon's
+    momentum on its groups when given (AdamW's betas stay)."""
     for group in optimizer.param_groups:
-        if group.get("muon"):
+        group["lr"] = lr
+        if momentum is not None and group.get("muon"):
             group["momentum"] = momentum
 
 
@@ -87,8 +93,10 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim
 def optimizer_maker(model: GPT, cfg: Config, device: torch.device, adamw: type) -> tuple:
     """(the parameter groups, a maker of the optimizer): `adamw`, or Muon + `adamw` (muon.py)."""
     groups = model.optimizer_groups(cfg.train.weight_decay)
-    if cfg.train.optimizer != "muon":
+    if cfg.train.optimizer == "adamw":
         return groups, adamw
+    if cfg.train.optimizer != "muon":  # a choice config.py offers that has no optimizer here
+        raise ValueError(f"optimizer_maker has no optimizer {cfg.train.optimizer!r}")
     from engine.training.muon import muon_optimizer
 
     return muon_optimizer(model, groups, cfg, device, adamw)

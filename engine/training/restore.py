@@ -15,6 +15,7 @@ import torch
 from config import Config
 from engine import loading
 from engine.checkpoint import CheckpointError
+from engine.fields import facts
 from engine.training.processes import Dist
 from engine.training.resume import STATE_FORMAT, Counters
 
@@ -82,30 +83,21 @@ def restore_rank_rng(dist: Dist, state: dict | None, seed: int, step: int) -> li
         "ranks > 0 draw new dropout masks (the same run when dropout is 0)"]
 
 
-# settings that may change on resume without the run differing from an uninterrupted one
-FREE_ON_RESUME = {"train.init_from", "train.stop_after_iters", "train.max_iters",
-                  "train.eval_interval", "train.eval_at_start", "train.log_interval",
-                  "train.loss_curve", "train.keep_checkpoints",
-                  "train.save_checkpoints", "train.max_nonfinite_steps", "train.out_dir",
-                  "train.checkpoint_format", "train.checkpoint_async",
-                  "system.parallel", "system.dist_timeout", "system.fsdp_reshard"}
-
-
 def config_changes(stored: Config, cfg: Config,
                    world_sizes: tuple[int, int] = (1, 1)) -> list[str]:
-    """Notes naming the train/data/system settings a resumed run changes from its checkpoint's.
-    world_sizes (then, now): the micro-batch may change if the global batch stays."""
+    """Notes naming the train/data/system settings a resumed run changes from its checkpoint's,
+    but for those whose field says they may (resume=True). world_sizes (then, now): the
+    micro-batch may change if the global batch stays."""
     then, now = stored.train, cfg.train
-    free = set(FREE_ON_RESUME)
-    if then.batch_size * world_sizes[0] == now.batch_size * world_sizes[1] and \
-            then.grad_accum_steps == now.grad_accum_steps:
-        free.add("train.batch_size")
+    same_batch = then.batch_size * world_sizes[0] == now.batch_size * world_sizes[1] and \
+        then.grad_accum_steps == now.grad_accum_steps
     changed = []
     for section in ("train", "data", "system"):
         old, new = getattr(stored, section), getattr(cfg, section)
+        free = set(facts(type(new), "resume")) | ({"batch_size"} if same_batch else set())
         changed += [f"{section}.{key} {getattr(old, key, None)!r} -> {value!r}"
                     for key, value in vars(new).items()
-                    if f"{section}.{key}" not in free and getattr(old, key, None) != value]
+                    if key not in free and getattr(old, key, None) != value]
     if not changed:
         return []
     return ["resuming with changed settings (the run will differ from an uninterrupted one): "

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from config import ConfigError
-from engine import checkpoint
+from engine import checkpoint, saving
 from engine.training.processes import SIGNALS, Dist
 
 STATE_FORMAT = 2  # bump when the layout of train_state.pt changes
@@ -58,7 +58,7 @@ def rng_state(device: torch.device) -> dict:
 def resolve_init(init_from: str, out_dir: str) -> str:
     """init_from with auto made resume or scratch; any other start refuses an out_dir holding
     another run's checkpoints (pruning would delete them, its metrics would be overwritten)."""
-    checkpoint.recover(out_dir)  # a save killed part-way: tidy up before looking
+    saving.recover(out_dir)  # a save killed part-way: tidy up before looking
     latest = checkpoint.latest_checkpoint(out_dir)
     if init_from == "auto":
         init_from = "resume" if latest is not None else "scratch"

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import Config, ConfigError, TrainConfig
+from config import Config, ConfigError, TrainConfig, speedup_flags
 from engine.device import Runtime, SetupError, kernel_overrides, machine_line
 from engine.fields import departures
 from engine.training.processes import Dist
@@ -180,30 +180,43 @@ def sdpa_failure(e: RuntimeError, rt: Runtime) -> str:
             "--attention=scratch")
 
 
-def settings(cfg: Config, rt: Runtime, notes: Notes) -> dict[str, str]:
-    """What each speedup flag became on this device, in the order the README lists them."""
-    m, d = cfg.model, cfg.data
-    pin = "on" if d.pin_memory and rt.device.type == "cuda" else (
-        "off (needs CUDA)" if d.pin_memory else "off")
-    attention = m.attention + (f" [{', '.join(notes.kernels)}]" if notes.kernels else "")
+# the banner's value of a speedup field that says more than the value it was set to: what it
+# became on this device (config, runtime, notes) -> text; any other field shows its value
+SHOWN = {
+    "attention": lambda c, rt, n: c.model.attention + (f" [{', '.join(n.kernels)}]"
+                                                      if n.kernels else ""),
+    "vocab_pad_multiple": lambda c, rt, n: padded_vocab(c.model),
+    "pin_memory": lambda c, rt, n: ("on" if rt.device.type == "cuda" else "off (needs CUDA)")
+    if c.data.pin_memory else "off",
+    "fused_adamw": lambda c, rt, n: n.fused_adamw,
+    "tf32": lambda c, rt, n: "on" if rt.tf32 else "off",
+    "compile": lambda c, rt, n: n.compile,
+}
+
+
+def padded_vocab(m) -> str:
+    """'64 (65->128)': the multiple, and the vocabulary it pads (1: '1')."""
     padded = -(-m.vocab_size // m.vocab_pad_multiple) * m.vocab_pad_multiple
-    vocab = f"{m.vocab_size}->{padded}" if padded != m.vocab_size else f"{m.vocab_size}"
-    return {"device": str(rt.device), "causal_mask": m.causal_mask,
-            "tf32": "on" if rt.tf32 else "off", "fused_adamw": notes.fused_adamw,
-            "pin_memory": pin, "dtype": cfg.system.dtype, "norm": m.norm,
-            "activation": f"{m.activation}/{m.activation_impl}",
-            "attention": attention, "compile": notes.compile, "vocab": vocab,
-            "loss": m.loss, "optimizer": cfg.train.optimizer, "batch": notes.batch,
-            "recipe": recipe(cfg)}
+    return f"{m.vocab_pad_multiple}" + (f" ({m.vocab_size}->{padded})"
+                                        if padded != m.vocab_size else "")
+
+
+def settings(cfg: Config, rt: Runtime, notes: Notes) -> dict[str, str]:
+    """What each speedup became on this device: the device, then every field stating a fast
+    value, in config.py's order (SHOWN, or its value), then the micro-batch and the recipe."""
+    values = {"device": str(rt.device)}
+    for flag in speedup_flags(cfg).values():
+        for key in flag.keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            values[name] = SHOWN[name](cfg, rt, notes) if name in SHOWN else (
+                ("on" if value else "off") if isinstance(value, bool) else str(value))
+    return {**values, "batch": notes.batch, "recipe": recipe(cfg)}
 
 
 def recipe(cfg: Config) -> str:
-    """The speedrun techniques on ('gpt2' when none): the model's, the schedule, Muon's warmup."""
-    t = cfg.train
-    on = departures(cfg.model) + [f"lr_schedule={t.lr_schedule}"] * (t.lr_schedule == "wsd")
-    on += [f"muon_momentum_warmup={t.muon_momentum_warmup}"] * (
-        t.optimizer == "muon" and t.muon_momentum_warmup > 0)
-    return ",".join(on) or "gpt2"
+    """The departures from GPT-2 on ('gpt2' when none), the model's and the schedule's."""
+    return ",".join(departures(cfg.model) + departures(cfg.train)) or "gpt2"
 
 
 def banner(values: dict[str, str], notes: list[str]) -> str:

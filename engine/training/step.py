@@ -1,10 +1,13 @@
 """One training step and one evaluation: what train.py's loop and the benchmarks run.
 
-    train_step      forward + backward over grad_accum_steps micro-batches (fetching the next
-                    batch while the device works), unscale, clip, then the update unless the loss
-                    or gradient norm is non-finite (the step is then skipped)
-    NonFiniteGuard  counts the skipped steps on the device; the loop reads it at log intervals
-    evaluate        mean loss per split over fixed batches, and bits per byte
+    forward_backward  forward + backward over grad_accum_steps micro-batches (the gradients
+                      all-reduced on the last; the next batch fetched while the device works)
+    update            unscale, clip, then the update unless the loss or the gradient norm is
+                      non-finite (the step is then skipped)
+    train_step        the two in one process, at an lr: what the benchmarks and tests run
+                      (train.py calls them itself, the mean over ranks between them)
+    NonFiniteGuard    counts the skipped steps on the device; the loop reads it at log intervals
+    evaluate          mean loss per split over fixed batches, and bits per byte
 """
 import contextlib
 import math
@@ -15,6 +18,7 @@ import torch
 
 from data.loader import Batches
 from engine.device import Runtime
+from engine.training.optim import set_schedule
 
 
 @dataclass
@@ -75,16 +79,13 @@ class Trainer:
     accum_steps: int = 1  # micro-batches per step (train.grad_accum_steps)
     grad_clip: float = 0.0  # 0: no clipping
     grad_sync: Callable | None = None  # grad_sync(last): all-reduce on the last micro-step only
-    sync: Callable | None = None  # sync(loss_sum): the mean over ranks (every rank skips alike)
 
 
-def train_step(trainer: Trainer, batch: tuple, lr: float) -> StepResult:
-    """One optimizer step at learning rate lr over trainer.accum_steps micro-batches, the first
-    being batch (x, y)."""
-    model, optimizer, scaler, rt = trainer.model, trainer.optimizer, trainer.scaler, trainer.rt
-    accum_steps, grad_sync, sync = trainer.accum_steps, trainer.grad_sync, trainer.sync
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def forward_backward(trainer: Trainer, batch: tuple) -> tuple[torch.Tensor, tuple]:
+    """The gradients of one step over trainer.accum_steps micro-batches, the first being batch
+    (x, y) -> (the micro-batches' summed loss, on the device, not synced; the next batch)."""
+    model, rt, accum_steps, grad_sync = (trainer.model, trainer.rt, trainer.accum_steps,
+                                         trainer.grad_sync)
     x, y = batch
     loss_sum = torch.zeros((), device=rt.device)
     for micro in range(accum_steps):
@@ -94,9 +95,14 @@ def train_step(trainer: Trainer, batch: tuple, lr: float) -> StepResult:
                 _, loss = model(x, y)
             x, y = trainer.batches.next()  # fetch the next batch while the device works
             loss_sum += loss.detach()
-            scaler.scale(loss / accum_steps).backward()
-    if sync is not None:
-        loss_sum = sync(loss_sum)
+            trainer.scaler.scale(loss / accum_steps).backward()
+    return loss_sum, (x, y)
+
+
+def update(trainer: Trainer, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscale and clip the gradients, then the optimizer's update unless loss_sum (every rank's
+    alike) or the gradient norm is non-finite -> (the norm before clipping, whether finite)."""
+    optimizer, scaler = trainer.optimizer, trainer.scaler
     scaler.unscale_(optimizer)
     clip = trainer.grad_clip if trainer.grad_clip > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(trainer.raw_model.parameters(), clip)
@@ -106,7 +112,14 @@ def train_step(trainer: Trainer, batch: tuple, lr: float) -> StepResult:
     update_unless_nonfinite(optimizer, finite)
     scaler.update()  # with float16, a skipped step also lowers the loss scale
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, norm, finite, (x, y))
+    return norm, finite
+
+
+def train_step(trainer: Trainer, batch: tuple, lr: float) -> StepResult:
+    """One optimizer step at learning rate lr in one process: forward_backward, then update."""
+    set_schedule(trainer.optimizer, lr)
+    loss_sum, next_batch = forward_backward(trainer, batch)
+    return StepResult(loss_sum, *update(trainer, loss_sum), next_batch)
 
 
 @dataclass

@@ -1,0 +1,69 @@
+"""The docs' generated parts: each section between `<!-- NAME -->` and `<!-- /NAME -->` made
+again from the code that holds its facts, so that no page keeps a list of its own.
+
+    python scripts/docs.py           # rewrite every generated section
+    python scripts/docs.py --check   # say which are out of date, exit 1 (tests/test_docs.py)
+
+Sections: docs/speedups.md's flag-table (the config fields stating a fast value: engine/fields.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from config import SECTIONS, speedup_flags  # noqa: E402 - the repository on the path first
+
+
+def field_help(key: str) -> str:
+    section, name = key.split(".")
+    return next(f.metadata["help"] for f in dataclasses.fields(SECTIONS[section])
+                if f.name == name)
+
+
+def flag_table() -> str:
+    """Every speedup flag: the fields it sets, reference -> fast, whether it needs CUDA, and
+    what each field's help says it does."""
+    lines = ["| # | `bench.py` flag | config keys | reference -> fast | CUDA only | what it does |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for i, (name, flag) in enumerate(speedup_flags().items(), 1):
+        keys = ", ".join(f"`{key}`" for key in flag.keys)
+        helps = "; ".join(field_help(key) for key in flag.keys).replace("|", "\\|")
+        lines.append(f"| {i} | `{name}` | {keys} | `{flag.reference}` -> `{flag.fast}` | "
+                     f"{'yes' if flag.cuda else ''} | {helps} |")
+    return "\n".join(lines)
+
+
+SECTIONS_MADE = {("docs/speedups.md", "flag-table"): flag_table}
+
+
+def replaced(text: str, name: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- {name} -->\n).*?(\n<!-- /{name} -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"no <!-- {name} --> ... <!-- /{name} --> section to fill")
+    return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+
+
+def main(argv: list[str]) -> int:
+    check, stale = "--check" in argv, []
+    for (page, name), make in SECTIONS_MADE.items():
+        path = ROOT / page
+        text = path.read_text()
+        new = replaced(text, name, make())
+        if new != text:
+            stale.append(f"{page} <!-- {name} -->")
+            if not check:
+                path.write_text(new)
+    if check and stale:
+        print("out of date (python scripts/docs.py rewrites them): " + ", ".join(stale))
+        return 1
+    print(("rewrote " if stale else "up to date: ") + (", ".join(stale) or "every section"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
