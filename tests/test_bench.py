@@ -274,9 +274,11 @@ def test_bench_runs_end_to_end_and_writes_its_outputs(in_process, char_dataset, 
     assert "+ attention=sdpa" in out and "wrote" in out
 
 
-def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys):
+def test_to_loss_times_recipes_to_the_target_and_stops_them_there(tmp_path, capsys,
+                                                                  monkeypatch):
     """Two recipes of the same math (the reference path, then every speedup) reach the target at
     the same evaluation with close losses; each run is stopped there; table, JSON and plot."""
+    monkeypatch.setattr(to_loss, "EVAL_ITERS", 4)  # the same fixed batches for every recipe
     code = bench.main(["to-loss", "3.5", "--recipes",
                        "reference,every speedup,+ position=rotary", "--eval-every", "10",
                        "--results", str(tmp_path), "--name", "t"])
