@@ -1,5 +1,5 @@
-"""Config fields and what they say about themselves: every section of the config (config.py, and
-ModelConfig in model.py) declares its fields with opt(), and code that needs to know something of
+"""Config fields and what they say about themselves: every section of the config (config.py,
+ModelConfig included) declares its fields with opt(), and code that needs to know something of
 an option reads it from the field instead of keeping a list of its own.
 
     name: int = opt(6, "transformer blocks", fixed=True, hf="n_layer", check=POSITIVE)
@@ -17,7 +17,8 @@ What a field may state (its metadata), and who reads it:
                     config when its weights are loaded (engine/training/build.py)
     departure       one of the speedrun's departures from GPT-2, whose default is GPT-2's: the
                     banner's recipe, the flags that turn them all off (config.gpt2_recipe_flags);
-                    speedrun: the value bench.py to-loss's chain tries
+                    speedrun: the value bench.py to-loss's chain tries; docs/speedrun.md's
+                    table (scripts/docs.py)
     gpt2            Hugging Face's GPT-2 cannot hold it off its default, and has this instead:
                     the export refuses such a model in one line (engine/hf.py)
     hf              its key in a Hugging Face GPT2Config (engine/hf.py)

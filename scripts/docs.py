@@ -4,7 +4,8 @@ again from the code that holds its facts, so that no page keeps a list of its ow
     python scripts/docs.py           # rewrite every generated section
     python scripts/docs.py --check   # say which are out of date, exit 1 (tests/test_docs.py)
 
-Sections: docs/speedups.md's flag-table (the config fields stating a fast value: engine/fields.py).
+Sections: docs/speedups.md's flag-table (the config fields stating a fast value) and
+docs/speedrun.md's departures (the fields stating departure=True: engine/fields.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from config import SECTIONS, speedup_flags  # noqa: E402 - the repository on the path first
+from engine.fields import as_flag  # noqa: E402
 
 
 def field_help(key: str) -> str:
@@ -38,7 +40,30 @@ def flag_table() -> str:
     return "\n".join(lines)
 
 
-SECTIONS_MADE = {("docs/speedups.md", "flag-table"): flag_table}
+def departure_table() -> str:
+    """Every departure from GPT-2: the value to-loss's chain tries, what it does, what GPT-2 has
+    instead (where the Hugging Face export refuses it), whether the packed decode kernel runs it."""
+    lines = ["| flag | to-loss tries | what it does | Hugging Face export | packed CPU decode "
+             "kernel |", "| --- | --- | --- | --- | --- |"]
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("departure"):
+                continue
+            speedrun = f.metadata.get("speedrun")
+            value = "-" if speedrun is None else f"`{as_flag(speedrun)}`"
+            gpt2 = f.metadata.get("gpt2")
+            export = f"refused (GPT-2 has {gpt2})" if gpt2 else "kept"
+            kernel = "runs it" if f.metadata.get("kernel") else "forward() instead"
+            if section != "model":  # a training setting: nothing of it is in the weights
+                export = kernel = "-"
+            text = f.metadata["help"].replace("|", "\\|")
+            lines.append(f"| `{section}.{f.name}` (`{as_flag(f.default)}`) | {value} | {text} | "
+                         f"{export} | {kernel} |")
+    return "\n".join(lines)
+
+
+SECTIONS_MADE = {("docs/speedups.md", "flag-table"): flag_table,
+                 ("docs/speedrun.md", "departures"): departure_table}
 
 
 def replaced(text: str, name: str, body: str) -> str:
