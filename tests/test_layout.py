@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"bench", "generate", "load_gpt2_weights", "prune", "serve", "train"}
+SCRIPTS = {"bench", "eval", "generate", "load_gpt2_weights", "prune", "serve", "train"}
 LONGEST_FUNCTION = 60  # lines, from the def to its last line
 # what the default runs may load, in lines of the project's own files (docs/layout.md)
 TRAIN_LINES, GENERATE_LINES, MODEL_LINES = 3600, 2530, 450
