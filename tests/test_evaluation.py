@@ -329,3 +329,18 @@ def test_bad_options_and_reports_get_one_line(char_ckpt, tmp_path, capsys):
     assert "is not an eval.py report" in capsys.readouterr().err
     assert eval_script.main(["--checkpoint", str(char_ckpt), "--format=chat"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_few_shot_examples_that_do_not_fit_are_dropped_earliest_first():
+    tok = CharTokenizer(CHARS)
+    task = Task("t", "generate", [{"prompt": f"Say {c}", "answer": c} for c in "abcde"],
+                source="test")
+    shots = task.problems[1:4]
+
+    def build(few):
+        return prompts.generation_prompt(task, task.problems[0], few, tok)
+
+    whole = len(build(shots))
+    assert prompts.fitted(build, shots, whole) == (build(shots), 3)
+    assert prompts.fitted(build, shots, whole - 1) == (build(shots[1:]), 2)
+    assert prompts.fitted(build, shots, 3) == (build([]), 0)  # too long even alone: no shots

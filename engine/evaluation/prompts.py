@@ -6,7 +6,8 @@ the problem's `prompt + answer_prefix`; the completion ends at a stop string (a 
 default) or the end-of-text token. Chat (a checkpoint finetuned with a template): the examples
 are earlier turns, the problem the last user turn; the completion ends at the end of the turn.
 A choice problem is always plain: `context + choices[label] + separator` per example, then the
-context, each choice scored after it.
+context, each choice scored after it. Examples that would not fit in the model's context are
+dropped, the earliest first, rather than cropping one in the middle.
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def encode(tokenizer, text: str) -> list[int]:
     """Text as ordinary tokens (a literal "<|endoftext|>" stays text); a character model's
     unknown characters raise its TokenizerError."""
     return tokenizer.encode_ordinary(text)
+
+
+def fitted(build, shots: list[dict], limit: int) -> tuple[object, int]:
+    """build(shots) with as many of the last shots as keep its length (build's first item's,
+    for a choice request) within limit tokens -> (what build made, the shots kept)."""
+    for start in range(len(shots) + 1):
+        made = build(shots[start:])
+        ids = made[0] if isinstance(made, tuple) else made
+        if len(ids) <= limit or start == len(shots):
+            return made, len(shots) - start
+    raise AssertionError("unreachable")
 
 
 def generation_prompt(task: Task, problem: dict, shots: list[dict], tokenizer,

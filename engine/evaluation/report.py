@@ -75,8 +75,11 @@ def markdown(report: dict) -> str:
         other = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v:,}"
                           for k, v in r["metrics"].items() if k != r["metric"])
         n = f"{r['n']:,} bytes" if r["kind"] == "bpb" else f"{r['n']:,}"
+        shots = r.get("shots", "")
+        if r.get("mean_shots_kept", shots) < shots:  # examples dropped to fit the context
+            shots = f"{shots} ({r['mean_shots_kept']:.1f} fit)"
         lines.append(f"| {r['task']} | {r['kind']} | {r['metric']} | {cell(r)} | {n} | "
-                     f"{r.get('shots', '')} | {r['seconds']:.1f} | {other} |")
+                     f"{shots} | {r['seconds']:.1f} | {other} |")
     lines += ["", "Intervals: Wilson's score interval for accuracies (each problem right or "
               "wrong), a normal interval for means of pass@k estimates or rewards."]
     return "\n".join(lines) + "\n"

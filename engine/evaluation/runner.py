@@ -56,9 +56,15 @@ def shots_for(task: Task, s: Settings, template) -> int:
 
 
 def run_choice(model, tokenizer, template, task: Task, s: Settings) -> dict:
-    shots = shots_for(task, s, None)
-    requests = [prompts.choice_request(task, p, prompts.pick_shots(task, i, shots, s.seed),
-                                       tokenizer) for i, p in enumerate(task.problems)]
+    shots, block = shots_for(task, s, None), model.config.block_size
+    requests, kept = [], 0
+    for i, p in enumerate(task.problems):
+        longest = max(len(prompts.encode(tokenizer, c)) for c in p["choices"])
+        request, used = prompts.fitted(
+            lambda few: prompts.choice_request(task, p, few, tokenizer),
+            prompts.pick_shots(task, i, shots, s.seed), block + 1 - longest)
+        requests.append(request)
+        kept += used
     scores = choice_logprobs(model, requests, s.batch_rows, s.kv_cache, s.autocast)
     picks = {"acc": [], "acc_norm": [], "acc_char": []}
     for problem, choice_scores in zip(task.problems, scores):
@@ -71,7 +77,8 @@ def run_choice(model, tokenizer, template, task: Task, s: Settings) -> dict:
                                      == problem["label"]))
     metrics = {name: sum(v) / len(v) for name, v in picks.items()}
     return {**summary(picks[task.metric], metrics[task.metric], "wilson"), "metrics": metrics,
-            "shots": shots, "logprobs": [[lp for lp, _ in c] for c in scores[:EXAMPLES]]}
+            "shots": shots, "mean_shots_kept": kept / max(1, len(requests)),
+            "logprobs": [[lp for lp, _ in c] for c in scores[:EXAMPLES]]}
 
 
 def summary(values: list[float], value: float, interval: str) -> dict:
@@ -81,8 +88,14 @@ def summary(values: list[float], value: float, interval: str) -> dict:
 
 def run_generate(model, tokenizer, template, task: Task, s: Settings) -> dict:
     shots = shots_for(task, s, template)
-    ids = [prompts.generation_prompt(task, p, prompts.pick_shots(task, i, shots, s.seed),
-                                     tokenizer, template) for i, p in enumerate(task.problems)]
+    room = model.config.block_size - task.max_new_tokens  # the prompt's, before the answer
+    ids, kept = [], 0
+    for i, p in enumerate(task.problems):
+        prompt, used = prompts.fitted(
+            lambda few: prompts.generation_prompt(task, p, few, tokenizer, template),
+            prompts.pick_shots(task, i, shots, s.seed), room)
+        ids.append(prompt)
+        kept += used
     stop_ids, stop_strings = prompts.stops(task, tokenizer, template)
     generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(s.seed)
     outs = generate_batch(model, tokenizer, ids, task.max_new_tokens, s.samples, s.temperature,
@@ -106,7 +119,8 @@ def run_generate(model, tokenizer, template, task: Task, s: Settings) -> dict:
                  "completions": [c.text for c in completions[:3]]}
                 for problem, completions in list(zip(task.problems, outs))[:EXAMPLES]]
     return {**summary(headline, metrics[task.metric], interval), "metrics": metrics,
-            "samples": n, "shots": shots, "examples": examples}
+            "samples": n, "shots": shots, "mean_shots_kept": kept / max(1, len(ids)),
+            "examples": examples}
 
 
 def run_bpb(model, tokenizer, template, task: Task, s: Settings) -> dict:

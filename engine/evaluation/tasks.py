@@ -32,6 +32,7 @@ SUITES = {"builtin": ("reverse", "sort", "add", "copy4", "copy8", "copy16", "add
                       "shakespeare_bpb")}
 BPB_TEXT_CHARS = 10_000  # shakespeare_bpb: the last characters of tiny Shakespeare (in its val)
 BUILTIN_PROBLEMS = 200  # per built-in task unless --limit says otherwise
+BUILTIN_ANSWER_TOKENS = 24  # the longest built-in answer is 16 characters, then its end
 
 
 class TaskError(DataError):
@@ -129,13 +130,15 @@ def load_task(name: str, seed: int, limit: int, hellaswag_path: str = "") -> Tas
                     "or give a .jsonl task file or a .txt file (bits per byte)")
 
 
-def builtin_task(name: str, seed: int, n: int) -> Task:
-    """A generated task: n test problems; few-shot examples from the training split."""
+def builtin_task(name: str, seed: int, n: int, split: str = "test") -> Task:
+    """A built-in generation task: n problems of `split` (test: what eval.py scores; train:
+    reinforcement learning's prompts); few-shot examples from the training split."""
     from data import instruct_tasks
 
-    return Task(name, "generate", instruct_tasks.problems(name, "test", n, seed),
+    return Task(name, "generate", instruct_tasks.problems(name, split, n, seed),
                 source=f"built-in {name} (seed {seed})",
                 checker=instruct_tasks.CHECKERS.get(name, "exact"), shots=3,
+                max_new_tokens=BUILTIN_ANSWER_TOKENS,
                 fewshot=instruct_tasks.problems(name, "train", 50, seed))
 
 
