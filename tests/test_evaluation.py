@@ -344,3 +344,18 @@ def test_few_shot_examples_that_do_not_fit_are_dropped_earliest_first():
     assert prompts.fitted(build, shots, whole) == (build(shots), 3)
     assert prompts.fitted(build, shots, whole - 1) == (build(shots[1:]), 2)
     assert prompts.fitted(build, shots, 3) == (build([]), 0)  # too long even alone: no shots
+
+
+def test_lm_evals_items_are_the_contexts_eval_py_scores(tmp_path):
+    from engine.benchmarks import lmeval
+
+    path, items = lmeval.write_items(GPT2, 5, tmp_path)
+    task = load_tasks("add_choice", seed=1337, limit=5)[0]
+    for i, (item, problem) in enumerate(zip(items, task.problems)):
+        context, choices = prompts.choice_request(
+            task, problem, prompts.pick_shots(task, i, task.shots, 1337), GPT2)
+        assert GPT2.decode(context) == item["context"] and item["context"].count("Answer:") == 4
+        assert [GPT2.decode(c) for c in choices] == item["choices"]
+    config = lmeval.TASK_YAML.format(items=path)
+    assert 'doc_to_text: "{{context}}"' in config and f"test: {path}\n" in config
+    assert [json.loads(line) for line in path.read_text().splitlines()] == items

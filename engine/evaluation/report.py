@@ -132,9 +132,13 @@ def compare(a: dict, b: dict) -> str:
             if r["ci95"] and o["ci95"]:
                 apart = r["ci95"][1] < o["ci95"][0] or o["ci95"][1] < r["ci95"][0]
                 note = "intervals apart" if apart else "intervals overlap"
+            for key in ("shots", "samples"):  # asked differently: said beside the numbers
+                if r.get(key) != o.get(key):
+                    note += f"; {key} {r.get(key)} vs {o.get(key)}"
         rows.append(f"| {r['task']} | {r['metric']} | {cell(r)} | {cell(o)} | {diff} | {note} |")
     rows += [f"| {r['task']} | {r['metric']} | - | {cell(r)} | | only in B |"
              for r in theirs.values()]
     names = [f"{x}: {r['checkpoint']} (step {r['step']}, tokenizer "
-             f"{r['tokenizer']['sha256'][:12]})" for x, r in (("A", a), ("B", b))]
+             f"{r['tokenizer']['sha256'][:12]}, {r['format']} prompts)"
+             for x, r in (("A", a), ("B", b))]
     return "\n".join(names) + "\n\n" + "\n".join(rows) + "\n"
