@@ -155,7 +155,7 @@ def run(o: EvalBenchOptions, command: str) -> int:
         elif not (REPO_ROOT / source).exists():
             make = MAKE.get(source, "train it, or leave it out of --checkpoints")
             raise ConfigError(f"{source} not found; make it first: {make}")
-    reports = []
+    reports, load = [], [round(os.getloadavg()[0], 2)]
     for source in sources:
         reports.append(run_suite(o, source, work))
         print(f"{source}: suite {reports[-1]['seconds']:.1f} s, process "
@@ -167,7 +167,10 @@ def run(o: EvalBenchOptions, command: str) -> int:
         from engine.benchmarks.lmeval import through_serve
 
         lmeval = through_serve(o.lmeval_python, gpt2, o.agreement or 50, work)
-    page = {"machine": machine_line(torch.device("cpu")), "date": utc_now(), "command": command,
+    load.append(round(os.getloadavg()[0], 2))
+    # the machine as eval.py saw it (its threads), not as this process does
+    machine = reports[0]["machine"] if reports else machine_line(torch.device("cpu"))
+    page = {"machine": machine, "load_average": load, "date": utc_now(), "command": command,
             "reports": reports, "agreement": agreement, "lmeval": lmeval}
     stem = f"eval_{o.name}" if o.name else "eval"
     for path in write_report(page, markdown(page), o.results, stem):
@@ -192,7 +195,9 @@ def markdown(page: dict) -> str:
                f"{r['seconds']:.1f}", f"{r['process_seconds']:.1f}", f"`{r['shell']}`"]
               for n, r in zip(names, reports)]
     lines = [f"# eval.py's built-in suite on {len(reports)} models", "",
-             f"{page['machine']}; torch {torch.__version__}; {page['date']}.",
+             f"{page['machine']}; torch {torch.__version__}; {page['date']}; the 1-minute load "
+             f"average {' then '.join(map(str, page.get('load_average', [])))} at the start and "
+             "the end (other processes share the CPUs).",
              f"`{page['command']}`", "",
              "Each model's suite ran in a fresh process (eval.py), its tasks one after another. "
              "Values: the task's headline metric with its 95% interval (Wilson's for "
