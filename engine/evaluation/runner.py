@@ -76,14 +76,16 @@ def run_choice(model, tokenizer, template, task: Task, s: Settings) -> dict:
             picks[name].append(float(max(range(len(values)), key=values.__getitem__)
                                      == problem["label"]))
     metrics = {name: sum(v) / len(v) for name, v in picks.items()}
-    return {**summary(picks[task.metric], metrics[task.metric], "wilson"), "metrics": metrics,
+    return {**summary(picks[task.metric], metrics[task.metric]), "metrics": metrics,
             "shots": shots, "mean_shots_kept": kept / max(1, len(requests)),
             "logprobs": [[lp for lp, _ in c] for c in scores[:EXAMPLES]]}
 
 
-def summary(values: list[float], value: float, interval: str) -> dict:
+def summary(values: list[float], value: float) -> dict:
+    """The headline value, its 95% interval from the per-problem values, which interval, n."""
     low, high = stats.interval(values)
-    return {"value": value, "ci95": [low, high], "interval": interval, "n": len(values)}
+    which = "wilson" if all(v in (0.0, 1.0) for v in values) else "normal"
+    return {"value": value, "ci95": [low, high], "interval": which, "n": len(values)}
 
 
 def run_generate(model, tokenizer, template, task: Task, s: Settings) -> dict:
@@ -114,11 +116,10 @@ def run_generate(model, tokenizer, template, task: Task, s: Settings) -> dict:
         per_problem[k] = [stats.pass_at_k(n, sum(r >= 1.0 for r in rs), k) for rs in rewards]
         metrics[f"pass@{k}"] = sum(per_problem[k]) / max(1, len(rewards))
     headline = per_problem[1] if task.metric == "pass@1" else [sum(r) / n for r in rewards]
-    interval = "wilson" if n == 1 and all(v in (0.0, 1.0) for v in headline) else "normal"
     examples = [{"prompt": problem.get("prompt"), "answer": problem.get("answer"),
                  "completions": [c.text for c in completions[:3]]}
                 for problem, completions in list(zip(task.problems, outs))[:EXAMPLES]]
-    return {**summary(headline, metrics[task.metric], interval), "metrics": metrics,
+    return {**summary(headline, metrics[task.metric]), "metrics": metrics,
             "samples": n, "shots": shots, "mean_shots_kept": kept / max(1, len(ids)),
             "examples": examples}
 
