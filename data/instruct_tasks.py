@@ -10,8 +10,8 @@ words come from tiny Shakespeare (lower case, 3 to 7 letters), so a character mo
 has every character; the 200 held-out words (a fixed shuffle, seed 0) never appear in the
 training file. add: "What is 37 + 58?" -> "95", checked as a number; copyN: "Copy the text:
 qhwd" -> "qhwd" for N random lower-case letters. A generated task's problems are split by their
-text: the tenth whose crc32 ends in 0 is held out (test), so no seed can put a test problem in
-training data.
+text: the tenth whose crc32 is a multiple of 10 is held out (test), so no seed can put a test
+problem in training data.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ kv_cache=False is the reference: each context + choice read whole, as transforme
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from engine.inference.kv_cache import KVCache, new_kv_cache
 
 Request = tuple[list[int], list[list[int]]]  # (context ids, each choice's ids)
+LOGITS_BUDGET = 2**27  # float32 logits a bits-per-byte forward may hold (512 MiB)
 
 
 def crop(request: Request, block_size: int) -> list[Request]:
@@ -130,9 +132,9 @@ def _padded(rows: list[list[int]], width: int) -> torch.Tensor:
 def expand(cache: KVCache, source_rows: torch.Tensor, positions: int) -> KVCache:
     """A cache of `positions` slots whose row r holds source row source_rows[r]'s keys, values
     (and tokens): one context read once, copied into a row per choice or per sample."""
+    out = copy.copy(cache)  # the same kind of cache, its tensors replaced below
     kv = cache.kv[0]
     shape = (2, len(source_rows), kv.size(2), positions, kv.size(4))
-    out = KVCache.__new__(KVCache)
     out.kv = []
     for layer in cache.kv:
         rows = layer.new_zeros(shape)
@@ -140,7 +142,6 @@ def expand(cache: KVCache, source_rows: torch.Tensor, positions: int) -> KVCache
         out.kv.append(rows)
     out.slots = torch.arange(positions, device=kv.device)
     out.filled = None
-    out.tokens = None
     if cache.tokens is not None:
         out.tokens = cache.tokens.new_zeros(len(source_rows), positions)
         out.tokens[:, :cache.tokens.size(1)] = cache.tokens.index_select(0, source_rows)
@@ -156,6 +157,9 @@ def bits_per_byte(model: torch.nn.Module, ids: list[int], n_bytes: int, batch_ro
     block = model.config.block_size
     device = model.lm_head.weight.device
     windows = [ids[s:s + block + 1] for s in range(0, len(ids) - 1, block)]
+    # the logits of a batch (and their log-softmax) within ~512 MiB each: GPT-2's 1,024 x
+    # 50,257 per window allow two windows a forward, a character model's hundreds
+    batch_rows = max(1, min(batch_rows, LOGITS_BUDGET // (block * model.config.vocab_size)))
     nll = 0.0
     for b in range(0, len(windows), batch_rows):
         chunk = windows[b:b + batch_rows]
