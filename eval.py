@@ -81,7 +81,7 @@ def evaluate(cfg: Config, o: EvalOptions, argv: list[str]) -> dict:
     tasks = load_tasks(o.tasks, cfg.system.seed, o.limit, cfg.data.hellaswag_path)
     overrides = {k: getattr(cfg.model, k) for k in command_line_keys(argv, "model", EvalOptions)}
     source = o.checkpoint or cfg.train.out_dir
-    model, _, meta, label = sources.load_source(source, cfg, rt.device, overrides)
+    model, stored, meta, label = sources.load_source(source, cfg, rt.device, overrides)
     model.eval()
     if meta["tokenizer"].get("kind", "unknown") == "unknown":
         raise TokenizerError(f"{source} has no tokenizer this project knows: nothing to write "
@@ -96,8 +96,8 @@ def evaluate(cfg: Config, o: EvalOptions, argv: list[str]) -> dict:
     fmt = "chat" if template else "plain"
     print(f"evaluating {label} (step {meta.get('step')}) on {rt.device}: {len(tasks)} tasks, "
           f"{fmt} prompts | {machine_line(rt.device)}", file=sys.stderr)
-    card = report.header(label, model, meta, tokenizer, fmt, settings, machine_line(rt.device),
-                         argv)
+    card = report.header(label, model, stored, meta, tokenizer, fmt, settings,
+                         machine_line(rt.device), argv)
     t0, card["tasks"] = time.perf_counter(), []
     for task in tasks:
         result = runner.run_task(model, tokenizer, template, task, settings)

@@ -273,6 +273,7 @@ def test_eval_py_end_to_end_a_report_card_and_compare(char_ckpt, tmp_path, monke
     assert low <= rows["reverse"]["value"] <= high
     assert report["tokenizer"]["kind"] == "char" and len(report["tokenizer"]["sha256"]) == 64
     assert report["model"]["n_layer"] == 2 and report["step"] == 3
+    assert report["config"]["model"]["n_embd"] == 16  # the checkpoint's whole stored config
     assert "| reverse | generate | pass@1 |" in (tmp_path / "a.md").read_text()
     # sampled: 4 completions a problem, pass@1 and pass@4 from the unbiased estimator
     assert eval_script.main([*args[:3], mine, "--samples=4", "--temperature=1.0",

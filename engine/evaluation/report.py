@@ -30,10 +30,13 @@ def tokenizer_sha256(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def header(label: str, model, meta: dict, tokenizer, fmt: str, settings, machine: str,
+def header(label: str, model, stored, meta: dict, tokenizer, fmt: str, settings, machine: str,
            argv: list[str]) -> dict:
+    """The report's head: what was evaluated (the model's config as loaded, the checkpoint's
+    whole stored config, its tokenizer), how, where and by which command."""
     return {"checkpoint": label, "step": meta.get("step"),
             "model": dataclasses.asdict(model.config),
+            "config": dataclasses.asdict(stored) if stored is not None else None,
             "parameters": sum(p.numel() for p in model.parameters()),
             "tokenizer": {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
                           "sha256": tokenizer_sha256(tokenizer)},
