@@ -360,3 +360,23 @@ def test_lm_evals_items_are_the_contexts_eval_py_scores(tmp_path):
     config = lmeval.TASK_YAML.format(items=path)
     assert 'doc_to_text: "{{context}}"' in config and f"test: {path}\n" in config
     assert [json.loads(line) for line in path.read_text().splitlines()] == items
+
+
+def test_bench_eval_page_puts_each_models_result_under_it():
+    from engine.benchmarks import evaluation
+
+    def report(name, value, skipped=False):
+        task = {"task": "add", "kind": "generate", "metric": "pass@1", "value": value,
+                "ci95": [0.1, 0.9], "n": 10, "seconds": 2.0}
+        return {"checkpoint": f"out/{name}/ckpt_0000001", "step": 1, "parameters": 1000,
+                "tokenizer": {"kind": "gpt2"}, "format": "plain", "seconds": 3.0,
+                "process_seconds": 4.0, "shell": "python eval.py ...",
+                "tasks": [{**task, "skipped": "no digits"} if skipped else task]}
+
+    page = {"machine": "CPU X", "load_average": [1.0, 2.0], "date": "today", "command": "c",
+            "reports": [report("a", 0.5), report("b", 0.25, skipped=True)],
+            "agreement": None, "lmeval": None}
+    text = evaluation.markdown(page)
+    assert "| task | metric | a | b |" in text
+    assert "| add | pass@1 | 50.0% [10.0, 90.0] (2.0 s) | skipped |" in text
+    assert "| a | 1 | 1,000 | gpt2 | plain | 3.0 | 4.0 |" in text
