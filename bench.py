@@ -15,6 +15,7 @@ a command's options. Results go to bench_results/ (--results).
     python bench.py tokenizer                                 # BPE: rustbpe vs HF; bytes/token
     python bench.py doc-aligned                               # rows at documents vs windows
     python bench.py checkpoint                                # FSDP2 saves: sharded vs rank 0
+    python bench.py eval                                      # eval.py's suite on three models
 
 ablation and memory take the config as train.py does (configs/bench_gpu.toml on CUDA, else
 bench_cpu, unless --config is given); the others take only their own options.
@@ -30,7 +31,7 @@ from config import Config, ConfigError, load_config, load_options, parse_command
 from data.loader import DataError
 from engine import checkpoint
 from engine.benchmarks import (ablation, checkpoint_save, decode, decode_device, doc_aligned,
-                               finetune, memory, serving, to_loss, tokenizer)
+                               evaluation, finetune, memory, serving, to_loss, tokenizer)
 from engine.device import SetupError, resolve_device
 
 
@@ -58,6 +59,7 @@ COMMANDS = {
     "doc-aligned": Command(doc_aligned.DocAlignedOptions, doc_aligned.run, doc_aligned.__doc__),
     "checkpoint": Command(checkpoint_save.CheckpointBenchOptions, checkpoint_save.run,
                           checkpoint_save.__doc__),
+    "eval": Command(evaluation.EvalBenchOptions, evaluation.run, evaluation.__doc__),
 }
 
 

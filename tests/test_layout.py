@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"bench", "generate", "load_gpt2_weights", "prune", "serve", "train"}
+SCRIPTS = {"bench", "eval", "generate", "load_gpt2_weights", "prune", "serve", "train"}
 LONGEST_FUNCTION = 60  # lines, from the def to its last line
 MODEL_LINES = 450  # model.py, read in one sitting
 # docs/layout.md's tables of the modules each run loads: this file holds them to the truth
