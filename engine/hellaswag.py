@@ -1,11 +1,12 @@
-"""HellaSwag, zero-shot: each of four endings is scored by the model's cross-entropy over its
-tokens after the context; `acc` takes the lowest sum, `acc_norm` the lowest per-token mean.
+"""HellaSwag, zero-shot: each of four endings is scored by its log-likelihood after the context,
+as eval.py scores any multiple-choice task (`eval.py --tasks hellaswag` runs it in the suite);
+`acc` takes the highest sum, `acc_norm` the highest per-token mean. This module reads the file
+and runs it during training (train.hellaswag_interval) and from its own command line:
 
     python -m engine.hellaswag --model out/gpt2_124m       # our checkpoint (or its run directory)
     python -m engine.hellaswag --model gpt2 --limit 500    # OpenAI's GPT-2 from the hub"""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -15,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from config import Config, ConfigError, command_line_keys, load_config, opt
-from data.dataset import DataError
 from data.bpe import GPT2Tokenizer
+from data.dataset import DataError
 from data.tokenizer import TokenizerError, from_meta
 from engine import checkpoint, sources
 from engine.device import Runtime, SetupError, setup
@@ -89,42 +89,25 @@ def _check_example(line: str, where: str) -> dict:
     return {"ctx": ctx, "endings": endings, "label": label}
 
 
-def example_rows(example: dict, tokenizer: GPT2Tokenizer, block_size: int
-                 ) -> list[tuple[list[int], int]]:
-    """Per ending: context + " " + ending tokens (left-cropped to block_size + 1), and how many
-    of the last ones are the ending's."""
-    ctx = tokenizer.encode_ordinary(example["ctx"])
-    ends = [tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
-    rows = [(ctx + end)[-(block_size + 1):] for end in ends]
-    return [(row, min(len(end), len(row) - 1)) for row, end in zip(rows, ends)]
-
-
-@torch.no_grad()
-def ending_losses(model: torch.nn.Module, rows: list[tuple[list[int], int]],
-                  device: torch.device | str, autocast=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy over each row's ending tokens, and their count: (N,), (N,).
-    Rows are right-padded; causal attention keeps padding out of the scores."""
-    width = max(len(r) for r, _ in rows) - 1
-    inputs, targets = torch.zeros(2, len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (row, n_end) in enumerate(rows):
-        t = torch.tensor(row)
-        inputs[i, :len(row) - 1], targets[i, :len(row) - 1] = t[:-1], t[1:]
-        mask[i, len(row) - 1 - n_end:len(row) - 1] = True
-    inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
-    with autocast or contextlib.nullcontext():
-        logits, _ = model(inputs)  # (N, W, vocab)
-    loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none") * mask
-    return loss.sum(dim=1), mask.sum(dim=1)
+def requests(examples: list[dict], tokenizer: GPT2Tokenizer) -> list[tuple[list[int], list]]:
+    """Each example as a multiple-choice request of eval.py's scoring: the context's ids, and
+    each " " + ending's."""
+    return [(tokenizer.encode_ordinary(ex["ctx"]),
+             [tokenizer.encode_ordinary(" " + ending) for ending in ex["endings"]])
+            for ex in examples]
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[dict],
-             device: torch.device | str = "cpu", autocast=None, batch_examples: int = 4,
-             rank: int = 0, world_size: int = 1, progress: bool | None = False) -> dict:
-    """acc, acc_norm and the counts behind them over examples[rank::world_size]. progress: a
-    bar with the pace and the time left on stderr (None: only where stderr is a terminal)."""
+             autocast=None, batch_examples: int = 4, rank: int = 0, world_size: int = 1,
+             progress: bool | None = False, kv_cache: bool = False) -> dict:
+    """acc (the ending of the highest summed log-likelihood), acc_norm (per token) and the counts
+    behind them over examples[rank::world_size], scored as eval.py scores a multiple-choice task
+    (engine/evaluation/scoring.py; kv_cache: each context read once for its four endings).
+    progress: a bar with the pace and the time left on stderr (None: only on a terminal)."""
     from tqdm import tqdm
+
+    from engine.evaluation.scoring import choice_logprobs
 
     was_training = model.training
     model.eval()
@@ -134,12 +117,11 @@ def evaluate(model: torch.nn.Module, tokenizer: GPT2Tokenizer, examples: list[di
                disable=None if progress is None else not progress, leave=progress is not None)
     for start in range(0, len(mine), batch_examples):
         chunk = mine[start:start + batch_examples]
-        rows = [r for ex in chunk for r in example_rows(ex, tokenizer, model.config.block_size)]
-        total, count = ending_losses(model, rows, device, autocast)
-        total, mean = total.view(-1, 4), (total / count).view(-1, 4)  # (examples, 4 endings)
-        labels = torch.tensor([ex["label"] for ex in chunk], device=total.device)
-        correct += int((total.argmin(dim=1) == labels).sum())
-        correct_norm += int((mean.argmin(dim=1) == labels).sum())
+        scores = choice_logprobs(model, requests(chunk, tokenizer), 4 * len(chunk), kv_cache,
+                                 autocast)  # per example, per ending: (log-likelihood, tokens)
+        for ex, ending in zip(chunk, scores):
+            correct += max(range(4), key=lambda i: ending[i][0]) == ex["label"]
+            correct_norm += max(range(4), key=lambda i: ending[i][0] / ending[i][1]) == ex["label"]
         bar.update(len(chunk))
         bar.set_postfix(acc_norm=f"{correct_norm / (start + len(chunk)):.4f}", refresh=False)
     bar.close()
@@ -175,8 +157,7 @@ class TrainingEval:
 
     def run(self, model: torch.nn.Module, step: int) -> dict:
         t0 = time.perf_counter()
-        r = evaluate(model, self.tokenizer, self.examples, self.rt.device, self.rt.autocast(),
-                     progress=None)
+        r = evaluate(model, self.tokenizer, self.examples, self.rt.autocast, progress=None)
         print(f"hellaswag {step:5d} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
               f"{r['n']:,} examples | {time.perf_counter() - t0:.1f}s")
         return {"acc": r["acc"], "acc_norm": r["acc_norm"], "n": r["n"]}
@@ -210,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    r = evaluate(model, tokenizer, examples, rt.device, rt.autocast(), o.batch_examples,
-                 progress=True)
+    r = evaluate(model, tokenizer, examples, rt.autocast, o.batch_examples, progress=True,
+                 kv_cache=True)
     note = "" if r["n"] == VAL_EXAMPLES else f" (a subset; the full set has {VAL_EXAMPLES:,})"
     print(f"hellaswag | {o.model} | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
           f"{r['n']:,} examples{note} | {time.perf_counter() - t0:.1f}s on {rt.device}\n"

@@ -11,6 +11,7 @@ from config import Config
 from conftest import tiny_model_config
 from data.bpe import GPT2Tokenizer
 from engine import hellaswag, saving, sources
+from engine.evaluation.scoring import choice_logprobs
 from model import GPT
 
 TOK = GPT2Tokenizer()
@@ -64,11 +65,10 @@ def test_scores_match_hand_computation():
     model = Unigram(boost)
     expected_acc = expected_norm = 0
     for ex in EXAMPLES:
-        rows = hellaswag.example_rows(ex, TOK, block_size=64)
-        total, count = hellaswag.ending_losses(model, rows, "cpu")
+        scores = choice_logprobs(model, hellaswag.requests([ex], TOK), kv_cache=False)[0]
         by_hand = [hand_losses(boost, e) for e in ex["endings"]]
-        assert total.tolist() == pytest.approx([s for s, _ in by_hand], rel=1e-4)  # float32
-        assert count.tolist() == [n for _, n in by_hand]
+        assert [-lp for lp, _ in scores] == pytest.approx([s for s, _ in by_hand], rel=1e-4)
+        assert [n for _, n in scores] == [n for _, n in by_hand]
         expected_acc += min(range(4), key=lambda i: by_hand[i][0]) == ex["label"]
         expected_norm += min(range(4), key=lambda i: by_hand[i][0] / by_hand[i][1]) == ex["label"]
     # by construction: example 0 is right only length-normalised, 1 only by total, 2 by neither
@@ -80,12 +80,13 @@ def test_scores_match_hand_computation():
 
 
 def reference_losses(model: GPT, ex: dict) -> list[float]:
-    """Each ending scored alone: full context, no padding, no batching."""
-    ctx = TOK.encode_ordinary(ex["ctx"])
+    """Each ending scored alone, no padding, no batching: its last block_size - 1 tokens at most
+    (so at least one context token comes before it), after as much context as fits."""
+    ctx, block = TOK.encode_ordinary(ex["ctx"]), model.config.block_size
     out = []
     for ending in ex["endings"]:
-        end = TOK.encode_ordinary(" " + ending)
-        row = torch.tensor([(ctx + end)[-(model.config.block_size + 1):]])
+        end = TOK.encode_ordinary(" " + ending)[-(block - 1):]
+        row = torch.tensor([(ctx + end)[-(block + 1):]])
         logits, _ = model(row[:, :-1])
         logp = torch.log_softmax(logits.float(), dim=-1)[0]
         targets = row[0, 1:]
@@ -94,15 +95,14 @@ def reference_losses(model: GPT, ex: dict) -> list[float]:
 
 
 @pytest.mark.parametrize("block_size", [64, 9])  # 9: contexts are cropped on the left
-def test_batched_padded_scoring_equals_one_at_a_time(block_size):
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_batched_padded_scoring_equals_one_at_a_time(block_size, kv_cache):
     model = GPT(tiny_model_config(block_size=block_size, vocab_size=TOK.vocab_size)).eval()
-    with torch.no_grad():
-        for ex in EXAMPLES:
-            rows = hellaswag.example_rows(ex, TOK, block_size)
-            total, _ = hellaswag.ending_losses(model, rows, "cpu")
-            assert total.tolist() == pytest.approx(reference_losses(model, ex), abs=1e-4)
-    one = hellaswag.evaluate(model, TOK, EXAMPLES, batch_examples=1)
-    many = hellaswag.evaluate(model, TOK, EXAMPLES, batch_examples=2)
+    scores = choice_logprobs(model, hellaswag.requests(EXAMPLES, TOK), 8, kv_cache)
+    for ex, endings in zip(EXAMPLES, scores):
+        assert [-lp for lp, _ in endings] == pytest.approx(reference_losses(model, ex), abs=1e-4)
+    one = hellaswag.evaluate(model, TOK, EXAMPLES, batch_examples=1, kv_cache=kv_cache)
+    many = hellaswag.evaluate(model, TOK, EXAMPLES, batch_examples=2, kv_cache=kv_cache)
     assert one == many and model.training is False
     halves = [hellaswag.evaluate(model, TOK, EXAMPLES, rank=r, world_size=2) for r in (0, 1)]
     assert [h["n"] for h in halves] == [2, 1]
@@ -171,9 +171,10 @@ def test_checkpoints_and_hf_directories_load_through_sources(val_file, tmp_path,
                                                {"attention": "sdpa"})
     assert meta["tokenizer"] == hf_meta["tokenizer"] == {"kind": "gpt2"}
     assert ours.config.attention == "scratch" and theirs.config.attention == "sdpa"
-    rows = hellaswag.example_rows(EXAMPLES[0], TOK, ours.config.block_size)
-    assert torch.allclose(hellaswag.ending_losses(ours, rows, "cpu")[0],
-                          hellaswag.ending_losses(theirs, rows, "cpu")[0], atol=1e-4)
+    request = hellaswag.requests(EXAMPLES[:1], TOK)
+    ours_scores, theirs_scores = (choice_logprobs(m, request)[0] for m in (ours, theirs))
+    assert [lp for lp, _ in ours_scores] == pytest.approx([lp for lp, _ in theirs_scores],
+                                                          abs=1e-4)
     assert hellaswag.main(["--model", str(tmp_path / "hf"), "--data", str(val_file),
                            "--device", "cpu", "--limit", "2"]) == 0
     assert "| 2 examples (a subset" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from config import Config
 from data.bpe import GPT2Tokenizer
 from data.tokenizer import CharTokenizer
 from engine import hellaswag, saving, sources
+from engine.evaluation.scoring import choice_logprobs
 from engine.inference import packed as packing
 from engine.inference.sampling import generate_tokens
 from engine.serving import logprobs
@@ -318,8 +319,11 @@ def test_hellaswag_through_the_api_scores_as_engine_hellaswag(served, tmp_path):
     examples = hellaswag.load_examples(path)
     correct = 0
     for ex in examples:
-        rows = hellaswag.example_rows(ex, TOK, served.model.config.block_size)
-        losses, _ = hellaswag.ending_losses(served.model, rows, "cpu")
+        (context, endings), = hellaswag.requests([ex], TOK)
+        rows = [(context + ending, len(ending)) for ending in endings]  # within the context
+        assert all(len(row) <= served.model.config.block_size + 1 for row, _ in rows)
+        scores = choice_logprobs(served.model, [(context, endings)])[0]
+        losses = torch.tensor([-lp for lp, _ in scores])
         for generated in (0, 1):  # ours, then the harness' request
             body = {"prompt": [row for row, _ in rows], "echo": True, "temperature": 0,
                     "max_tokens": generated, "logprobs": generated}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 
 import torch
@@ -62,6 +63,11 @@ def choice_logprobs(model: torch.nn.Module, requests: list[Request], batch_rows:
     return out
 
 
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights (or, for a stand-in without any, its buffers) are."""
+    return next(itertools.chain(model.parameters(), model.buffers())).device
+
+
 def _gather(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) from logits (..., vocab) and targets (...) of the same leading shape."""
     return F.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
@@ -71,7 +77,7 @@ def _batch_whole(model, batch: list[Request]) -> list[list[tuple[float, int]]]:
     """The reference: each context + choice one row, right-padded, read from position 0."""
     rows = [(ctx + c, len(c)) for ctx, choices in batch for c in choices]
     width = max(len(r) for r, _ in rows) - 1
-    device = model.lm_head.weight.device
+    device = device_of(model)
     ids = torch.zeros(len(rows), width + 1, dtype=torch.long)
     for i, (row, _) in enumerate(rows):
         ids[i, :len(row)] = torch.tensor(row)
@@ -96,7 +102,7 @@ def _batch_cached(model, batch: list[Request]) -> list[list[tuple[float, int]]]:
     # padding sits at each row's positions after its own tokens; they must stay in the window
     if len(batch) > 1 and max(len(ctx) for ctx, _ in batch) + longest_choice - 1 > block:
         return [r for request in batch for r in _batch_cached(model, [request])]
-    device = model.lm_head.weight.device
+    device = device_of(model)
     contexts = [ctx for ctx, _ in batch]
     width = max(map(len, contexts))
     cache = new_kv_cache(model, len(batch), positions=width)
@@ -155,7 +161,7 @@ def bits_per_byte(model: torch.nn.Module, ids: list[int], n_bytes: int, batch_ro
     nothing itself): the text cut into windows of block_size predicted tokens, each read after
     the token before it (as lm-eval's rolling log-likelihood), n_bytes its UTF-8 length."""
     block = model.config.block_size
-    device = model.lm_head.weight.device
+    device = device_of(model)
     windows = [ids[s:s + block + 1] for s in range(0, len(ids) - 1, block)]
     # the logits of a batch (and their log-softmax) within ~512 MiB each: GPT-2's 1,024 x
     # 50,257 per window allow two windows a forward, a character model's hundreds
