@@ -16,9 +16,8 @@ What a field may state (its metadata), and who reads it:
     fixed           the trained weights set it: a checkpoint's value wins over the run's
                     config when its weights are loaded (engine/training/build.py)
     departure       one of the speedrun's departures from GPT-2, whose default is GPT-2's: the
-                    banner's recipe, the flags that turn them all off (config.gpt2_recipe_flags);
-                    speedrun: the value bench.py to-loss's chain tries; docs/speedrun.md's
-                    table (scripts/docs.py)
+                    banner's recipe, config.gpt2_recipe_flags, docs/speedrun.md's table;
+                    speedrun: the value bench.py to-loss's chain tries
     gpt2            Hugging Face's GPT-2 cannot hold it off its default, and has this instead:
                     the export refuses such a model in one line (engine/hf.py)
     hf              its key in a Hugging Face GPT2Config (engine/hf.py)
