@@ -602,10 +602,16 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
     return line
 
 
-def _script_options(line: CommandLine, script: type, problems: list[str]) -> Any:
-    options = script()
-    for name, value in line.script:
-        _set(options, name, value, f"--{name}", problems)
+def _script_options(line: CommandLine, script: type, problems: list[str],
+                    table: dict | None = None) -> Any:
+    """The script's options: its table in the config file (a script's `table` names it: [rl]),
+    then the command line."""
+    options, names = script(), [f.name for f in dataclasses.fields(script)]
+    for name, value in [*(table if isinstance(table, dict) else {}).items(), *line.script]:
+        if name in names:
+            _set(options, name, value, f"--{name}", problems)
+        else:
+            problems.append(_unknown(f"{script.table}.{name}", "the config file", names))
     problems += field_problems(options, lambda name: f"--{name.replace('_', '-')}")
     return options
 
@@ -620,15 +626,17 @@ def resolve_command_line(line: CommandLine, script: type | None = None
                          ) -> tuple[Config, Config, Any]:
     """(config file over defaults, that + the command line, script options), validated."""
     problems = list(line.problems)
-    from_file, path = Config(), resolve_config_path(line.config_name)
+    from_file, path, table = Config(), resolve_config_path(line.config_name), None
     try:
-        apply_sections(from_file, tomllib.loads(path.read_text()), str(path), problems)
+        data = tomllib.loads(path.read_text())
+        table = data.pop(getattr(script, "table", None), None)
+        apply_sections(from_file, data, str(path), problems)
     except tomllib.TOMLDecodeError as e:
         problems.append(f"{path}: invalid TOML: {e}")
     cfg = copy.deepcopy(from_file)
     for key, value in line.overrides:
         apply_override(cfg, key, value, problems)
-    options = _script_options(line, script, problems) if script is not None else None
+    options = _script_options(line, script, problems, table) if script is not None else None
     _raise_problems(problems + validate(cfg))
     return from_file, cfg, options
 
