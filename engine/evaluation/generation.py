@@ -10,7 +10,9 @@ per prompt):
 
 Greedy at temperature 0 (then one sample a prompt). Sampling draws every row's token from one
 generator in one call, so a fixed seed gives the same completions for the same prompts in the
-same batches (batch_rows).
+same batches (batch_rows). logprobs=True records each generated token's log-probability under
+the sampled distribution, softmax(logits / temperature) (reinforcement learning's old policy),
+the stop token's last.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class Completion:
     tokens: list[int] = field(default_factory=list)  # generated, the stop token not included
     text: str = ""  # their text, cut before the first stop string
     finish: str = "length"  # length | stop (a stop token or string ended it)
+    stop_token: int | None = None  # the stop token that ended it
+    logprobs: list[float] = field(default_factory=list)  # logprobs=True: tokens', stop_token's
 
 
 @torch.no_grad()
@@ -37,7 +41,7 @@ def generate_batch(model: torch.nn.Module, tokenizer, prompts: list[list[int]],
                    top_k: int = 0, top_p: float = 1.0, stop_ids: set[int] | None = None,
                    stop_strings: list[str] | None = None,
                    generator: torch.Generator | None = None, batch_rows: int = 32,
-                   autocast=None) -> list[list[Completion]]:
+                   autocast=None, logprobs: bool = False) -> list[list[Completion]]:
     """`samples` completions of each prompt (one at temperature 0). A prompt is cropped from
     the left to leave room for max_new_tokens in the context."""
     samples = 1 if temperature == 0 else samples
@@ -54,12 +58,12 @@ def generate_batch(model: torch.nn.Module, tokenizer, prompts: list[list[int]],
         with autocast() if autocast else contextlib.nullcontext():
             out += _generate(model, tokenizer, prompts[b:b + per_batch], max_new_tokens,
                              samples, (temperature, top_k, top_p), set(stop_ids or ()),
-                             list(stop_strings or ()), generator)
+                             list(stop_strings or ()), generator, logprobs)
     return out
 
 
 def _generate(model, tokenizer, prompts, max_new_tokens, samples, sampling, stop_ids,
-              stop_strings, generator) -> list[list[Completion]]:
+              stop_strings, generator, logprobs) -> list[list[Completion]]:
     device = model.lm_head.weight.device
     width = max(map(len, prompts))
     cache = new_kv_cache(model, len(prompts), positions=width)
@@ -78,6 +82,10 @@ def _generate(model, tokenizer, prompts, max_new_tokens, samples, sampling, stop
     active = list(range(len(source)))  # the completion each row of `rows` belongs to
     for step in range(max_new_tokens):
         tokens = sample_next(logits, *sampling, generator)  # (rows, 1)
+        if logprobs:
+            scaled = torch.log_softmax(logits.float() / (sampling[0] or 1.0), dim=-1)
+            for r, lp in enumerate(scaled.gather(1, tokens)[:, 0].tolist()):
+                outs[active[r]].logprobs.append(lp)
         keep = [r for r, t in enumerate(tokens[:, 0].tolist())
                 if not _append(outs[active[r]], t, tokenizer, stop_ids, stop_strings)]
         if not keep or step == max_new_tokens - 1:
@@ -99,7 +107,7 @@ def _append(c: Completion, token: int, tokenizer, stop_ids: set[int],
             stop_strings: list[str]) -> bool:
     """Record a sampled token; whether the completion has ended."""
     if token in stop_ids:
-        c.finish = "stop"
+        c.finish, c.stop_token = "stop", token
         return True
     c.tokens.append(token)
     if stop_strings and _cut(tokenizer.decode(c.tokens), stop_strings)[1]:

@@ -121,7 +121,7 @@ def run_generate(model, tokenizer, template, task: Task, s: Settings) -> dict:
                 for problem, completions in list(zip(task.problems, outs))[:EXAMPLES]]
     return {**summary(headline, metrics[task.metric]), "metrics": metrics,
             "samples": n, "shots": shots, "mean_shots_kept": kept / max(1, len(ids)),
-            "examples": examples}
+            "examples": examples, "per_problem": headline}
 
 
 def run_bpb(model, tokenizer, template, task: Task, s: Settings) -> dict:

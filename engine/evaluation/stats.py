@@ -3,6 +3,7 @@ estimator, and a normal interval for a mean of per-problem scores in [0, 1].
 
     wilson(43, 50)            # (0.738, 0.930)
     pass_at_k(n=10, c=3, k=5) # 1 - C(7, 5) / C(10, 5) = 0.9167
+    paired_difference([0, 1, 1], [1, 1, 1])   # after - before on the same problems: (0.33, ...)
 """
 from __future__ import annotations
 
@@ -51,3 +52,16 @@ def interval(values: list[float]) -> tuple[float, float]:
     if all(v in (0.0, 1.0) for v in values):
         return wilson(sum(values), len(values))
     return mean_interval(values)
+
+
+def paired_difference(before: list[float], after: list[float], z: float = Z95
+                      ) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of after - before over the same problems, with a normal 95%
+    interval from the differences' spread (paired: each problem its own control)."""
+    if len(before) != len(after) or not before:
+        raise ValueError("a paired difference needs the same problems, at least one")
+    d = [a - b for a, b in zip(after, before)]
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1))
+    half = z * sd / math.sqrt(len(d))
+    return mean, mean - half, mean + half
