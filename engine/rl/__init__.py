@@ -1,0 +1,1 @@
+"""Reinforcement learning from a task's checker (rl.py; docs/rl.md)."""
