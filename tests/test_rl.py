@@ -301,3 +301,48 @@ def test_help_lists_the_options_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert "--group-size" in out and "--kl-coef" in out and out.strip().endswith("False")
+
+
+def test_bench_rl_pairs_each_runs_held_out_answers_and_pools_the_seeds(tmp_path):
+    """bench.py rl's page from finished runs' summaries (the runs themselves are rl.py's, above):
+    a row per run with its paired gain, and the seeds pooled."""
+    from engine.benchmarks import rl as bench_rl
+    from engine.evaluation.stats import paired_difference
+
+    before = [1.0] * 5 + [0.0] * 15
+    runs = {("full", 0): [1.0] * 9 + [0.0] * 11, ("full", 1): [1.0] * 5 + [0.0] * 10 + [1.0] * 5,
+            ("lora", 0): [0.0] * 20}
+    plan = []
+    for (mode, seed), after in runs.items():
+        out = tmp_path / f"rl_{mode}_{seed}"
+        out.mkdir()
+        evals = [{"step": s, "pass@1": sum(v) / 20, "ci95": [0.1, 0.5], "per_problem": v,
+                  "sampled_pass@1": 0.1, "sampled_per_problem": [0.1] * 20}
+                 for s, v in ((0, before), (100, after))]
+        (out / "summary.json").write_text(json.dumps({
+            "stop_reason": "max_seconds", "steps": 100, "seconds": 60.0, "sample_seconds": 15.0,
+            "first_eval": evals[0], "last_eval": evals[1], "evals": evals}))
+        plan.append((mode, seed, out))
+    (tmp_path / "rl_lora_1").mkdir()  # a run not finished: left out, not an error
+    plan.append(("lora", 1, tmp_path / "rl_lora_1"))
+    o = bench_rl.RLBenchOptions(results=str(tmp_path / "results"), name="t")
+    bench_rl.report(o, plan, Path("out/sft"), "python bench.py rl")
+    page = (tmp_path / "results" / "rl_reverse_t.md").read_text()
+    assert "| full | 0 | 100 | 60 | 25.0% | 25.0% [10.0%, 50.0%] | 45.0% [10.0%, 50.0%] | " \
+        f"{bench_rl.span(paired_difference(before, runs[('full', 0)]))} |" in page
+    pooled = paired_difference(before * 2, runs[("full", 0)] + runs[("full", 1)])
+    assert f"| full | 2 | {bench_rl.span(pooled)} |" in page
+    assert "| lora | 1 | -25.0 [" in page  # a loss is reported as one
+    record = json.loads((tmp_path / "results" / "rl_reverse_t.json").read_text())
+    assert len(record["rows"]) == 3
+
+
+def test_paired_difference_against_its_definition():
+    from engine.evaluation.stats import Z95, paired_difference
+
+    mean, low, high = paired_difference([0, 1, 1], [1, 1, 1])
+    half = Z95 * math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2) / math.sqrt(3)
+    assert (mean, low, high) == pytest.approx((1 / 3, 1 / 3 - half, 1 / 3 + half))
+    assert paired_difference([1, 0], [1, 0]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        paired_difference([1], [1, 0])
