@@ -16,6 +16,7 @@ a command's options. Results go to bench_results/ (--results).
     python bench.py doc-aligned                               # rows at documents vs windows
     python bench.py checkpoint                                # FSDP2 saves: sharded vs rank 0
     python bench.py eval                                      # eval.py's suite on three models
+    python bench.py rl                                        # RL's held-out gain: full, LoRA
 
 ablation and memory take the config as train.py does (configs/bench_gpu.toml on CUDA, else
 bench_cpu, unless --config is given); the others take only their own options.
@@ -31,7 +32,7 @@ from config import Config, ConfigError, load_config, load_options, parse_command
 from data.loader import DataError
 from engine import checkpoint
 from engine.benchmarks import (ablation, checkpoint_save, decode, decode_device, doc_aligned,
-                               evaluation, finetune, memory, serving, to_loss, tokenizer)
+                               evaluation, finetune, memory, rl, serving, to_loss, tokenizer)
 from engine.device import SetupError, resolve_device
 
 
@@ -60,6 +61,7 @@ COMMANDS = {
     "checkpoint": Command(checkpoint_save.CheckpointBenchOptions, checkpoint_save.run,
                           checkpoint_save.__doc__),
     "eval": Command(evaluation.EvalBenchOptions, evaluation.run, evaluation.__doc__),
+    "rl": Command(rl.RLBenchOptions, rl.run, rl.__doc__),
 }
 
 
