@@ -526,7 +526,7 @@ def lora_problems(cfg: Config) -> list[str]:
     """What LoRA cannot be combined with."""
     if not cfg.lora.rank:
         return []
-    problems = [f"lora.rank={cfg.lora.rank} {why}" for why, bad in (
+    return [f"lora.rank={cfg.lora.rank} {why}" for why, bad in (
         ("adapts a trained model: set --init_from=<a checkpoint> or gpt2",
          cfg.train.init_from == "scratch"),
         ("trains its adapters with AdamW: pass --optimizer=adamw",
@@ -535,7 +535,6 @@ def lora_problems(cfg: Config) -> list[str]:
          cfg.system.weights_dtype == "bfloat16"),
         ("is not supported with parallel=fsdp (frozen and trained weights in one shard); use "
          "parallel=ddp", cfg.system.parallel == "fsdp")) if bad]
-    return problems
 
 
 def from_dict(data: dict) -> Config:
@@ -604,8 +603,7 @@ def parse_command_line(argv: list[str], script: type | None = None) -> CommandLi
 
 def _script_options(line: CommandLine, script: type, problems: list[str],
                     table: dict | None = None) -> Any:
-    """The script's options: its table in the config file (a script's `table` names it: [rl]),
-    then the command line."""
+    """The script's options: its table of the config file (script.table: [rl]), then argv."""
     options, names = script(), [f.name for f in dataclasses.fields(script)]
     for name, value in [*(table if isinstance(table, dict) else {}).items(), *line.script]:
         if name in names:
