@@ -4,8 +4,9 @@ again from the code that holds its facts, so that no page keeps a list of its ow
     python scripts/docs.py           # rewrite every generated section
     python scripts/docs.py --check   # say which are out of date, exit 1 (tests/test_docs.py)
 
-Sections: docs/speedups.md's flag-table (the config fields stating a fast value) and
-docs/speedrun.md's departures (the fields stating departure=True: engine/fields.py).
+Sections: docs/speedups.md's flag-table (the config fields stating a fast value),
+docs/speedrun.md's departures (the fields stating departure=True: engine/fields.py) and
+docs/rl.md's rl-options (rl.py's RLOptions).
 """
 from __future__ import annotations
 
@@ -62,8 +63,23 @@ def departure_table() -> str:
     return "\n".join(lines)
 
 
+def rl_options() -> str:
+    """rl.py's own options (RLOptions, the [rl] table): default, what it does, its choices."""
+    from rl import RLOptions
+
+    lines = ["| option | default | what it does |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(RLOptions):
+        choices = f.metadata.get("choices")
+        text = f.metadata["help"] + (f" ({' | '.join(choices)})" if choices else "")
+        cell = text.replace("|", "\\|")
+        default = as_flag(f.default) or "''"
+        lines.append(f"| `{f.name}` | `{default}` | {cell} |")
+    return "\n".join(lines)
+
+
 SECTIONS_MADE = {("docs/speedups.md", "flag-table"): flag_table,
-                 ("docs/speedrun.md", "departures"): departure_table}
+                 ("docs/speedrun.md", "departures"): departure_table,
+                 ("docs/rl.md", "rl-options"): rl_options}
 
 
 def replaced(text: str, name: str, body: str) -> str:

@@ -25,7 +25,7 @@ from data.tokenizer import CharTokenizer
 from engine import checkpoint, saving
 from engine.evaluation.tasks import Task
 from engine.rl import grpo
-from engine.rl.rollout import PromptOrder, Sampling, rollout
+from engine.rl.rollout import PromptOrder, RolloutSettings, rollout
 from engine.rl.update import row_logprobs
 from model import GPT
 
@@ -143,8 +143,8 @@ def test_the_samplers_logprobs_are_the_training_forwards():
     task = Task("reverse", "generate", [{"prompt": f"Reverse the word: {w}", "answer": w[::-1]}
                                         for w in WORDS[:8]], shots=1)
     for temperature in (1.0, 0.7):
-        s = Sampling(group_size=4, max_new_tokens=10, temperature=temperature, shots=1,
-                     scale_by_std=True, seed=0, batch_rows=6)
+        s = RolloutSettings(group_size=4, max_new_tokens=10, temperature=temperature,
+                            shots=1, scale_by_std=True, seed=0, batch_rows=6)
         batch = rollout(model, tok, ChatTemplate(), task, [0, 3, 5], s,
                         torch.Generator().manual_seed(1))
         assert batch.ids.size(0) == 12 and batch.rewards.shape == (3, 4)

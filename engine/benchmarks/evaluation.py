@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import torch
 
 from config import Config, ConfigError, opt
 from engine.benchmarks.report import markdown_table, utc_now, write_report
-from engine.benchmarks.timing import REPO_ROOT
+from engine.benchmarks.timing import REPO_ROOT, run_script
 from engine.device import machine_line
 
 GPT2_SHAPE = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257)
@@ -74,10 +73,7 @@ def run_suite(o: EvalBenchOptions, source: str, work: Path) -> dict:
                "--limit", str(o.limit), "--out", str(out)]
     command += [f"--threads={o.threads}"] if o.threads else []
     t0 = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise ConfigError(f"eval.py failed on {source}: "
-                          f"{(done.stderr.strip() or 'no output').splitlines()[-1]}")
+    run_script(command, f"eval.py on {source}")
     report = json.loads(out.with_suffix(".json").read_text())
     report["process_seconds"] = round(time.perf_counter() - t0, 1)
     report["shell"] = "python " + " ".join(command[1:])

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -38,7 +37,8 @@ import torch
 
 from config import ConfigError, opt
 from engine.benchmarks.report import markdown_table, utc_now, write_report
-from engine.benchmarks.timing import REPO_ROOT, peak_memory, reset_peak_memory, run_worker
+from engine.benchmarks.timing import (REPO_ROOT, peak_memory, reset_peak_memory, run_script,
+                                      run_worker)
 from engine.device import machine_line
 
 GPT2_SHAPE = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257)
@@ -164,12 +164,7 @@ def train_once(o: TaskOptions, run: TaskRun, files: tuple[Path, Path], work: Pat
         return out, json.loads(measured.read_text()) if measured.is_file() else {}
     shutil.rmtree(out, ignore_errors=True)  # an interrupted run of this bench's own
     t0 = time.perf_counter()
-    done = subprocess.run(train_args(o, run, files, out), cwd=REPO_ROOT, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
-        raise ConfigError(f"a finetuning run failed ({last}); run it alone to see why: "
-                          + shlex.join(["python", *train_args(o, run, files, out)[1:]]))
+    run_script(train_args(o, run, files, out), "a finetuning run")
     record = {"seconds": round(time.perf_counter() - t0, 1),
               "load_average": round(os.getloadavg()[0], 2)}
     measured.write_text(json.dumps(record) + "\n")

@@ -13,15 +13,16 @@ where it was; the page is written after each run. `--jobs 2` runs two RL runs at
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from config import ConfigError, opt
 from engine.benchmarks.report import figure, markdown_table, save_figure, utc_now, write_report
-from engine.benchmarks.timing import REPO_ROOT
+from engine.benchmarks.timing import REPO_ROOT, run_script
 from engine.device import machine_line
 from engine.evaluation.stats import paired_difference
 
@@ -58,14 +59,6 @@ def done(out: Path) -> dict | None:
     return None
 
 
-def run_checked(args: list[str], what: str) -> None:
-    finished = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True)
-    if finished.returncode != 0:
-        last = (finished.stderr.strip() or finished.stdout.strip() or "no output").splitlines()
-        raise ConfigError(f"{what} failed ({last[-1]}); run it alone to see why: "
-                          + shlex.join(["python", *args[1:]]))
-
-
 def sft(o: RLBenchOptions, work: Path) -> Path:
     """The starting model: the base (trained if missing), finetuned on the task's training
     words for sft_steps."""
@@ -75,11 +68,11 @@ def sft(o: RLBenchOptions, work: Path) -> Path:
         raise ConfigError(f"--task={o.task!r}: one of {', '.join(TASKS)} (a word task: its "
                           "held-out words are the SFT data's own)")
     if not Path(REPO_ROOT, o.base).exists():
-        run_checked([sys.executable, "train.py", f"--out_dir={o.base}"], "pretraining")
+        run_script([sys.executable, "train.py", f"--out_dir={o.base}"], "pretraining")
     train_file, val_file = write_task(o.task, work / "tasks")
     out = work / f"sft_{o.task}_{o.sft_steps}"
     if not (out / "summary.json").is_file():
-        run_checked([sys.executable, "train.py", "--config", "instruct_cpu",
+        run_script([sys.executable, "train.py", "--config", "instruct_cpu",
                      f"--init_from={o.base}", f"--out_dir={out}", f"--dataset={train_file}",
                      f"--val_file={val_file}", f"--max_iters={o.sft_steps}",
                      "--loss_curve=false"], "SFT")
@@ -150,6 +143,7 @@ def span(v: tuple) -> str:
 
 def report(o: RLBenchOptions, plan: list, start: Path, command: str) -> None:
     rows = [row_of(mode, seed, s) for mode, seed, out in plan if (s := done(out))]
+    machine = machine_line(torch.device("cpu"))
     table = [[r["mode"], r["seed"], r["steps"], f"{r['rl_seconds']:.0f}",
               pct(r["sample_share"]),
               f"{pct(r['before'])} [{pct(r['before_ci95'][0])}, {pct(r['before_ci95'][1])}]",
@@ -164,7 +158,7 @@ def report(o: RLBenchOptions, plan: list, start: Path, command: str) -> None:
                                  sum((r["after_per_problem"] for r in mine), []))
         pooled.append([mode, len(mine), span(gain)])
     lines = [f"# Reinforcement learning: held-out pass@1 before and after ({utc_now()})", "",
-             machine_line(__import__("torch").device("cpu")) + f"; each run at --threads="
+             machine + f"; each run at --threads="
              f"{o.threads}, {o.jobs} at a time", "",
              f"`{command}`: {start} (the default run's model finetuned with configs/"
              f"instruct_cpu.toml for {o.sft_steps} steps on {o.task}'s training words), then "
@@ -182,7 +176,7 @@ def report(o: RLBenchOptions, plan: list, start: Path, command: str) -> None:
     png = plot(rows, Path(o.results) / f"rl_{o.task}_{o.name}.png")
     if png:
         lines += [f"![held-out pass@1 during RL]({png.name})", ""]
-    record = {"command": command, "machine": machine_line(__import__("torch").device("cpu")),
+    record = {"command": command, "machine": machine,
               "options": o.__dict__, "start": str(start), "rows": rows, "pooled": pooled}
     write_report(record, "\n".join(lines), o.results, f"rl_{o.task}_{o.name}")
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -15,9 +16,21 @@ from typing import Callable
 
 import torch
 
+from config import ConfigError
 from engine.device import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(args: list[str], what: str) -> subprocess.CompletedProcess:
+    """One of the project's scripts in its own process from the repository root; when it fails,
+    ConfigError with its last line of output and the command to run it alone."""
+    done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        raise ConfigError(f"{what} failed ({last}); run it alone to see why: "
+                          + shlex.join(["python", *args[1:]]))
+    return done
 
 
 def time_left(budget: float) -> Callable[[], float]:

@@ -11,8 +11,8 @@ per prompt):
 Greedy at temperature 0 (then one sample a prompt). Sampling draws every row's token from one
 generator in one call, so a fixed seed gives the same completions for the same prompts in the
 same batches (batch_rows). logprobs=True records each generated token's log-probability under
-the sampled distribution, softmax(logits / temperature) (reinforcement learning's old policy),
-the stop token's last.
+softmax(logits / temperature), top-k and top-p not applied (reinforcement learning's old
+policy; it samples with neither), the stop token's last.
 """
 from __future__ import annotations
 

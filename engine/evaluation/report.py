@@ -9,7 +9,6 @@ import datetime
 import hashlib
 import json
 import platform
-import sys
 from pathlib import Path
 
 import torch

@@ -17,8 +17,8 @@ import torch
 
 from config import Config, ConfigError, command_line_keys
 from engine import checkpoint, device, saving, sources
-from engine.evaluation.tasks import Task, TaskError, builtin_task, jsonl_task, load_task
-from engine.rl.rollout import PromptOrder, Sampling
+from engine.evaluation.tasks import Task, TaskError, builtin_task, load_task
+from engine.rl.rollout import PromptOrder, RolloutSettings
 from engine.rl.update import UpdateSettings
 from engine.training import resume
 from engine.training.optim import make_optimizer
@@ -51,7 +51,7 @@ class RLRun:
     meta: dict  # what every checkpoint's meta.json carries: tokenizer, template, the start
     train_task: Task
     eval_task: Task
-    sampling: Sampling
+    sampling: RolloutSettings
     updating: UpdateSettings
     order: PromptOrder
     generator: torch.Generator
@@ -114,14 +114,15 @@ def build(cfg: Config, o, argv: list[str]) -> RLRun:
     if cfg.lora.rank or getattr(model, "lora", None) is not None:
         from engine.lora import attach
 
-        t.init_from = start
+        t.init_from = start  # the base the adapters record (lora.base_record)
         notes.append(attach(model, cfg, Path(start)))
     model.to(rt.device).eval()  # no dropout: the sampler's and the update's policy are one
     optimizer = make_optimizer(model, cfg, rt.device)
     train, held = tasks_for(o, cfg.system.seed)
     shots = o.shots if o.shots >= 0 else (0 if template is not None else train.shots)
-    sampling = Sampling(o.group_size, o.max_new_tokens or train.max_new_tokens, o.temperature,
-                        shots, o.scale_by_std, cfg.system.seed, o.batch_rows, rt.autocast)
+    sampling = RolloutSettings(o.group_size, o.max_new_tokens or train.max_new_tokens,
+                               o.temperature, shots, o.scale_by_std, cfg.system.seed,
+                               o.batch_rows, rt.autocast)
     reference = None
     if o.kl_coef:  # the model the run started from, frozen
         reference = sources.load_source(start, cfg, rt.device, overrides)[0].eval()
@@ -153,7 +154,7 @@ def restore(run: RLRun, ckpt: Path) -> None:
     run.optimizer.load_state_dict(state["optimizer"])
     run.counters = Counters(**state["rl"]["counters"])
     run.order.epoch, run.order.position = state["rl"]["order"]
-    run.generator.set_state(state["rl"]["generator"].to(run.generator.get_state().device))
+    run.generator.set_state(state["rl"]["generator"])
     run.notes += restore_rng_state(state["rng"], run.rt.device)
     old = state["rl"]["options"]
     changed = [f"{k}: {old[k]} -> {v}" for k, v in dataclasses.asdict(run.o).items()

@@ -30,16 +30,18 @@ class PromptOrder:
 
     def __init__(self, n: int, seed: int, epoch: int = 0, position: int = 0):
         self.n, self.seed, self.epoch, self.position = n, seed, epoch, position
+        self.order = None  # this pass's shuffle, drawn when first needed
 
     def take(self, k: int) -> list[int]:
         out = []
         while len(out) < k:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-            got = order[self.position:self.position + k - len(out)].tolist()
+            if self.order is None:
+                self.order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+            got = self.order[self.position:self.position + k - len(out)].tolist()
             out += got
             self.position += len(got)
             if self.position >= self.n:
-                self.epoch, self.position = self.epoch + 1, 0
+                self.epoch, self.position, self.order = self.epoch + 1, 0, None
         return out
 
     def state_dict(self) -> dict:
@@ -47,7 +49,7 @@ class PromptOrder:
 
 
 @dataclass
-class Sampling:
+class RolloutSettings:
     group_size: int
     max_new_tokens: int
     temperature: float
@@ -69,7 +71,7 @@ class Rollout:
     seconds: float  # sampling and checking
 
 
-def prompt_ids(task: Task, index: int, tokenizer, template, s: Sampling,
+def prompt_ids(task: Task, index: int, tokenizer, template, s: RolloutSettings,
                block_size: int) -> list[int]:
     """Problem `index`'s prompt as eval.py writes it (its shots from the task's pool)."""
     room = block_size - s.max_new_tokens
@@ -92,7 +94,7 @@ def rewards_of(task: Task, indices: list[int], texts: list[list[str]]) -> torch.
 
 
 def rollout(model: torch.nn.Module, tokenizer, template, task: Task, indices: list[int],
-            s: Sampling, generator: torch.Generator) -> Rollout:
+            s: RolloutSettings, generator: torch.Generator) -> Rollout:
     t0 = time.perf_counter()
     block = model.config.block_size
     asked = [prompt_ids(task, i, tokenizer, template, s, block) for i in indices]
